@@ -1,0 +1,96 @@
+"""The hub's errors: each carries a stable `code`, an HTTP status and, where one
+applies, the `field` at fault. One handler in `api/app.py` renders them as
+`{"error": {"code", "message", "field"?}}`.
+
+HubError
+ ├── BadRequest (400)             malformed JSON, bad gzip, empty body
+ │    └── UnknownFormat (400)
+ ├── UnsupportedMediaType (415)
+ ├── Invalid (422)                well-formed, but wrong types or values
+ ├── NotFound (404)
+ ├── Conflict (409)               a trace_id resent with other content
+ ├── PayloadTooLarge (413)
+ ├── Unauthorized (401) / Forbidden (403)
+ └── Unavailable (503)            overload; carries Retry-After
+ConfigError                       a bad config file; stops start-up with one line
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class HubError(Exception):
+    status = 500
+    code = "internal"
+
+    def __init__(self, message: str, *, field: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        if code is not None:
+            self.code = code
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.field is not None:
+            body["field"] = self.field
+        return {"error": body}
+
+
+class BadRequest(HubError):
+    status = 400
+    code = "bad_request"
+
+
+class UnknownFormat(BadRequest):
+    code = "unknown_format"
+
+
+class UnsupportedMediaType(HubError):
+    status = 415
+    code = "unsupported_media_type"
+
+
+class Invalid(HubError):
+    status = 422
+    code = "invalid"
+
+
+class NotFound(HubError):
+    status = 404
+    code = "not_found"
+
+
+class Conflict(HubError):
+    status = 409
+    code = "conflict"
+
+
+class PayloadTooLarge(HubError):
+    status = 413
+    code = "payload_too_large"
+
+
+class Unauthorized(HubError):
+    status = 401
+    code = "unauthorized"
+
+
+class Forbidden(HubError):
+    status = 403
+    code = "forbidden"
+
+
+class Unavailable(HubError):
+    status = 503
+    code = "unavailable"
+
+    def __init__(self, message: str, *, retry_after: int = 1, **kwargs: Any):
+        super().__init__(message, **kwargs)
+        self.retry_after = retry_after
+
+
+class ConfigError(Exception):
+    """A config file that cannot be used; the message is one line naming the file,
+    the key and the fix."""
