@@ -1,0 +1,238 @@
+"""The three config files (config.json, compression.json, tinker.json), each one
+pydantic model with the seed documents' keys kept exactly.
+
+A file that cannot be used stops start-up with one line naming the file, the key
+and the problem (`ConfigError`), never a traceback.
+
+Environment variables override keys: `ATROPOS_<SECTION>__<KEY>=value`, e.g.
+`ATROPOS_TRACE_SERVER__PORT=9000` or `ATROPOS_COMPRESSION__RATIO=0.25`. The value is
+read as JSON when it parses (numbers, booleans, lists), else as a plain string.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from app.errors import ConfigError
+
+ENV_PREFIX = "ATROPOS_"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class TraceServerConfig(_Section):
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=0, le=65535)
+    endpoint: str = "/v1/traces"
+    storage_backend: Literal["sqlite", "postgresql"] = "sqlite"
+    db_path: str = "~/.atropos/traces.db"
+    # postgresql://user:pass@host:port/db; used when storage_backend is postgresql.
+    database_url: str | None = None
+    max_trace_tokens: int = Field(50000, gt=0)
+    flush_interval_seconds: float = Field(30, gt=0)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_is_a_path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must start with '/', e.g. /v1/traces")
+        return value.rstrip("/") or "/"
+
+    @field_validator("db_path")
+    @classmethod
+    def _expand_home(cls, value: str) -> str:
+        return str(Path(value).expanduser())
+
+
+class EnvironmentConfig(_Section):
+    # Compiled and checked by scoring.RewardRules / filters.Filters at start-up.
+    reward_rules: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "task_success": 20,
+            "code_runs_ok": 10,
+            "invalid_tool_call": -5,
+            "loop_detected": -10,
+            "timeout": -15,
+        }
+    )
+    invalid_trace_filters: list[str] | dict[str, dict[str, Any]] = Field(
+        default_factory=lambda: ["repeated_thought", "empty_action", "tool_error_streak"]
+    )
+
+
+class DistributorConfig(_Section):
+    target: Literal["tinker", "jsonl", "http"] = "tinker"
+    batch_size: int = Field(32, gt=0)
+    min_reward_threshold: float = 5
+
+
+class LimitsConfig(_Section):
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    max_traces_per_request: int = Field(1000, gt=0)
+
+
+class HubConfig(_Section):
+    """config.json"""
+
+    trace_server: TraceServerConfig = Field(default_factory=TraceServerConfig)
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
+    distributor: DistributorConfig = Field(default_factory=DistributorConfig)
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+
+
+class CompressionConfig(_Section):
+    enabled: bool = True
+    ratio: float = Field(0.3, gt=0, le=1)
+    min_tokens_after: int = Field(500, ge=0)
+    max_tokens_after: int = Field(8000, gt=0)
+    strategy: Literal["key_decision_extract", "summarize_middle"] = "key_decision_extract"
+    preserve_fields: list[
+        Literal["user_instruction", "final_action", "reward_signal", "error_context"]
+    ] = Field(
+        default_factory=lambda: [
+            "user_instruction",
+            "final_action",
+            "reward_signal",
+            "error_context",
+        ]
+    )
+    drop_fields: list[
+        Literal["intermediate_thoughts", "repeated_observations", "redundant_tool_outputs"]
+    ] = Field(
+        default_factory=lambda: [
+            "intermediate_thoughts",
+            "repeated_observations",
+            "redundant_tool_outputs",
+        ]
+    )
+    dedup_window: int = Field(5, ge=0)
+
+
+class CompressionFile(_Section):
+    """compression.json"""
+
+    compression: CompressionConfig = Field(default_factory=CompressionConfig)
+
+
+class TinkerConfig(_Section):
+    base_url: str = "https://api.openai.com/v1"
+    # The name of the environment variable that holds the key; never the key itself.
+    api_key_env: str = "OPENAI_API_KEY"
+    model_id: str = "Qwen/Qwen3-8B"
+    training_mode: Literal["lora", "full"] = "lora"
+    lora_rank: int = Field(32, gt=0)
+    learning_rate: float = Field(4e-5, gt=0)
+    epochs: int = Field(1, gt=0)
+    batch_size: int = Field(32, gt=0)
+
+    def api_key(self) -> str | None:
+        value = os.environ.get(self.api_key_env)
+        return value.strip() if value is not None else None
+
+
+class TinkerFile(_Section):
+    """tinker.json"""
+
+    tinker: TinkerConfig = Field(default_factory=TinkerConfig)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def load_config(path: str | Path) -> HubConfig:
+    return _load(Path(path), HubConfig)
+
+
+def load_compression(path: str | Path | None) -> CompressionFile:
+    return _load(Path(path), CompressionFile) if path else CompressionFile()
+
+
+def load_tinker(path: str | Path | None) -> TinkerFile:
+    return _load(Path(path), TinkerFile) if path else TinkerFile()
+
+
+def _load(path: Path, model: type[M]) -> M:
+    name = path.name
+    path = path.expanduser()
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{name}: file not found at {path}; pass the right path") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{name}: cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"{name}: not valid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{name}: must be a JSON object with sections {_sections(model)}")
+    _apply_env_overrides(raw, model, name)
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(name, exc)) from None
+
+
+def _sections(model: type[BaseModel]) -> str:
+    return ", ".join(model.model_fields)
+
+
+def _apply_env_overrides(raw: dict[str, Any], model: type[BaseModel], name: str) -> None:
+    for var, value in os.environ.items():
+        if not var.startswith(ENV_PREFIX) or "__" not in var:
+            continue
+        section, _, key = var[len(ENV_PREFIX) :].lower().partition("__")
+        if section not in model.model_fields:
+            continue  # a key of another config file
+        target = raw.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"{name}: {section} must be an object (overridden by {var})")
+        try:
+            target[key] = json.loads(value)
+        except json.JSONDecodeError:
+            target[key] = value
+
+
+def _describe(name: str, exc: ValidationError) -> str:
+    """One line: the file, the key, the problem and what would fix it."""
+    err = exc.errors()[0]
+    key = ".".join(str(part) for part in err["loc"]) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        parent = err["loc"][:-1]
+        known = _known_keys(exc.title, parent)
+        hint = f"; known keys: {', '.join(known)}" if known else ""
+        problem = f"unknown key{hint}"
+    else:
+        problem = err["msg"]
+        if "input" in err and kind not in ("missing",):
+            problem += f" (got {json.dumps(err['input'], default=str)[:80]})"
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{name}: {key}: {problem}{more}"
+
+
+_MODELS: dict[str, type[BaseModel]] = {
+    m.__name__: m for m in (HubConfig, CompressionFile, TinkerFile)
+}
+
+
+def _known_keys(title: str, loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] | None = _MODELS.get(title)
+    for part in loc:
+        if model is None:
+            return []
+        field = model.model_fields.get(str(part))
+        annotation = field.annotation if field else None
+        model = (
+            annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            else None
+        )
+    return list(model.model_fields) if model else []
