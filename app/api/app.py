@@ -1,0 +1,51 @@
+"""create_app(config): the FastAPI application; its lifespan owns the hub."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.api import ops, traces
+from app.api.errors import install_error_handlers
+from app.config import CompressionFile, HubConfig, TinkerFile
+from app.environment import Environment
+from app.hub import running_hub
+
+
+def create_app(
+    config: HubConfig,
+    compression: CompressionFile | None = None,
+    tinker: TinkerFile | None = None,
+    *,
+    engine: AsyncEngine | None = None,
+    workers: bool = True,
+) -> FastAPI:
+    """The API. Config errors (rules, filters) raise ConfigError here, before serving;
+    `engine` may be opened (and migrated) by the caller, else the lifespan opens it."""
+    environment = Environment.from_config(config.environment)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, object]]:
+        async with running_hub(
+            config,
+            compression or CompressionFile(),
+            tinker or TinkerFile(),
+            environment,
+            engine=engine,
+            workers=workers,
+        ) as hub:
+            yield {"hub": hub}
+
+    app = FastAPI(
+        title="atropos-hub",
+        summary="A durable trajectory hub for agent reinforcement learning",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    app.include_router(traces.router(config.trace_server.endpoint))
+    app.include_router(ops.router)
+    return app

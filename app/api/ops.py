@@ -1,0 +1,56 @@
+"""Health, readiness, stats and metrics: for curl, Docker and Prometheus."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.responses import PlainTextResponse
+
+from app.api.deps import ConnDep, HubDep
+from app.api.responses import JSONResponse
+from app.db import migrate
+from app import store
+
+router = APIRouter(tags=["ops"])
+
+
+@router.get("/healthz")
+async def healthz() -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/readyz")
+async def readyz(hub: HubDep) -> JSONResponse:
+    try:
+        revision = await migrate.current_revision(hub.engine)
+    except (SQLAlchemyError, OSError) as exc:
+        return JSONResponse(
+            {"status": "unavailable", "reason": f"database unreachable: {type(exc).__name__}"},
+            status_code=503,
+        )
+    head = migrate.head_revision()
+    if revision != head:
+        return JSONResponse(
+            {"status": "unavailable", "reason": f"schema at {revision}, expected {head}"},
+            status_code=503,
+        )
+    return JSONResponse({"status": "ready", "schema_revision": revision})
+
+
+@router.get("/v1/stats")
+async def stats(conn: ConnDep) -> JSONResponse:
+    return JSONResponse(await store.stats(conn))
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(conn: ConnDep) -> PlainTextResponse:
+    figures = await store.stats(conn)
+    lines = [
+        "# HELP atropos_traces Traces stored, by pipeline stage.",
+        "# TYPE atropos_traces gauge",
+        *(f'atropos_traces{{stage="{k}"}} {v}' for k, v in sorted(figures["by_stage"].items())),
+        "# HELP atropos_trace_tokens_total Tokens of stored traces (cl100k_base).",
+        "# TYPE atropos_trace_tokens_total gauge",
+        f"atropos_trace_tokens_total {figures['total_tokens']}",
+    ]
+    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")

@@ -1,0 +1,85 @@
+"""/v1/traces: ingest, list, read one."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+
+from app.api.body import parse_items, read_body
+from app.api.deps import ConnDep, HubDep
+from app.api.responses import JSONResponse
+from app.errors import HubError, PayloadTooLarge
+from app.inserter import Stored
+from app.store import TraceFilter, View, get_trace, list_traces
+
+INGEST_BODY_DOC: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": (
+            "One trace (native, openai, sharegpt/Hermes or atif; detected, or named "
+            'with "format"), {"traces": [...]}, a JSON array, or NDJSON. May be gzip.'
+        ),
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "application/x-ndjson": {"schema": {"type": "string"}},
+        },
+    },
+    "responses": {
+        "202": {"description": "Stored: trace_id, stage, status, total_tokens, reward, "
+                "reward_breakdown, reject_reasons"},
+        "207": {"description": "Batch or NDJSON: {results: [...]}, one per item, in order"},
+    },
+}
+
+
+def router(endpoint: str) -> APIRouter:
+    api = APIRouter(tags=["traces"])
+
+    @api.post(endpoint, status_code=202, openapi_extra=INGEST_BODY_DOC)
+    async def ingest(request: Request, hub: HubDep) -> JSONResponse:
+        limits = hub.config.limits
+        body = await read_body(request, limits.max_body_bytes)
+        parsed = parse_items(body, request.headers.get("content-type", ""))
+        if not parsed.batch:
+            stored = await hub.ingestor.ingest(parsed.items[0])
+            return JSONResponse(stored.to_json(), status_code=202)
+        if len(parsed.items) > limits.max_traces_per_request:
+            raise PayloadTooLarge(
+                f"{len(parsed.items)} traces in one request; limits.max_traces_per_request "
+                f"is {limits.max_traces_per_request}",
+                field="limits.max_traces_per_request",
+            )
+        results = await hub.ingestor.ingest_many(parsed.items, parsed.fmt)
+        return JSONResponse(
+            {"results": [_result(r) for r in results]}, status_code=207
+        )
+
+    @api.get(endpoint)
+    async def list_(
+        conn: ConnDep,
+        stage: str | None = None,
+        status: str | None = None,
+        env: str | None = None,
+        model: str | None = None,
+        min_reward: float | None = None,
+        max_reward: float | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+        cursor: str | None = None,
+    ) -> JSONResponse:
+        where = TraceFilter(stage, status, env, model, min_reward, max_reward, since, until)
+        records, next_cursor = await list_traces(conn, where, limit, cursor)
+        return JSONResponse({"traces": records, "next_cursor": next_cursor})
+
+    @api.get(endpoint + "/{trace_id}")
+    async def get(trace_id: str, conn: ConnDep, view: View = "canonical") -> JSONResponse:
+        return JSONResponse(await get_trace(conn, trace_id, view))
+
+    return api
+
+
+def _result(result: Stored | HubError) -> dict[str, Any]:
+    return result.to_json()

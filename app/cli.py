@@ -1,0 +1,113 @@
+"""The `atropos` command: a thin layer that loads the config files once and hands
+them to the hub. Every command that opens the database migrates it first."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import uvicorn
+
+from app.api.app import create_app
+from app.config import load_compression, load_config, load_tinker
+from app.db import migrate
+from app.errors import ConfigError
+from app.hub import open_database
+
+log = logging.getLogger("atropos")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _setup_logging()
+    try:
+        code = asyncio.run(args.run(args))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="atropos", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the HTTP API and the background stages")
+    _config_args(serve)
+    serve.add_argument(
+        "--no-workers", action="store_true", help="run the API alone (no background stages)"
+    )
+    serve.set_defaults(run=_serve)
+
+    db = commands.add_parser("db", help="database operations")
+    db_commands = db.add_subparsers(dest="db_command", required=True)
+    upgrade = db_commands.add_parser("upgrade", help="bring the database to the current schema")
+    upgrade.add_argument("--config", required=True, help="config.json")
+    upgrade.set_defaults(run=_db_upgrade)
+    return parser
+
+
+def _config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="config.json")
+    parser.add_argument("--compression", help="compression.json")
+    parser.add_argument("--tinker", help="tinker.json (model and training endpoint)")
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    # Alembic narrates every migration step; our own line says which revision we reach.
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    compression = load_compression(args.compression)
+    tinker = load_tinker(args.tinker)
+    workers = not args.no_workers
+    app = create_app(
+        config, compression, tinker, engine=await open_database(config), workers=workers
+    )
+    ts = config.trace_server
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=ts.host,
+            port=ts.port,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=30,
+        )
+    )
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        log.info("Trace server listening on %s:%s", host, port)
+        if workers:
+            log.info("Compression pipeline ready")
+    await serving
+    return 0 if server.started else 1
+
+
+async def _db_upgrade(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    engine = await open_database(config)
+    log.info("schema at revision %s", await migrate.current_revision(engine))
+    await engine.dispose()
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Everything that differs between SQLite and PostgreSQL, in one place."""
+
+from __future__ import annotations
+
+from typing import Any, assert_never, Literal
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+Dialect = Literal["sqlite", "postgresql"]
+
+
+def dialect_of(conn: AsyncConnection | sa.Connection) -> Dialect:
+    name = conn.dialect.name
+    if name == "sqlite" or name == "postgresql":
+        return name
+    raise ValueError(f"unsupported database dialect {name!r}")
+
+
+def insert_ignoring_conflicts(dialect: Dialect, table: sa.Table, key: str) -> Any:
+    """INSERT ... ON CONFLICT (key) DO NOTHING: an idempotent insert whose RETURNING
+    lists only the rows that were new."""
+    if dialect == "sqlite":
+        return sqlite.insert(table).on_conflict_do_nothing(index_elements=[key])
+    if dialect == "postgresql":
+        return postgresql.insert(table).on_conflict_do_nothing(index_elements=[key])
+    assert_never(dialect)
+
+
+def migration_lock(sync_conn: sa.Connection) -> None:
+    """Serialise concurrent `atropos db upgrade` runs (several hubs starting at once).
+
+    PostgreSQL: a transaction-scoped advisory lock. SQLite: BEGIN IMMEDIATE already
+    gives the migrating connection the single writer lock."""
+    dialect = dialect_of(sync_conn)
+    if dialect == "postgresql":
+        sync_conn.execute(sa.text("SELECT pg_advisory_xact_lock(7160513)"))
+    elif dialect == "sqlite":
+        pass
+    else:
+        assert_never(dialect)

@@ -1,0 +1,66 @@
+"""One async engine per process, built from config.json's trace_server section."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+
+from app.config import TraceServerConfig
+from app.errors import ConfigError
+
+
+def database_url(cfg: TraceServerConfig) -> str:
+    if cfg.storage_backend == "sqlite":
+        return f"sqlite+aiosqlite:///{cfg.db_path}"
+    if not cfg.database_url:
+        raise ConfigError(
+            "config.json: trace_server.database_url: required when storage_backend is "
+            "postgresql (e.g. postgresql://user:pass@host:5432/atropos, or set "
+            "ATROPOS_TRACE_SERVER__DATABASE_URL)"
+        )
+    url = make_url(cfg.database_url)
+    if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
+        url = url.set(drivername="postgresql+asyncpg")
+    return url.render_as_string(hide_password=False)
+
+
+def redacted(url: str) -> str:
+    """The URL as it may appear in a log line: never with its password."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def create_engine(cfg: TraceServerConfig) -> AsyncEngine:
+    url = database_url(cfg)
+    common: dict[str, Any] = {
+        "json_serializer": lambda v: orjson.dumps(v).decode(),
+        "json_deserializer": orjson.loads,
+    }
+    if cfg.storage_backend == "sqlite":
+        Path(cfg.db_path).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_async_engine(url, pool_size=8, max_overflow=8, **common)
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True, **common)
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cursor = dbapi_conn.cursor()
+    # WAL: readers never block the writer, and the API and workers can share the file.
+    cursor.execute("PRAGMA journal_mode=WAL")
+    # FULL: a commit is on disk before we acknowledge it (group commit pays the fsync
+    # once per batch, so the cost is shared by many traces).
+    cursor.execute("PRAGMA synchronous=FULL")
+    # Other processes (workers, `atropos prune`) write too; wait for their lock
+    # instead of failing at once.
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def sessionmaker(engine: AsyncEngine) -> async_sessionmaker[Any]:
+    return async_sessionmaker(engine, expire_on_commit=False)

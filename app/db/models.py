@@ -1,0 +1,63 @@
+"""SQLAlchemy models. Alembic (migrations/) owns the schema; these mirror it."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from app.db.types import JSON_, UtcTimeStamp
+
+# Stable constraint names, so that migrations can refer to them on both dialects.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class TraceRow(Base):
+    """One trajectory. The column names are a public interface: users query them
+    with sqlite3/psql directly (DESIGN §3)."""
+
+    __tablename__ = "traces"
+
+    trace_id: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp, index=True)
+    updated_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    status: Mapped[str] = mapped_column(sa.String(16), index=True)
+    stage: Mapped[str] = mapped_column(sa.String(32))
+    total_tokens: Mapped[int] = mapped_column(sa.Integer)
+    compressed_tokens: Mapped[int | None] = mapped_column(sa.Integer)
+    reward: Mapped[float | None] = mapped_column(sa.Float)
+    reward_breakdown: Mapped[dict[str, Any] | None] = mapped_column(JSON_)
+    reject_reasons: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON_)
+    # Filters for listing, copied out of the canonical trace.
+    source_format: Mapped[str] = mapped_column(sa.String(32))
+    env: Mapped[str | None] = mapped_column(sa.String(200), index=True)
+    model: Mapped[str | None] = mapped_column(sa.String(200), index=True)
+    agent_name: Mapped[str | None] = mapped_column(sa.String(200))
+    policy_version: Mapped[str | None] = mapped_column(sa.String(200))
+    # sha256 of the item as received: a resent trace_id is a duplicate only if it matches.
+    content_hash: Mapped[str] = mapped_column(sa.String(64))
+    # Payloads: the item as received, the canonical trace, and (never in place of
+    # either) the compressed trace with what compression did.
+    original: Mapped[Any] = mapped_column(JSON_)
+    trace: Mapped[dict[str, Any]] = mapped_column(JSON_)
+    compressed: Mapped[dict[str, Any] | None] = mapped_column(JSON_)
+    compression: Mapped[dict[str, Any] | None] = mapped_column(JSON_)
+    # Background stages: a lease on the row, retries counted, the last failure kept.
+    stage_error: Mapped[str | None] = mapped_column(sa.Text)
+    attempts: Mapped[int] = mapped_column(sa.Integer, server_default="0")
+    lease_owner: Mapped[str | None] = mapped_column(sa.String(64))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+
+    __table_args__ = (sa.Index("ix_traces_stage_created_at", "stage", "created_at"),)

@@ -1,0 +1,42 @@
+"""Column types that serve both SQLite and PostgreSQL with one set of models."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import Dialect
+
+# JSONB on PostgreSQL (indexable, compact); JSON text on SQLite.
+JSON_ = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
+
+
+class UtcTimeStamp(sa.TypeDecorator[datetime]):
+    """An aware UTC datetime in Python.
+
+    SQLite keeps it as naive UTC text 'YYYY-MM-DD HH:MM:SS.ffffff', so the seed's
+    `created_at < datetime('now', '-30 days')` compares correctly as text; PostgreSQL
+    keeps a timestamptz.
+    """
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)

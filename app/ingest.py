@@ -1,0 +1,110 @@
+"""ingest(): detect -> normalise -> count tokens -> score -> filter -> store.
+
+Everything before the insert is pure CPU work on one item; the insert is the group
+commit in app/inserter.py. An item is answered only after its row is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+
+from app import formats
+from app.db.types import utcnow
+from app.domain import Stage, Trace
+from app.errors import HubError, Invalid
+from app.inserter import Stored, TraceInserter
+from app.tokens import count_parts
+
+MAX_TRACE_ID_LENGTH = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    reward: float | None
+    breakdown: dict[str, Any] | None
+    reject_reasons: list[dict[str, Any]]
+
+
+class Evaluator(Protocol):
+    """The environment: reward rules and invalid-trace filters (scoring.py, filters.py)."""
+
+    def evaluate(self, trace: Trace) -> Evaluation: ...
+
+
+class Ingestor:
+    def __init__(self, inserter: TraceInserter, evaluator: Evaluator) -> None:
+        self._inserter = inserter
+        self._evaluator = evaluator
+
+    async def ingest(self, item: Any, fmt: str | None = None) -> Stored:
+        """Store one trace (any accepted format) and answer its stored result."""
+        row = await asyncio.to_thread(self.prepare, item, fmt)
+        return await self._inserter.insert(row)
+
+    async def ingest_many(
+        self, items: list[Any], fmt: str | None = None
+    ) -> list[Stored | HubError]:
+        """Per-item results, in order; a bad item does not stop the good ones."""
+        return list(
+            await asyncio.gather(*(self._one(item, fmt) for item in items))
+        )
+
+    async def _one(self, item: Any, fmt: str | None) -> Stored | HubError:
+        if isinstance(item, HubError):  # refused while reading the body (a bad NDJSON line)
+            return item
+        try:
+            return await self.ingest(item, fmt)
+        except HubError as exc:
+            return exc
+
+    def prepare(self, item: Any, fmt: str | None = None) -> dict[str, Any]:
+        """The row for one item: parse, count tokens, score and filter. Runs in a worker
+        thread (tiktoken releases the GIL), so the event loop keeps answering."""
+        trace = formats.parse(item, fmt)
+        trace_id = _trace_id(trace)
+        evaluation = self._evaluator.evaluate(trace)
+        now = utcnow()
+        return {
+            "trace_id": trace_id,
+            "created_at": now,
+            "updated_at": now,
+            "status": trace.outcome.status.value,
+            "stage": (Stage.REJECTED if evaluation.reject_reasons else Stage.ACCEPTED).value,
+            "total_tokens": count_parts(trace.text_parts()),
+            "compressed_tokens": None,
+            "reward": evaluation.reward,
+            "reward_breakdown": evaluation.breakdown,
+            "reject_reasons": evaluation.reject_reasons,
+            "source_format": trace.source_format,
+            "env": trace.env,
+            "model": trace.agent.model,
+            "agent_name": trace.agent.name,
+            "policy_version": trace.policy_version,
+            "content_hash": content_hash(item),
+            "original": item,
+            "trace": trace.model_copy(update={"trace_id": trace_id}).model_dump(
+                mode="json", exclude_none=True
+            ),
+            "attempts": 0,
+        }
+
+
+def content_hash(item: Any) -> str:
+    """The same content hashes the same whatever the key order or whitespace."""
+    return hashlib.sha256(orjson.dumps(item, option=orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def _trace_id(trace: Trace) -> str:
+    if trace.trace_id is None:
+        return uuid.uuid4().hex
+    if not trace.trace_id or len(trace.trace_id) > MAX_TRACE_ID_LENGTH:
+        raise Invalid(
+            f"trace_id must be 1 to {MAX_TRACE_ID_LENGTH} characters", field="trace_id"
+        )
+    return trace.trace_id

@@ -1,0 +1,180 @@
+"""Reading traces back: one record, a filtered page with a cursor, and the stats."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+import orjson
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.db.models import TraceRow
+from app.errors import BadRequest, NotFound
+
+TRACES = TraceRow.__table__
+View = Literal["canonical", "original", "compressed"]
+
+SUMMARY_COLUMNS = (
+    TRACES.c.trace_id,
+    TRACES.c.created_at,
+    TRACES.c.stage,
+    TRACES.c.status,
+    TRACES.c.total_tokens,
+    TRACES.c.compressed_tokens,
+    TRACES.c.reward,
+    TRACES.c.reject_reasons,
+    TRACES.c.source_format,
+    TRACES.c.env,
+    TRACES.c.model,
+    TRACES.c.agent_name,
+    TRACES.c.policy_version,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceFilter:
+    stage: str | None = None
+    status: str | None = None
+    env: str | None = None
+    model: str | None = None
+    min_reward: float | None = None
+    max_reward: float | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+    def clauses(self) -> list[sa.ColumnElement[bool]]:
+        c = TRACES.c
+        equal = {"stage": c.stage, "status": c.status, "env": c.env, "model": c.model}
+        clauses = [col == getattr(self, name) for name, col in equal.items()
+                   if getattr(self, name) is not None]
+        if self.min_reward is not None:
+            clauses.append(c.reward >= self.min_reward)
+        if self.max_reward is not None:
+            clauses.append(c.reward <= self.max_reward)
+        if self.since is not None:
+            clauses.append(c.created_at >= self.since)
+        if self.until is not None:
+            clauses.append(c.created_at < self.until)
+        return clauses
+
+
+async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[str, Any]:
+    payload = {"canonical": TRACES.c.trace, "original": TRACES.c.original}.get(
+        view, TRACES.c.compressed
+    )
+    row = (
+        await conn.execute(
+            sa.select(
+                *SUMMARY_COLUMNS,
+                TRACES.c.updated_at,
+                TRACES.c.reward_breakdown,
+                TRACES.c.compression,
+                TRACES.c.stage_error,
+                payload.label("payload"),
+            ).where(TRACES.c.trace_id == trace_id)
+        )
+    ).one_or_none()
+    if row is None:
+        raise NotFound(f"no trace with trace_id {trace_id!r}", field="trace_id")
+    if view == "compressed" and row.payload is None:
+        raise NotFound(
+            f"trace {trace_id!r} has no compressed view (stage: {row.stage})", field="view"
+        )
+    record = _summary(row._mapping)
+    record.update(
+        updated_at=row.updated_at.isoformat(),
+        reward_breakdown=row.reward_breakdown,
+        compression=row.compression,
+        stage_error=row.stage_error,
+        view=view,
+        trace=row.payload,
+    )
+    return record
+
+
+async def list_traces(
+    conn: AsyncConnection, where: TraceFilter, limit: int, cursor: str | None
+) -> tuple[list[dict[str, Any]], str | None]:
+    """Newest first. The cursor is opaque to clients: (created_at, trace_id) of the
+    last record, so paging is stable while new traces arrive."""
+    query = sa.select(*SUMMARY_COLUMNS).where(*where.clauses())
+    if cursor:
+        created_at, trace_id = _decode_cursor(cursor)
+        query = query.where(
+            sa.tuple_(TRACES.c.created_at, TRACES.c.trace_id) < (created_at, trace_id)
+        )
+    query = query.order_by(TRACES.c.created_at.desc(), TRACES.c.trace_id.desc()).limit(
+        limit + 1
+    )
+    rows = (await conn.execute(query)).all()
+    records = [_summary(row._mapping) for row in rows[:limit]]
+    next_cursor = None
+    if len(rows) > limit:
+        last = rows[limit - 1]
+        next_cursor = _encode_cursor(last.created_at, last.trace_id)
+    return records, next_cursor
+
+
+async def stats(conn: AsyncConnection) -> dict[str, Any]:
+    c = TRACES.c
+    totals = (
+        await conn.execute(
+            sa.select(
+                sa.func.count(),
+                sa.func.coalesce(sa.func.sum(c.total_tokens), 0),
+                sa.func.coalesce(sa.func.sum(c.compressed_tokens), 0),
+                sa.func.avg(c.reward),
+            )
+        )
+    ).one()
+    by_stage = await _count_by(conn, c.stage)
+    by_status = await _count_by(conn, c.status)
+    return {
+        "traces": totals[0],
+        "by_stage": by_stage,
+        "by_status": by_status,
+        "total_tokens": int(totals[1]),
+        "compressed_tokens": int(totals[2]),
+        "mean_reward": float(totals[3]) if totals[3] is not None else None,
+    }
+
+
+async def _count_by(conn: AsyncConnection, column: sa.Column[Any]) -> dict[str, int]:
+    rows = await conn.execute(sa.select(column, sa.func.count()).group_by(column))
+    return {key: count for key, count in rows.tuples()}
+
+
+def _summary(row: Any) -> dict[str, Any]:
+    return {
+        "trace_id": row["trace_id"],
+        "created_at": row["created_at"].isoformat(),
+        "stage": row["stage"],
+        "status": row["status"],
+        "total_tokens": row["total_tokens"],
+        "compressed_tokens": row["compressed_tokens"],
+        "reward": row["reward"],
+        "reject_reasons": row["reject_reasons"] or [],
+        "format": row["source_format"],
+        "env": row["env"],
+        "model": row["model"],
+        "agent": row["agent_name"],
+        "policy_version": row["policy_version"],
+    }
+
+
+def _encode_cursor(created_at: datetime, trace_id: str) -> str:
+    raw = orjson.dumps([created_at.isoformat(), trace_id])
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        created_at, trace_id = orjson.loads(raw)
+        return datetime.fromisoformat(created_at), str(trace_id)
+    except (binascii.Error, ValueError, TypeError, orjson.JSONDecodeError):
+        raise BadRequest("cursor is not one this server gave out", field="cursor") from None
