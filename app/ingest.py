@@ -50,16 +50,24 @@ class Ingestor:
     async def ingest_many(
         self, items: list[Any], fmt: str | None = None
     ) -> list[Stored | HubError]:
-        """Per-item results, in order; a bad item does not stop the good ones."""
-        return list(
-            await asyncio.gather(*(self._one(item, fmt) for item in items))
-        )
+        """Per-item results, in order; a bad item does not stop the good ones. Rows are
+        queued in request order, so the first of two items with one trace_id is the
+        one stored."""
+        rows = await asyncio.gather(*(self._prepare_or_error(item, fmt) for item in items))
+        waiting = [row if isinstance(row, HubError) else self._submit(row) for row in rows]
+        return [w if isinstance(w, HubError) else await _result(w) for w in waiting]
 
-    async def _one(self, item: Any, fmt: str | None) -> Stored | HubError:
+    async def _prepare_or_error(self, item: Any, fmt: str | None) -> dict[str, Any] | HubError:
         if isinstance(item, HubError):  # refused while reading the body (a bad NDJSON line)
             return item
         try:
-            return await self.ingest(item, fmt)
+            return await asyncio.to_thread(self.prepare, item, fmt)
+        except HubError as exc:
+            return exc
+
+    def _submit(self, row: dict[str, Any]) -> asyncio.Future[Stored] | HubError:
+        try:
+            return self._inserter.submit(row)
         except HubError as exc:
             return exc
 
@@ -93,6 +101,13 @@ class Ingestor:
             ),
             "attempts": 0,
         }
+
+
+async def _result(waiting: asyncio.Future[Stored]) -> Stored | HubError:
+    try:
+        return await waiting
+    except HubError as exc:
+        return exc
 
 
 def content_hash(item: Any) -> str:

@@ -88,6 +88,11 @@ class TraceInserter:
     async def insert(self, row: dict[str, Any]) -> Stored:
         """Store one trace row; returns once it is committed (or found already stored).
         Raises Conflict for a known trace_id with other content."""
+        return await self.submit(row)
+
+    def submit(self, row: dict[str, Any]) -> asyncio.Future[Stored]:
+        """Queue a row now (rows are written in the order submitted) and return the
+        future that resolves once it is committed."""
         if self._task is None or self._task.done():
             raise Unavailable("the trace writer is not running", retry_after=1)
         pending = _Pending(row, asyncio.get_running_loop().create_future())
@@ -97,7 +102,7 @@ class TraceInserter:
             raise Unavailable(
                 "ingest queue is full; retry shortly", retry_after=1, code="overloaded"
             ) from None
-        return await pending.done
+        return pending.done
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="trace-inserter")
