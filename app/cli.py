@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
+from contextlib import contextmanager
+from typing import Iterator
 
 import uvicorn
 
@@ -79,7 +82,7 @@ async def _serve(args: argparse.Namespace) -> int:
         config, compression, tinker, engine=await open_database(config), workers=workers
     )
     ts = config.trace_server
-    server = uvicorn.Server(
+    server = _Server(
         uvicorn.Config(
             app,
             host=ts.host,
@@ -99,6 +102,22 @@ async def _serve(args: argparse.Namespace) -> int:
             log.info("Compression pipeline ready")
     await serving
     return 0 if server.started else 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but a graceful stop on SIGTERM/SIGINT exits 0: uvicorn re-raises the
+    signal after shutting down, which makes a clean stop look like a crash."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
 
 
 async def _db_upgrade(args: argparse.Namespace) -> int:
