@@ -1,0 +1,118 @@
+"""Config files: every bad file stops start-up with one line naming file, key, problem."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.config import load_compression, load_config, load_tinker
+from app.errors import ConfigError
+from tests.conftest import ROOT
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ('{"trace_server": {"port": 70000}}', "config.json: trace_server.port: Input should be less than or equal to 65535"),
+        ('{"trace_server": {"prot": 8000}}', "config.json: trace_server.prot: unknown key; known keys: host, port"),
+        ('{"trace_server": ', "config.json: not valid JSON at line 1"),
+        ('{"distributor": {"batch_size": "many"}}', "config.json: distributor.batch_size: Input should be a valid integer"),
+        ('{"distributor": {"batch_size": 0}}', "config.json: distributor.batch_size: Input should be greater than 0"),
+        ('{"trace_server": {"storage_backend": "mysql"}}', "config.json: trace_server.storage_backend: Input should be 'sqlite' or 'postgresql'"),
+        ('[1]', "config.json: must be a JSON object"),
+        ('{"extra_section": {}}', "config.json: extra_section: unknown key; known keys: trace_server"),
+    ],
+)
+def test_bad_config_stops_start_up_with_one_line(
+    tmp_path: Path, content: str, expected: str
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(content)
+    result = run_cli("serve", "--config", str(path))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: " + expected), lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_files_name_the_file(tmp_path: Path) -> None:
+    good = tmp_path / "config.json"
+    good.write_text("{}")
+    missing = tmp_path / "nope" / "compression.json"
+    result = run_cli("serve", "--config", str(good), "--compression", str(missing))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: compression.json: file not found at {missing}; pass the right path"
+
+
+def test_compression_and_tinker_files_are_checked(tmp_path: Path) -> None:
+    bad = tmp_path / "compression.json"
+    bad.write_text(json.dumps({"compression": {"ratio": 2}}))
+    with pytest.raises(ConfigError, match=r"^compression.json: compression.ratio: .*less than or equal to 1"):
+        load_compression(bad)
+    bad = tmp_path / "tinker.json"
+    bad.write_text(json.dumps({"tinker": {"api_key": "sk-secret"}}))
+    with pytest.raises(ConfigError, match=r"^tinker.json: tinker.api_key: unknown key") as err:
+        load_tinker(bad)
+    assert "sk-secret" not in str(err.value)
+
+
+def test_examples_load_with_the_seed_values() -> None:
+    config = load_config(ROOT / "config.json.example")
+    assert config.trace_server.port == 8000
+    assert config.trace_server.endpoint == "/v1/traces"
+    assert config.environment.reward_rules["timeout"] == -15
+    assert config.distributor.batch_size == 32 and config.distributor.min_reward_threshold == 5
+    assert load_compression(ROOT / "compression.json.example").compression.enabled
+    assert load_tinker(ROOT / "tinker.json.example").tinker.api_key_env
+
+
+def test_home_is_expanded_and_env_overrides_apply(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"trace_server": {"db_path": "~/hub/traces.db", "port": 1}}))
+    monkeypatch.setenv("ATROPOS_TRACE_SERVER__PORT", "9123")
+    monkeypatch.setenv("ATROPOS_DISTRIBUTOR__TARGET", "jsonl")
+    monkeypatch.setenv("ATROPOS_COMPRESSION__RATIO", "0.5")  # another file's key: ignored here
+    config = load_config(path)
+    assert config.trace_server.db_path == str(Path.home() / "hub" / "traces.db")
+    assert config.trace_server.port == 9123
+    assert config.distributor.target == "jsonl"
+    monkeypatch.setenv("ATROPOS_TRACE_SERVER__PORT", "not-a-port")
+    with pytest.raises(ConfigError, match="trace_server.port"):
+        load_config(path)
+
+
+def test_api_key_is_read_from_the_named_variable_and_stripped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "tinker.json"
+    path.write_text(json.dumps({"tinker": {"api_key_env": "HUB_TEST_KEY"}}))
+    monkeypatch.setenv("HUB_TEST_KEY", "  sk-test-123\n")
+    assert load_tinker(path).tinker.api_key() == "sk-test-123"
+
+
+def test_db_upgrade_creates_a_fresh_database(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"trace_server": {"db_path": str(tmp_path / "new" / "t.db")}}))
+    result = run_cli("db", "upgrade", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "schema at revision" in result.stderr
+    assert (tmp_path / "new" / "t.db").exists()
