@@ -78,6 +78,37 @@ class LimitsConfig(_Section):
     max_traces_per_request: int = Field(1000, gt=0)
 
 
+class AtroposConfig(_Section):
+    """The Atropos trajectory API (/register, /scored_data, /batch, ...)."""
+
+    # Groups waiting (buffered, queued or in a formed batch not yet served); past
+    # this, /scored_data answers 503 with Retry-After instead of growing.
+    queue_max_groups: int = Field(100_000, gt=0)
+    # The same bound in bytes of stored group JSON; null: no byte limit.
+    queue_max_bytes: int | None = Field(None, gt=0)
+    # How long a batch handed out with GET /batch?ack=1 waits for POST /batch/ack
+    # before it is served again.
+    ack_timeout_seconds: float = Field(60, gt=0)
+    retry_after_seconds: int = Field(5, ge=1)
+    # /reset_data wipes the run; when required, it takes the key from the
+    # environment variable named here in the X-Admin-Key header.
+    admin_key_required: bool = False
+    admin_key_env: str = "ATROPOS_ADMIN_KEY"
+
+    def admin_key(self) -> str | None:
+        """The key /reset_data requires, or None when it is open. Stops start-up when
+        a key is required but the variable is unset or empty."""
+        if not self.admin_key_required:
+            return None
+        key = os.environ.get(self.admin_key_env, "").strip()
+        if not key:
+            raise ConfigError(
+                f"config.json: atropos.admin_key_required: set the environment variable "
+                f"{self.admin_key_env} to the admin key, or set admin_key_required to false"
+            )
+        return key
+
+
 class HubConfig(_Section):
     """config.json"""
 
@@ -85,6 +116,7 @@ class HubConfig(_Section):
     environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
     distributor: DistributorConfig = Field(default_factory=DistributorConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    atropos: AtroposConfig = Field(default_factory=AtroposConfig)
 
 
 class CompressionConfig(_Section):

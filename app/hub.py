@@ -10,6 +10,7 @@ from typing import AsyncIterator
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.atropos import Atropos
 from app.config import CompressionFile, HubConfig, TinkerFile
 from app.db import migrate
 from app.db.engine import create_engine, database_url, redacted
@@ -30,6 +31,7 @@ class Hub:
     inserter: TraceInserter
     ingestor: Ingestor
     stages: StageRunner
+    atropos: Atropos
 
 
 async def open_database(config: HubConfig) -> AsyncEngine:
@@ -61,13 +63,16 @@ async def running_hub(
         inserter=inserter,
         ingestor=Ingestor(inserter, environment),
         stages=stages,
+        atropos=Atropos(engine, config.atropos),
     )
     inserter.start()
+    hub.atropos.start()
     if workers:
         stages.start()
     try:
         yield hub
     finally:
         await inserter.stop()
+        await hub.atropos.stop()
         await stages.stop()
         await engine.dispose()

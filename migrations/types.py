@@ -8,3 +8,6 @@ from sqlalchemy.dialects import postgresql
 
 JSON_ = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 TIMESTAMP = sa.DateTime(timezone=True)
+# An autoincrementing key: INTEGER PRIMARY KEY (the rowid) on SQLite, BIGSERIAL on
+# PostgreSQL.
+BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")

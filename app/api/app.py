@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.api import ops, traces
+from app.api import atropos, ops, traces
 from app.api.errors import install_error_handlers
 from app.config import CompressionFile, HubConfig, TinkerFile
 from app.environment import Environment
@@ -48,4 +48,5 @@ def create_app(
     install_error_handlers(app)
     app.include_router(traces.router(config.trace_server.endpoint))
     app.include_router(ops.router)
+    app.include_router(atropos.router(config.atropos))
     return app

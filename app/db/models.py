@@ -61,3 +61,104 @@ class TraceRow(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
 
     __table_args__ = (sa.Index("ix_traces_stage_created_at", "stage", "created_at"),)
+
+
+# --- the Atropos trajectory API (app/atropos) -------------------------------------
+
+# SQLite makes only an INTEGER PRIMARY KEY an alias of the rowid (and so
+# autoincrementing); PostgreSQL wants the wider type.
+_BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+class AtroposStateRow(Base):
+    """The run: what the trainer registered, whether it has started, and the step.
+
+    Exactly one row (id 1), created by the migration; /reset_data resets it in place.
+    """
+
+    __tablename__ = "atropos_state"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True)
+    registered: Mapped[bool] = mapped_column(sa.Boolean, server_default=sa.false())
+    started: Mapped[bool] = mapped_column(sa.Boolean, server_default=sa.false())
+    # The uuid /register answered last (an int of 128 bits: wider than BIGINT).
+    trainer_uuid: Mapped[str | None] = mapped_column(sa.String(40))
+    wandb_group: Mapped[str | None] = mapped_column(sa.Text)
+    wandb_project: Mapped[str | None] = mapped_column(sa.Text)
+    batch_size: Mapped[int] = mapped_column(sa.Integer, server_default="-1")
+    max_token_len: Mapped[int] = mapped_column(sa.Integer, server_default="-1")
+    checkpoint_dir: Mapped[str | None] = mapped_column(sa.Text)
+    save_checkpoint_interval: Mapped[int | None] = mapped_column(sa.Integer)
+    starting_step: Mapped[int | None] = mapped_column(sa.Integer)
+    num_steps: Mapped[int] = mapped_column(sa.Integer, server_default="-1")
+    step: Mapped[int] = mapped_column(sa.Integer, server_default="0")
+    updated_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+
+
+class AtroposEnvRow(Base):
+    """A registered environment. env_id is its position in registration order."""
+
+    __tablename__ = "atropos_envs"
+
+    env_id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=False)
+    desired_name: Mapped[str] = mapped_column(sa.Text)
+    real_name: Mapped[str] = mapped_column(sa.Text)
+    weight: Mapped[float] = mapped_column(sa.Float)
+    max_token_length: Mapped[int] = mapped_column(sa.Integer)
+    # Raised by /status-env when the env's groups in the queue are larger.
+    group_size: Mapped[int] = mapped_column(sa.Integer)
+    min_batch_allocation: Mapped[float | None] = mapped_column(sa.Float)
+    connected: Mapped[bool] = mapped_column(sa.Boolean)
+    registered_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+
+
+class AtroposGroupRow(Base):
+    """One scored group, as the env sent it (JSON text, served byte for byte).
+
+    state: buffered (an odd-size group waiting for others of its env) -> queued ->
+    batched (in a formed batch) -> served. The id order is the queue order; a served
+    group is deleted unless it is the latest example.
+    """
+
+    __tablename__ = "atropos_groups"
+
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
+    state: Mapped[str] = mapped_column(sa.String(16))
+    env_id: Mapped[int | None] = mapped_column(sa.Integer)
+    size: Mapped[int] = mapped_column(sa.Integer)  # sequences in the group
+    bytes: Mapped[int] = mapped_column(sa.Integer)  # length of payload
+    # The env sent no inference_logprobs: the hub fills them when serving.
+    fill_logprobs: Mapped[bool] = mapped_column(sa.Boolean)
+    payload: Mapped[str] = mapped_column(sa.Text)
+    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+
+    __table_args__ = (
+        # Covers the queue scans (formation, /status, /status-env, the bound) without
+        # touching the large rows.
+        sa.Index("ix_atropos_groups_state_id", "state", "id", "env_id", "size", "bytes"),
+        sa.Index("ix_atropos_groups_state_env_id", "state", "env_id"),
+    )
+
+
+class AtroposBatchRow(Base):
+    """A formed batch: exactly batch_size sequences of whole groups.
+
+    state: pending -> served (GET /batch) or pending -> leased (GET /batch?ack=1)
+    -> acked, or back to pending when the lease expires. Pending batches are served
+    highest `seq` first, as atroposlib pops its list of formed batches.
+    """
+
+    __tablename__ = "atropos_batches"
+
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
+    seq: Mapped[int] = mapped_column(sa.BigInteger)
+    state: Mapped[str] = mapped_column(sa.String(16))
+    group_ids: Mapped[list[int]] = mapped_column(JSON_)  # in batch order
+    sequences: Mapped[int] = mapped_column(sa.Integer)
+    lease_id: Mapped[str | None] = mapped_column(sa.String(32), unique=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+    deliveries: Mapped[int] = mapped_column(sa.Integer, server_default="0")
+    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    updated_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+
+    __table_args__ = (sa.Index("ix_atropos_batches_state_seq", "state", "seq"),)

@@ -1,0 +1,173 @@
+"""The Atropos trajectory API at atroposlib 0.4.0's paths, with its request models,
+response keys and defaults; plus GET /batch?ack=1 and POST /batch/ack. Each route
+parses, calls one `Atropos` method, and answers. docs/atropos.md has the details."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
+from starlette.responses import PlainTextResponse, Response
+
+from app.api.body import read_body
+from app.api.deps import HubDep
+from app.api.gzipped import GzipRoute
+from app.api.responses import JSONResponse
+from app.atropos.models import (
+    BatchAck,
+    EnvIdentifier,
+    Registration,
+    RegisterEnv,
+    ScoredData,
+)
+from app.config import AtroposConfig
+from app.errors import BadRequest, Forbidden, Unauthorized
+
+ADMIN_KEY_HEADER = "X-Admin-Key"
+M = TypeVar("M", bound=BaseModel)
+_GROUPS = TypeAdapter(list[ScoredData])
+
+
+def router(config: AtroposConfig) -> APIRouter:
+    """The routes; reads the admin key now, so a missing one stops start-up."""
+    admin = Depends(_admin_check(config.admin_key()))
+    api = APIRouter(tags=["atropos"], route_class=GzipRoute)
+
+    @api.get("/")
+    async def root() -> JSONResponse:
+        return JSONResponse({"message": "AtroposLib API"})
+
+    @api.post("/register", openapi_extra=_body_doc(Registration))
+    async def register(request: Request, hub: HubDep) -> Response:
+        body = _parse(Registration, await _body(request, hub))
+        # The uuid is a 128-bit int, beyond orjson; the stdlib writes any int.
+        return _raw_json(json.dumps(await hub.atropos.register(body)).encode())
+
+    @api.post("/register-env", openapi_extra=_body_doc(RegisterEnv))
+    async def register_env(request: Request, hub: HubDep) -> JSONResponse:
+        body = _parse(RegisterEnv, await _body(request, hub))
+        return JSONResponse(await hub.atropos.register_env(body))
+
+    @api.post("/disconnect-env", openapi_extra=_body_doc(EnvIdentifier))
+    async def disconnect_env(request: Request, hub: HubDep) -> JSONResponse:
+        body = _parse(EnvIdentifier, await _body(request, hub))
+        return JSONResponse(await hub.atropos.disconnect_env(body.env_id))
+
+    @api.post("/scored_data", openapi_extra=_body_doc(ScoredData))
+    async def scored_data(request: Request, hub: HubDep) -> JSONResponse:
+        body = _parse(ScoredData, await _body(request, hub))
+        return JSONResponse(await hub.atropos.scored_data(body))
+
+    @api.post("/scored_data_list", openapi_extra=_body_doc(ScoredData, many=True))
+    async def scored_data_list(request: Request, hub: HubDep) -> JSONResponse:
+        try:
+            groups = _GROUPS.validate_json(await _body(request, hub))
+        except ValidationError as exc:
+            raise RequestValidationError(exc.errors(include_url=False)) from None
+        return JSONResponse(await hub.atropos.scored_data_list(groups))
+
+    @api.get("/batch")
+    async def batch(
+        hub: HubDep,
+        ack: Annotated[
+            bool, Query(description="lease the batch; confirm it with POST /batch/ack")
+        ] = False,
+    ) -> Response:
+        return _raw_json(await hub.atropos.next_batch(ack=ack))
+
+    @api.post("/batch/ack", openapi_extra=_body_doc(BatchAck))
+    async def batch_ack(request: Request, hub: HubDep) -> JSONResponse:
+        body = _parse(BatchAck, await _body(request, hub))
+        return JSONResponse(await hub.atropos.acknowledge(body.batch_id))
+
+    @api.get("/latest_example")
+    async def latest_example(hub: HubDep) -> Response:
+        return _raw_json(await hub.atropos.latest_example())
+
+    @api.get("/status")
+    async def status(hub: HubDep) -> JSONResponse:
+        return JSONResponse(await hub.atropos.status())
+
+    @api.get("/status-env", openapi_extra=_body_doc(EnvIdentifier))
+    async def status_env(
+        request: Request, hub: HubDep, env_id: int | None = None
+    ) -> JSONResponse:
+        # atroposlib's env client sends {"env_id": n} as the body of this GET;
+        # ?env_id=n works too.
+        raw = await _body(request, hub, optional=env_id is not None)
+        if raw is not None:
+            env_id = _parse(EnvIdentifier, raw).env_id
+        assert env_id is not None
+        return JSONResponse(await hub.atropos.status_env(env_id))
+
+    @api.get("/info")
+    async def info(hub: HubDep) -> JSONResponse:
+        return JSONResponse(await hub.atropos.info())
+
+    @api.get("/wandb_info")
+    async def wandb_info(hub: HubDep) -> JSONResponse:
+        return JSONResponse(await hub.atropos.wandb_info())
+
+    @api.get("/reset_data", dependencies=[admin])
+    async def reset_data(hub: HubDep) -> PlainTextResponse:
+        await hub.atropos.reset()
+        return PlainTextResponse("Reset successful")
+
+    return api
+
+
+async def _body(request: Request, hub: HubDep, *, optional: bool = False) -> Any:
+    """The body, gunzipped and bounded by limits.max_body_bytes; None when optional
+    and absent."""
+    try:
+        return await read_body(request, hub.config.limits.max_body_bytes)
+    except BadRequest as exc:
+        if optional and exc.code == "empty_body":
+            return None
+        raise
+
+
+def _parse(model: type[M], raw: bytes) -> M:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        # Rendered by the one validation handler, like FastAPI's own body errors.
+        raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+def _raw_json(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
+
+
+def _admin_check(key: str | None) -> Any:
+    async def check(request: Request) -> None:
+        if key is None:
+            return
+        given = request.headers.get(ADMIN_KEY_HEADER)
+        if given is None:
+            raise Unauthorized(
+                f"this hub requires the admin key in the {ADMIN_KEY_HEADER} header",
+                field=ADMIN_KEY_HEADER,
+            )
+        if not hmac.compare_digest(given.strip().encode(), key.encode()):
+            raise Forbidden("wrong admin key", field=ADMIN_KEY_HEADER)
+
+    return check
+
+
+def _body_doc(model: type[BaseModel], *, many: bool = False) -> dict[str, Any]:
+    schema: dict[str, Any] = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schema.pop("$defs", None)
+    if many:
+        schema = {"type": "array", "items": schema}
+    return {
+        "requestBody": {
+            "required": True,
+            "description": "JSON; may be gzip (Content-Encoding: gzip)",
+            "content": {"application/json": {"schema": schema}},
+        }
+    }

@@ -1,0 +1,86 @@
+"""Leases for GET /batch?ack=1: a batch handed out under a lease id (its batch_id)
+stays the trainer's until POST /batch/ack confirms it, or until the lease runs out,
+when it goes back on top of the pending batches and is served again next.
+
+A late ack is still taken while the batch has not been handed to anyone else (even
+after its lease ran out); once it has, the old batch_id is unknown."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.atropos.store import (
+    BATCHES,
+    AtroposDb,
+    BatchState,
+    GroupState,
+    drop_served_groups,
+    move_batch,
+    move_groups,
+)
+from app.db.dialect import for_update
+from app.db.types import utcnow
+from app.errors import NotFound
+
+log = logging.getLogger("atropos.lease")
+
+
+async def grant(conn: AsyncConnection, batch_id: int, now: datetime, seconds: float) -> str:
+    lease_id = uuid.uuid4().hex
+    await move_batch(
+        conn,
+        batch_id,
+        (BatchState.PENDING,),
+        BatchState.LEASED,
+        lease_id=lease_id,
+        lease_expires_at=now + timedelta(seconds=seconds),
+        deliveries=BATCHES.c.deliveries + 1,
+        updated_at=now,
+    )
+    return lease_id
+
+
+async def expire(conn: AsyncConnection, now: datetime) -> None:
+    """Leases past their deadline: the batch is pending again, next in line."""
+    others = BATCHES.alias("others")  # not correlated with the row being updated
+    top = sa.select(sa.func.coalesce(sa.func.max(others.c.seq), 0) + 1).scalar_subquery()
+    expired = (
+        await conn.execute(
+            sa.update(BATCHES)
+            .where(BATCHES.c.state == BatchState.LEASED, BATCHES.c.lease_expires_at < now)
+            .values(state=BatchState.PENDING, seq=top, updated_at=now)
+            .returning(BATCHES.c.lease_id)
+        )
+    ).scalars().all()
+    for lease_id in expired:
+        log.warning("batch %s was not acknowledged in time; it will be served again", lease_id)
+
+
+async def acknowledge(db: AtroposDb, lease_id: str) -> dict[str, Any]:
+    now = utcnow()
+    async with db.writing() as conn:
+        query = sa.select(BATCHES.c.id, BATCHES.c.state, BATCHES.c.group_ids).where(
+            BATCHES.c.lease_id == lease_id
+        )
+        row = (await conn.execute(for_update(db.dialect, query))).first()
+        if row is None:
+            raise NotFound(
+                f"no batch is leased under batch_id {lease_id!r}; if its lease ran out, "
+                "it has been served again",
+                field="batch_id",
+                code="unknown_batch",
+            )
+        if row.state == BatchState.ACKED:
+            return {"status": "acked", "batch_id": lease_id, "duplicate": True}
+        await move_batch(
+            conn, row.id, (BatchState.LEASED, BatchState.PENDING), BatchState.ACKED, updated_at=now
+        )
+        await move_groups(conn, row.group_ids, GroupState.BATCHED, GroupState.SERVED)
+        await drop_served_groups(conn)
+    return {"status": "acked", "batch_id": lease_id, "duplicate": False}

@@ -1,0 +1,282 @@
+"""Putting scored groups in the queue: group commit, per-env buffering, the bound.
+
+Requests hand their groups to `GroupWriter.submit` and wait. One task takes what has
+accumulated, stores it in one transaction, and answers each request only after the
+commit: an answered group is on disk. The in-memory queue holds only requests not
+yet answered, and is itself bounded.
+
+A group whose size is not its env's group_size goes to that env's buffer; as soon
+as some buffered groups add up to group_size they enter the queue together, as
+atroposlib does (`packing.groups_summing_to`). The queue bound counts every group
+not yet served (buffered, queued or in a formed batch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import orjson
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.atropos.models import ScoredData
+from app.atropos.packing import groups_summing_to
+from app.atropos.store import ENVS, GROUPS, WAITING, AtroposDb, GroupState
+from app.config import AtroposConfig
+from app.db.dialect import for_update
+from app.db.types import utcnow
+from app.errors import HubError, Invalid, Unavailable
+
+log = logging.getLogger("atropos.queue")
+
+# One transaction takes at most this much JSON, so that a burst of large groups is
+# committed in several steps rather than held in memory as one.
+_MAX_COMMIT_BYTES = 16 * 1024 * 1024
+# Requests waiting for the writer; more are answered 503 at once.
+_MAX_PENDING = 512
+
+
+@dataclass(frozen=True, slots=True)
+class NewGroup:
+    """A validated group, ready to store: its JSON is what /batch will serve."""
+
+    env_id: int | None
+    size: int
+    payload: str
+    nbytes: int
+    fill_logprobs: bool
+
+    @classmethod
+    def from_scored(cls, data: ScoredData) -> NewGroup:
+        try:
+            raw = orjson.dumps(data.model_dump())
+        except orjson.JSONEncodeError as exc:  # an integer beyond 64 bits
+            raise Invalid(f"the group cannot be stored as JSON: {exc}") from None
+        return cls(
+            env_id=data.env_id,
+            size=len(data.tokens),
+            payload=raw.decode(),
+            nbytes=len(raw),
+            fill_logprobs=data.inference_logprobs is None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Where a group went: the queue, or its env's buffer (with what the buffer
+    holds afterwards, in sequences)."""
+
+    buffered: bool = False
+    buffer_size: int = 0
+
+
+@dataclass(slots=True)
+class _Request:
+    groups: list[NewGroup]
+    nbytes: int
+    done: asyncio.Future[list[Placed]]
+
+
+class GroupWriter:
+    def __init__(self, db: AtroposDb, config: AtroposConfig) -> None:
+        self._db = db
+        self._config = config
+        self._queue: asyncio.Queue[_Request] = asyncio.Queue(maxsize=_MAX_PENDING)
+        self._task: asyncio.Task[None] | None = None
+
+    async def submit(self, groups: list[NewGroup]) -> list[Placed]:
+        """Store the groups (all or none); returns once they are committed."""
+        if self._task is None or self._task.done():
+            raise Unavailable("the Atropos queue writer is not running", retry_after=1)
+        request = _Request(
+            groups, sum(g.nbytes for g in groups), asyncio.get_running_loop().create_future()
+        )
+        try:
+            self._queue.put_nowait(request)
+        except asyncio.QueueFull:
+            raise self._overloaded("too many submissions are waiting to be stored") from None
+        return await request.done
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="atropos-group-writer")
+
+    async def stop(self) -> None:
+        """Store what was submitted, then stop."""
+        if self._task is None:
+            return
+        await self._queue.join()
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+        self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            size = batch[0].nbytes
+            while not self._queue.empty() and size < _MAX_COMMIT_BYTES:
+                request = self._queue.get_nowait()
+                batch.append(request)
+                size += request.nbytes
+            try:
+                await self._write(batch)
+            except Exception as exc:  # nothing in this transaction was committed
+                log.error("storing %d Atropos submissions failed: %s", len(batch), exc)
+                error = Unavailable("the database did not accept the write; retry", retry_after=1)
+                for request in batch:
+                    if not request.done.done():
+                        request.done.set_exception(error)
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+
+    async def _write(self, batch: list[_Request]) -> None:
+        results: list[tuple[_Request, list[Placed] | HubError]] = []
+        async with self._db.writing() as conn:
+            groups, nbytes = await _waiting(conn)
+            admitted: list[_Request] = []
+            for request in batch:
+                if self._fits(groups + len(request.groups), nbytes + request.nbytes):
+                    admitted.append(request)
+                    groups += len(request.groups)
+                    nbytes += request.nbytes
+                else:
+                    results.append((request, self._full(groups, nbytes)))
+            if admitted:
+                sizes = await _group_sizes(conn)
+                placer = _Placer(conn, self._db, sizes)
+                for request in admitted:
+                    results.append((request, [await placer.place(g) for g in request.groups]))
+                await placer.flush()
+        for request, result in results:
+            if request.done.done():
+                continue
+            if isinstance(result, HubError):
+                request.done.set_exception(result)
+            else:
+                request.done.set_result(result)
+
+    def _fits(self, groups: int, nbytes: int) -> bool:
+        limit_bytes = self._config.queue_max_bytes
+        return groups <= self._config.queue_max_groups and (
+            limit_bytes is None or nbytes <= limit_bytes
+        )
+
+    def _full(self, groups: int, nbytes: int) -> Unavailable:
+        limits = f"atropos.queue_max_groups is {self._config.queue_max_groups}"
+        if self._config.queue_max_bytes is not None:
+            limits += f", atropos.queue_max_bytes is {self._config.queue_max_bytes}"
+        return self._overloaded(
+            f"the Atropos queue is full ({groups} groups, {nbytes} bytes waiting; {limits}); "
+            "retry once the trainer has taken batches"
+        )
+
+    def _overloaded(self, message: str) -> Unavailable:
+        return Unavailable(
+            message, retry_after=self._config.retry_after_seconds, code="queue_full"
+        )
+
+
+class _Placer:
+    """Places groups in order within one transaction: queue rows are inserted in
+    runs, so that ids (the queue order) follow the order groups arrived in."""
+
+    def __init__(self, conn: AsyncConnection, db: AtroposDb, group_sizes: dict[int, int]):
+        self._conn = conn
+        self._db = db
+        self._group_sizes = group_sizes
+        self._rows: list[dict[str, Any]] = []
+        self._locked: set[int] = set()
+        self._now = utcnow()
+
+    async def place(self, group: NewGroup) -> Placed:
+        expected = self._group_sizes.get(group.env_id) if group.env_id is not None else None
+        if expected is None or group.size == expected:
+            self._rows.append(_row(group, GroupState.QUEUED, self._now))
+            return Placed()
+        await self.flush()
+        assert group.env_id is not None
+        return await self._buffer(group, group.env_id, expected)
+
+    async def flush(self) -> None:
+        if self._rows:
+            await self._conn.execute(sa.insert(GROUPS), self._rows)
+            self._rows = []
+
+    async def _buffer(self, group: NewGroup, env_id: int, group_size: int) -> Placed:
+        if env_id not in self._locked:
+            # One transaction at a time works on an env's buffer (PostgreSQL; SQLite
+            # has one writer anyway), so two halves of a group always meet.
+            await self._conn.execute(
+                for_update(self._db.dialect, sa.select(ENVS.c.env_id).where(ENVS.c.env_id == env_id))
+            )
+            self._locked.add(env_id)
+        await self._conn.execute(sa.insert(GROUPS).values(_row(group, GroupState.BUFFERED, self._now)))
+        buffered = (
+            await self._conn.execute(
+                sa.select(GROUPS.c.id, GROUPS.c.size)
+                .where(GROUPS.c.state == GroupState.BUFFERED, GROUPS.c.env_id == env_id)
+                .order_by(GROUPS.c.id)
+            )
+        ).all()
+        chosen = groups_summing_to([row.size for row in buffered], group_size)
+        released = [buffered[i].id for i in chosen]
+        for group_id in released:  # copied, so that the queue order (id) is release order
+            await self._conn.execute(sa.insert(GROUPS).from_select(_COPIED, _copy_of(group_id)))
+        if released:
+            await self._conn.execute(
+                sa.delete(GROUPS).where(
+                    GROUPS.c.id.in_(released), GROUPS.c.state == GroupState.BUFFERED
+                )
+            )
+        left = sum(row.size for i, row in enumerate(buffered) if i not in set(chosen))
+        return Placed(buffered=True, buffer_size=left)
+
+
+_COPIED = ["state", "env_id", "size", "bytes", "fill_logprobs", "payload", "created_at"]
+
+
+def _copy_of(group_id: int) -> sa.Select[Any]:
+    return sa.select(
+        sa.literal(GroupState.QUEUED.value, sa.String(16)),
+        GROUPS.c.env_id,
+        GROUPS.c.size,
+        GROUPS.c.bytes,
+        GROUPS.c.fill_logprobs,
+        GROUPS.c.payload,
+        GROUPS.c.created_at,
+    ).where(GROUPS.c.id == group_id)
+
+
+def _row(group: NewGroup, state: GroupState, now: datetime) -> dict[str, Any]:
+    return {
+        "state": state,
+        "env_id": group.env_id,
+        "size": group.size,
+        "bytes": group.nbytes,
+        "fill_logprobs": group.fill_logprobs,
+        "payload": group.payload,
+        "created_at": now,
+    }
+
+
+async def _waiting(conn: AsyncConnection) -> tuple[int, int]:
+    row = (
+        await conn.execute(
+            sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(GROUPS.c.bytes), 0)).where(
+                GROUPS.c.state.in_(WAITING)
+            )
+        )
+    ).one()
+    return int(row[0]), int(row[1])
+
+
+async def _group_sizes(conn: AsyncConnection) -> dict[int, int]:
+    rows = await conn.execute(sa.select(ENVS.c.env_id, ENVS.c.group_size))
+    return {env_id: group_size for env_id, group_size in rows}

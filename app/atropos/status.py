@@ -1,0 +1,132 @@
+"""GET /status and GET /status-env: the step, the queue, and an env's share.
+
+/status-env computes what atroposlib's does, field for field, from the queue's
+per-env totals (one aggregate query instead of a walk over the queue)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.atropos.store import ENVS, GROUPS, AtroposDb, GroupState
+from app.errors import NotFound
+
+# The least env_weight an env is told, so that no env is starved completely.
+MIN_ENV_WEIGHT = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class _Env:
+    env_id: int
+    max_token_length: int
+    weight: float
+    group_size: int
+    min_batch_allocation: float | None
+    connected: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Queued:
+    """The queue's groups of one env (or of no env: env_id None)."""
+
+    sequences: int
+    largest: int
+
+
+async def status(db: AtroposDb) -> dict[str, Any]:
+    async with db.reading() as conn:
+        run = await db.run_state(conn)
+        queued = await conn.scalar(
+            sa.select(sa.func.count())
+            .select_from(GROUPS)
+            .where(GROUPS.c.state == GroupState.QUEUED)
+        )
+    return {"current_step": run.step, "queue_size": queued or 0}
+
+
+async def status_env(db: AtroposDb, env_id: int) -> dict[str, Any]:
+    async with db.reading() as conn:
+        run = await db.run_state(conn)
+        envs = await _envs(conn)
+        queue = await _queued_by_env(conn)
+    env = next((e for e in envs if e.env_id == env_id), None)
+    if env is None:
+        raise NotFound(f"no env registered with env_id {env_id}", field="env_id")
+
+    connected = [e for e in envs if e.connected]
+    total = sum(e.max_token_length * max(0.0, e.weight) for e in connected)
+    share = env.max_token_length * env.weight / total if total else 0.0
+    env_weight = max(MIN_ENV_WEIGHT, share)
+
+    total_min_allocation = 0.0
+    for e in connected:
+        if e.min_batch_allocation is not None:
+            total_min_allocation += e.min_batch_allocation
+    unallocated_fraction = 1.0 - min(total_min_allocation, 1.0)
+
+    largest = max([1, *(q.largest for q in queue.values())])
+    own = queue.get(env_id)
+    own_sequences = own.sequences if own else 0
+    # An env whose groups in the queue are larger than it registered (a dynamic
+    # group size) is counted, and from now on buffered, by the larger size.
+    group_size = max(env.group_size, own.largest if own else 0)
+    if group_size > env.group_size:
+        await _raise_group_size(db, env_id, group_size)
+
+    minimums: dict[int | None, int] = {
+        e.env_id: int(run.batch_size * e.min_batch_allocation)
+        for e in connected
+        if e.min_batch_allocation is not None
+    }
+    available_from_others = 0
+    if largest > 1:
+        for other, queued in queue.items():
+            if other == env_id:
+                continue
+            packed = math.ceil(queued.sequences / largest) * largest
+            available_from_others += max(0, packed - minimums.get(other, 0))
+
+    return {
+        "current_step": run.step,
+        "queue_size": (own_sequences + available_from_others) // group_size,
+        "unallocated_fraction": unallocated_fraction,
+        "self_queue_size": own_sequences // group_size,
+        "max_group_size": largest,
+        "env_weight": env_weight,
+    }
+
+
+async def _envs(conn: AsyncConnection) -> list[_Env]:
+    rows = await conn.execute(
+        sa.select(
+            ENVS.c.env_id,
+            ENVS.c.max_token_length,
+            ENVS.c.weight,
+            ENVS.c.group_size,
+            ENVS.c.min_batch_allocation,
+            ENVS.c.connected,
+        ).order_by(ENVS.c.env_id)
+    )
+    return [_Env(**row._mapping) for row in rows]
+
+
+async def _queued_by_env(conn: AsyncConnection) -> dict[int | None, _Queued]:
+    rows = await conn.execute(
+        sa.select(GROUPS.c.env_id, sa.func.sum(GROUPS.c.size), sa.func.max(GROUPS.c.size))
+        .where(GROUPS.c.state == GroupState.QUEUED)
+        .group_by(GROUPS.c.env_id)
+    )
+    return {env_id: _Queued(int(total), int(largest)) for env_id, total, largest in rows}
+
+
+async def _raise_group_size(db: AtroposDb, env_id: int, group_size: int) -> None:
+    async with db.writing() as conn:
+        await conn.execute(
+            sa.update(ENVS)
+            .where(ENVS.c.env_id == env_id, ENVS.c.group_size < group_size)
+            .values(group_size=group_size)
+        )
