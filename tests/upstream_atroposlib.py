@@ -1,0 +1,66 @@
+"""atroposlib from PyPI, installed where the upstream tests and bench/atropos.py can
+use it: `pip install --no-deps --target DIR atroposlib==0.4.0`.
+
+Only its API server (fastapi, pydantic, uvicorn: the hub's own dependencies) and
+its API tests (requests, pytest) are used, so the heavy dependencies it declares
+(torch, transformers, wandb, ...) are not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+VERSION = "0.4.0"
+REQUIREMENT = f"atroposlib=={VERSION}"
+_NETWORK_ERRORS = (
+    "NewConnectionError",
+    "Failed to establish a new connection",
+    "Temporary failure in name resolution",
+    "Name or service not known",
+    "Network is unreachable",
+    "ConnectTimeout",
+    "Read timed out",
+    "ProxyError",
+    "Connection refused",
+)
+
+
+class RegistryUnreachable(RuntimeError):
+    """pip could not reach the package index."""
+
+
+def install_atroposlib(target: Path) -> Path:
+    """Install atroposlib (and requests, if this interpreter lacks it) into target;
+    returns target, to put on PYTHONPATH."""
+    packages = [REQUIREMENT]
+    _pip(target, "--no-deps", *packages)
+    if importlib.util.find_spec("requests") is None:
+        _pip(target, "requests")
+    return target
+
+
+def _pip(target: Path, *args: str) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--target",
+            str(target),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if result.returncode == 0:
+        return
+    output = result.stdout + result.stderr
+    if any(marker in output for marker in _NETWORK_ERRORS):
+        raise RegistryUnreachable(output.strip()[-2000:])
+    raise RuntimeError(f"pip install {' '.join(args)} failed:\n{output}")
