@@ -1,0 +1,521 @@
+"""The Atropos trajectory API on a live hub, over both databases: the handshake,
+batching (weights, minimum allocations, mixed group sizes), the ack lease, the
+queue bound, and kill -9 at each step."""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.config import AtroposConfig
+from app.errors import ConfigError
+from tests.conftest import (
+    PG_ADMIN_URL,
+    HubProcess,
+    create_pg_database,
+    drop_pg_database,
+    write_config,
+)
+
+TRAINER = {
+    "wandb_group": "group",
+    "wandb_project": "project",
+    "batch_size": 8,
+    "max_token_len": 512,
+    "checkpoint_dir": "/tmp/checkpoints",
+    "save_checkpoint_interval": 10,
+    "starting_step": 0,
+    "num_steps": 100,
+}
+_markers = itertools.count(1)
+_NO_PG = pytest.mark.skipif(not PG_ADMIN_URL, reason="no PostgreSQL: set ATROPOS_TEST_DATABASE_URL")
+
+
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgresql", marks=_NO_PG)])
+def shared_hub(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[HubProcess]:
+    """One hub per database for the tests that need no restart or special config."""
+    directory = tmp_path_factory.mktemp("atropos")
+    if request.param == "sqlite":
+        trace_server = {"storage_backend": "sqlite", "db_path": str(directory / "hub.db")}
+    else:
+        trace_server = {"storage_backend": "postgresql", "database_url": create_pg_database()}
+    hub = HubProcess(write_config(directory, trace_server)).start()
+    yield hub
+    hub.kill()
+    if request.param == "postgresql":
+        drop_pg_database(trace_server["database_url"])
+
+
+@pytest.fixture
+def api(shared_hub: HubProcess) -> Iterator[httpx.Client]:
+    """A client of the shared hub, reset to no registered trainer."""
+    with shared_hub.client() as client:
+        assert client.get("/reset_data").text == "Reset successful"
+        yield client
+
+
+def register(client: httpx.Client, **overrides: Any) -> None:
+    r = client.post("/register", json={**TRAINER, **overrides})
+    assert r.status_code == 200, r.text
+    assert isinstance(r.json()["uuid"], int)
+
+
+def start(client: httpx.Client) -> None:
+    """The trainer's first GET /batch starts the run."""
+    r = client.get("/batch")
+    assert r.status_code == 200 and "batch" in r.json(), r.text
+
+
+def register_env(client: httpx.Client, **fields: Any) -> dict[str, Any]:
+    body = {"max_token_length": 512, "desired_name": "env", "weight": 1.0, "group_size": 2}
+    r = client.post("/register-env", json={**body, **fields})
+    assert r.status_code == 200, r.text
+    answer: dict[str, Any] = r.json()
+    return answer
+
+
+def group(size: int, env_id: int | None = None, **fields: Any) -> dict[str, Any]:
+    """A group whose first token is a marker unique in the test run."""
+    marker = next(_markers)
+    tokens = [[marker, 11, 12, 13 + i] for i in range(size)]
+    return {
+        "tokens": tokens,
+        "masks": [[-100, -100, 12, 13 + i] for i in range(size)],
+        "scores": [float(i % 2) for i in range(size)],
+        "env_id": env_id,
+        **fields,
+    }
+
+
+def marker(g: dict[str, Any]) -> int:
+    return int(g["tokens"][0][0])
+
+
+def post(client: httpx.Client, g: dict[str, Any]) -> dict[str, Any]:
+    r = client.post("/scored_data", json=g)
+    assert r.status_code == 200, r.text
+    answer: dict[str, Any] = r.json()
+    return answer
+
+
+def batch_markers(client: httpx.Client, **params: Any) -> list[int] | None:
+    batch = client.get("/batch", params=params).json()["batch"]
+    return None if batch is None else [marker(g) for g in batch]
+
+
+def restart(hub: HubProcess, client: httpx.Client) -> httpx.Client:
+    """kill -9, start again, and a client for the new address."""
+    client.close()
+    hub.kill()
+    hub.start()
+    return hub.client()
+
+
+# --- handshake ------------------------------------------------------------------------
+
+
+def test_handshake_killed_at_each_step(hub: HubProcess) -> None:
+    client = hub.client()
+    assert client.get("/info").json() == {"batch_size": -1, "max_token_len": -1}
+    assert client.get("/wandb_info").json() == {"group": None, "project": None}
+    assert client.get("/status").json() == {"current_step": 0, "queue_size": 0}
+    assert client.get("/latest_example").json()["tokens"] == []
+    assert client.get("/batch").json() == {
+        "status": "error",
+        "message": "Trainer not registered. Call /register first.",
+        "batch": [],
+    }
+    register(client, starting_step=7)
+    client = restart(hub, client)
+    assert client.get("/info").json() == {"batch_size": 8, "max_token_len": 512}
+    assert client.get("/wandb_info").json() == {"group": "group", "project": "project"}
+    # A second /register (another trainer rank) gets its own uuid, changes nothing.
+    register(client, batch_size=64)
+    assert client.get("/info").json()["batch_size"] == 8
+    assert register_env(client) == {"status": "wait for trainer to start"}
+    assert client.get("/batch").json() == {"batch": None}
+    client = restart(hub, client)
+    assert register_env(client, desired_name="math", weight=3.0, max_token_length=1024) == {
+        "status": "success",
+        "env_id": 0,
+        "wandb_name": "math_0",
+        "checkpoint_dir": "/tmp/checkpoints",
+        "starting_step": 7,
+        "checkpoint_interval": 10,
+        "num_steps": 100,
+    }
+    assert register_env(client, desired_name="math", max_token_length=1024)["wandb_name"] == "math_1"
+    client = restart(hub, client)
+    # The next env gets the next id; the ids and weights before it are kept.
+    assert register_env(client, desired_name="code")["env_id"] == 2
+    assert client.post("/disconnect-env", json={"env_id": 2}).json() == {"status": "success"}
+    assert client.post("/disconnect-env", json={"env_id": 9}).json()["status"] == "failure"
+    status = client.request("GET", "/status-env", json={"env_id": 0}).json()
+    assert status["env_weight"] == 0.75  # 3 of the 4 connected weight units
+    assert client.get("/status-env", params={"env_id": 1}).json()["env_weight"] == 0.25
+    assert client.get("/status").json() == {"current_step": 7, "queue_size": 0}
+    client.close()
+
+def test_status_env_needs_a_registered_env(api: httpx.Client) -> None:
+    register(api)
+    start(api)
+    r = api.request("GET", "/status-env", json={"env_id": 3})
+    assert r.status_code == 404 and r.json()["error"]["field"] == "env_id"
+    assert api.request("GET", "/status-env", json={"id": 0}).status_code == 422
+
+
+# --- batching -------------------------------------------------------------------------
+
+
+def test_first_batch_forms_every_batch_then_serves_one_per_call(hub: HubProcess) -> None:
+    client = hub.client()
+    register(client, batch_size=4)
+    start(client)
+    env = register_env(client)["env_id"]
+    posted = [marker(g) for g in (group(2, env) for _ in range(9)) if post(client, g)]
+    assert client.get("/status").json() == {"current_step": 0, "queue_size": 9}
+    served = [batch_markers(client)]
+    # Four batches formed at once: the step jumps by 4, one group stays queued.
+    assert client.get("/status").json() == {"current_step": 4, "queue_size": 1}
+    client = restart(hub, client)
+    assert client.get("/status").json() == {"current_step": 4, "queue_size": 1}
+    served += [batch_markers(client) for _ in range(3)]
+    assert batch_markers(client) is None
+    # Served last-formed first, as atroposlib pops its list; each group once.
+    assert served == [posted[6:8], posted[4:6], posted[2:4], posted[0:2]]
+    post(client, group(2, env))
+    assert client.get("/batch").json()["batch"] is not None
+    assert client.get("/status").json() == {"current_step": 5, "queue_size": 0}
+    client.close()
+
+
+def test_weights_and_minimum_allocation(api: httpx.Client) -> None:
+    register(api, batch_size=8)
+    start(api)
+    a = register_env(api, group_size=2, weight=1.0, min_batch_allocation=0.5)["env_id"]
+    b = register_env(api, group_size=2, weight=3.0)["env_id"]
+    status_a = api.request("GET", "/status-env", json={"env_id": a}).json()
+    assert status_a["env_weight"] == 0.25
+    assert status_a["unallocated_fraction"] == 0.5
+    from_b = [marker(g) for g in (group(2, b) for _ in range(6)) if post(api, g)]
+    # env a is owed half of every batch and has nothing queued: no batch.
+    assert batch_markers(api) is None
+    from_a = [marker(g) for g in (group(2, a) for _ in range(2)) if post(api, g)]
+    status_b = api.request("GET", "/status-env", json={"env_id": b}).json()
+    assert status_b["self_queue_size"] == 6
+    assert status_b["queue_size"] == 6  # b's own groups; a's are a's minimum
+    # a's two groups first (its half), then b's oldest two.
+    assert batch_markers(api) == from_a + from_b[:2]
+    assert batch_markers(api) is None  # a has nothing left for its minimum
+    assert api.get("/status").json() == {"current_step": 1, "queue_size": 4}
+
+
+def test_mixed_group_sizes_are_buffered_per_env(api: httpx.Client) -> None:
+    register(api, batch_size=8)
+    start(api)
+    env = register_env(api, group_size=2)["env_id"]
+    other = register_env(api, group_size=4)["env_id"]
+    g1, o1, g2 = group(1, env), group(2, other), group(1, env)
+    assert post(api, g1) == {"status": "buffered", "buffer_size": 1}
+    assert post(api, o1) == {"status": "buffered", "buffer_size": 2}  # its own buffer
+    assert api.get("/status").json()["queue_size"] == 0
+    # 1 + 1 = 2: both enter the queue, in arrival order.
+    assert post(api, g2) == {"status": "buffered", "buffer_size": 0}
+    assert api.get("/status").json()["queue_size"] == 2
+    assert api.get("/latest_example").json()["tokens"] == g2["tokens"]
+    whole, o2 = group(2, env), group(2, other)
+    r = api.post("/scored_data_list", json=[whole, o2])
+    assert r.json() == {
+        "status": "received",
+        "groups_processed": 2,
+        "buffered": 1,
+        "last_buffer_size": 0,
+    }
+    assert api.get("/status").json()["queue_size"] == 5
+    assert batch_markers(api) == [marker(g) for g in (g1, g2, whole, o1, o2)]
+
+
+def test_inference_logprobs_are_filled_when_absent(api: httpx.Client) -> None:
+    register(api, batch_size=2)
+    start(api)
+    sent = group(1, masks=[[-100, -100, 12]], tokens=[[1, 11, 12, 13]])
+    post(api, sent)
+    with_logprobs = group(1, inference_logprobs=[[1.0, 1.0, -0.5, -0.25]])
+    post(api, with_logprobs)
+    assert api.get("/latest_example").json()["inference_logprobs"] == [[1.0, 1.0, -0.5, -0.25]]
+    served = api.get("/batch").json()["batch"]
+    # Prompt positions (mask -100) get 1.0, the others 0.0, beyond the mask too.
+    assert served[0]["inference_logprobs"] == [[1.0, 1.0, 0.0, 0.0]]
+    assert served[1]["inference_logprobs"] == [[1.0, 1.0, -0.5, -0.25]]
+    assert served[0] == _as_served(sent) | {"inference_logprobs": [[1.0, 1.0, 0.0, 0.0]]}
+
+
+def _as_served(g: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "tokens masks scores advantages ref_logprobs messages generation_params "
+        "inference_logprobs overrides group_overrides images env_id distill_token_ids "
+        "distill_logprobs"
+    ).split()
+    return {k: g.get(k) for k in keys} | {"scores": [float(s) for s in g["scores"]]}
+
+
+def test_latest_example_is_the_group_as_sent(api: httpx.Client) -> None:
+    register(api)
+    sent = group(2, messages=[[{"role": "user", "content": "hi", "extra": 1}]] * 2, scores=[1, 0])
+    post(api, sent)
+    assert api.get("/latest_example").json() == _as_served(sent)
+    # Like atroposlib, /reset_data keeps the latest example.
+    assert api.get("/reset_data").text == "Reset successful"
+    assert api.get("/latest_example").json() == _as_served(sent)
+
+
+# --- the ack lease --------------------------------------------------------------------
+
+
+def test_ack_lease_and_redelivery(start_hub: Any, trace_server: dict[str, Any]) -> None:
+    hub: HubProcess = start_hub(trace_server, atropos={"ack_timeout_seconds": 0.5})
+    client = hub.client()
+    register(client, batch_size=2)
+    start(client)
+    first, second, third = (group(2) for _ in range(3))
+    for g in (first, second, third):
+        post(client, g)
+    leased = client.get("/batch", params={"ack": 1}).json()
+    batch_id = leased["batch_id"]
+    assert [marker(g) for g in leased["batch"]] == [marker(third)]
+    assert client.post("/batch/ack", json={"batch_id": batch_id}).json() == {
+        "status": "acked",
+        "batch_id": batch_id,
+        "duplicate": False,
+    }
+    assert client.post("/batch/ack", json={"batch_id": batch_id}).json()["duplicate"] is True
+    # Lease the next batch, never acknowledge it, and die.
+    lost = client.get("/batch", params={"ack": "true"}).json()
+    assert [marker(g) for g in lost["batch"]] == [marker(second)]
+    client = restart(hub, client)
+    time.sleep(0.6)
+    # Back at the front of the queue: served again before anything else.
+    assert batch_markers(client) == [marker(second)]
+    r = client.post("/batch/ack", json={"batch_id": lost["batch_id"]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_batch"
+    late = client.get("/batch", params={"ack": 1}).json()
+    time.sleep(0.6)
+    # Acknowledged after its lease ran out, but before anyone else got it: taken.
+    assert client.post("/batch/ack", json={"batch_id": late["batch_id"]}).status_code == 200
+    assert batch_markers(client) is None
+    assert client.get("/status").json() == {"current_step": 3, "queue_size": 0}
+    client.close()
+
+
+# --- limits ---------------------------------------------------------------------------
+
+
+def test_queue_bound_answers_503_with_retry_after(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    limits = {"queue_max_groups": 3, "queue_max_bytes": 5000, "retry_after_seconds": 7}
+    hub: HubProcess = start_hub(trace_server, atropos=limits)
+    client = hub.client()
+    register(client, batch_size=2)
+    start(client)
+    for _ in range(3):
+        post(client, group(1))
+    r = client.post("/scored_data", json=group(1))
+    assert r.status_code == 503 and r.headers["retry-after"] == "7"
+    assert r.json()["error"]["code"] == "queue_full"
+    assert "queue_max_groups is 3" in r.json()["error"]["message"]
+    client.get("/batch")  # takes two groups
+    # A list that does not fit is refused whole.
+    r = client.post("/scored_data_list", json=[group(1), group(1), group(1)])
+    assert r.status_code == 503
+    assert client.get("/status").json()["queue_size"] == 1
+    big = group(1, messages=[[{"role": "user", "content": "x" * 4800}]])
+    r = client.post("/scored_data", json=big)
+    assert r.status_code == 503 and "queue_max_bytes is 5000" in r.json()["error"]["message"]
+    assert client.post("/scored_data_list", json=[group(1)]).status_code == 200
+    client.close()
+
+
+def test_gzip_in_and_out(api: httpx.Client) -> None:
+    register(api, batch_size=1)
+    big = group(1, messages=[[{"role": "user", "content": "y" * 3000}]])
+    r = api.post(
+        "/scored_data",
+        content=gzip.compress(json.dumps(big).encode()),
+        headers={"content-encoding": "gzip", "content-type": "application/json"},
+    )
+    assert r.json() == {"status": "received"}
+    r = api.post("/scored_data", content=b"not gzip", headers={"content-encoding": "gzip"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_gzip"
+    r = api.get("/latest_example", headers={"accept-encoding": "gzip"})
+    assert r.headers["content-encoding"] == "gzip" and r.json()["tokens"] == big["tokens"]
+    assert "accept-encoding" in r.headers["vary"].lower()
+    r = api.get("/latest_example", headers={"accept-encoding": "identity"})
+    assert "content-encoding" not in r.headers
+    r = api.get("/info", headers={"accept-encoding": "gzip"})  # under 1000 bytes
+    assert "content-encoding" not in r.headers
+
+
+def test_bad_input_gets_4xx(api: httpx.Client) -> None:
+    r = api.post("/scored_data", json={"tokens": [[1]], "masks": [[1]]})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "scores"
+    r = api.post("/scored_data", json={**group(1), "messages": [[{"role": "user"}]]})
+    assert r.status_code == 422
+    assert api.post("/register", json={**TRAINER, "batch_size": 0}).status_code == 422
+    assert api.post("/scored_data", content=b"{").status_code == 422
+
+
+def test_admin_key_guards_reset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ATROPOS_ADMIN_KEY", raising=False)
+    with pytest.raises(ConfigError, match="set the environment variable ATROPOS_ADMIN_KEY"):
+        AtroposConfig(admin_key_required=True).admin_key()
+    assert AtroposConfig().admin_key() is None
+    config = write_config(
+        tmp_path, {"db_path": str(tmp_path / "hub.db")}, atropos={"admin_key_required": True}
+    )
+    hub = HubProcess(config, env={"ATROPOS_ADMIN_KEY": " s3cret\n"}).start()
+    try:
+        with hub.client() as client:
+            register(client)
+            assert client.get("/reset_data").status_code == 401
+            assert client.get("/reset_data", headers={"X-Admin-Key": "nope"}).status_code == 403
+            assert client.get("/info").json()["batch_size"] == 8
+            r = client.get("/reset_data", headers={"X-Admin-Key": "s3cret"})
+            assert r.status_code == 200 and r.text == "Reset successful"
+            assert client.get("/info").json()["batch_size"] == -1
+    finally:
+        hub.kill()
+
+# --- durability and concurrency under load ---------------------------------------------
+
+
+def test_kill_9_under_load_loses_no_group_and_acks_each_once(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    """Envs post and a trainer takes leased batches while the hub is killed -9 and
+    restarted: every group the hub acknowledged is delivered, each is acknowledged
+    exactly once, and a group is delivered again only if its ack never arrived."""
+    hub: HubProcess = start_hub(trace_server, atropos={"ack_timeout_seconds": 1})
+    with hub.client() as client:
+        register(client, batch_size=2)  # any group stored, acknowledged or not, is a batch
+        start(client)
+        env = register_env(client, group_size=2)["env_id"]
+    posted: list[int] = []
+    deliveries: list[tuple[list[int], bool]] = []
+    stop_posting = threading.Event()
+    stop_training = threading.Event()
+
+    def call(c: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.Response | None:
+        try:
+            return c.request(method, hub.url + path, **kwargs)  # the url changes on restart
+        except httpx.TransportError:
+            time.sleep(0.05)  # the hub is down or restarting
+            return None
+
+    def env_worker() -> None:
+        with httpx.Client(timeout=10) as c:
+            while not stop_posting.is_set():
+                g = group(2, env)
+                r = call(c, "POST", "/scored_data", json=g)
+                if r is not None and r.status_code == 200:
+                    posted.append(marker(g))
+
+    def trainer() -> None:
+        with httpx.Client(timeout=10) as c:
+            while not stop_training.is_set():
+                r = call(c, "GET", "/batch", params={"ack": 1})
+                if r is None or r.json()["batch"] is None:
+                    time.sleep(0.02)
+                    continue
+                leased = r.json()
+                got = [marker(g) for g in leased["batch"]]
+                ack = call(c, "POST", "/batch/ack", json={"batch_id": leased["batch_id"]})
+                deliveries.append((got, ack is not None and ack.status_code == 200))
+
+    workers = [threading.Thread(target=env_worker) for _ in range(3)]
+    trainers = [threading.Thread(target=trainer) for _ in range(2)]
+    for t in workers + trainers:
+        t.start()
+    while len(posted) < 60:
+        time.sleep(0.01)
+    hub.kill()
+    hub.start()
+    while len(posted) < 120:
+        time.sleep(0.01)
+    stop_posting.set()
+    for t in workers:
+        t.join()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        acked = Counter(m for got, ok in deliveries if ok for m in got)
+        if set(posted) <= set(acked):
+            break
+        time.sleep(0.1)
+    stop_training.set()
+    for t in trainers:
+        t.join()
+    acked = Counter(m for got, ok in deliveries if ok for m in got)
+    assert set(posted) - set(acked) == set(), "acknowledged groups never delivered"
+    assert [m for m, n in acked.items() if n > 1] == [], "groups acknowledged twice"
+    delivered = Counter(m for got, _ in deliveries for m in got)
+    unacked = {m for got, ok in deliveries if not ok for m in got}
+    assert all(n == 1 or m in unacked for m, n in delivered.items())
+
+
+def test_two_hubs_on_one_database_serve_each_group_once(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    hubs: list[HubProcess] = [start_hub(trace_server), start_hub(trace_server)]
+    with hubs[0].client() as client:
+        register(client, batch_size=4)
+        start(client)
+    with hubs[1].client() as client:
+        env = register_env(client, group_size=2)["env_id"]
+    posted: list[int] = []
+    served: list[int] = []
+    done = threading.Event()
+
+    def env_worker(hub: HubProcess) -> None:
+        with hub.client() as c:
+            for _ in range(40):
+                g = group(2, env)
+                assert c.post("/scored_data", json=g).status_code == 200
+                posted.append(marker(g))
+
+    def trainer(hub: HubProcess) -> None:
+        with hub.client() as c:
+            while not done.is_set() or c.get("/status").json()["queue_size"]:
+                r = c.get("/batch")
+                assert r.status_code == 200, r.text
+                batch = r.json()["batch"]
+                if batch is None:
+                    time.sleep(0.01)
+                else:
+                    served.extend(marker(g) for g in batch)
+
+    workers = [threading.Thread(target=env_worker, args=(h,)) for h in hubs]
+    trainers = [threading.Thread(target=trainer, args=(h,)) for h in hubs * 2]
+    for t in workers + trainers:
+        t.start()
+    for t in workers:
+        t.join()
+    done.set()
+    for t in trainers:
+        t.join()
+    with hubs[0].client() as client:
+        while (batch := batch_markers(client)) is not None:
+            served.extend(batch)
+        assert client.get("/status").json()["current_step"] == 40
+    assert sorted(served) == sorted(posted)
