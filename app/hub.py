@@ -69,5 +69,6 @@ async def running_hub(
         yield hub
     finally:
         await inserter.stop()
+        hub.ingestor.close()
         await stages.stop()
         await engine.dispose()

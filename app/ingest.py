@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -41,10 +42,21 @@ class Ingestor:
     def __init__(self, inserter: TraceInserter, evaluator: Evaluator) -> None:
         self._inserter = inserter
         self._evaluator = evaluator
+        # Parsing and tokenizing are CPU work. Two threads let tiktoken (which releases
+        # the GIL) use the second core; more threads only contend for the GIL.
+        self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ingest")
+
+    def close(self) -> None:
+        self._cpu.shutdown(wait=True)
+
+    async def _in_thread(self, item: Any, fmt: str | None) -> dict[str, Any]:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._cpu, self.prepare, item, fmt
+        )
 
     async def ingest(self, item: Any, fmt: str | None = None) -> Stored:
         """Store one trace (any accepted format) and answer its stored result."""
-        row = await asyncio.to_thread(self.prepare, item, fmt)
+        row = await self._in_thread(item, fmt)
         return await self._inserter.insert(row)
 
     async def ingest_many(
@@ -61,7 +73,7 @@ class Ingestor:
         if isinstance(item, HubError):  # refused while reading the body (a bad NDJSON line)
             return item
         try:
-            return await asyncio.to_thread(self.prepare, item, fmt)
+            return await self._in_thread(item, fmt)
         except HubError as exc:
             return exc
 
