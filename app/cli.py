@@ -17,7 +17,7 @@ from app.api.app import create_app
 from app.config import load_compression, load_config, load_tinker
 from app.db import migrate
 from app.errors import ConfigError
-from app.hub import open_database
+from app.hub import Settings, open_database, running_stages
 
 log = logging.getLogger("atropos")
 
@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(run=_serve)
 
+    worker = commands.add_parser("worker", help="run the background stages only")
+    _config_args(worker)
+    worker.add_argument("--burst", action="store_true", help="drain the work, then exit")
+    worker.set_defaults(run=_worker)
+
     db = commands.add_parser("db", help="database operations")
     db_commands = db.add_subparsers(dest="db_command", required=True)
     upgrade = db_commands.add_parser("upgrade", help="bring the database to the current schema")
@@ -73,15 +78,17 @@ def _setup_logging() -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    compression = load_compression(args.compression)
-    tinker = load_tinker(args.tinker)
-    workers = not args.no_workers
-    app = create_app(
-        config, compression, tinker, engine=await open_database(config), workers=workers
+def _settings(args: argparse.Namespace) -> Settings:
+    return Settings(
+        load_config(args.config), load_compression(args.compression), load_tinker(args.tinker)
     )
-    ts = config.trace_server
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    workers = not args.no_workers
+    app = create_app(settings, engine=await open_database(settings.config), workers=workers)
+    ts = settings.config.trace_server
     server = _Server(
         uvicorn.Config(
             app,
@@ -118,6 +125,28 @@ class _Server(uvicorn.Server):
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+
+
+async def _worker(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    engine = await open_database(settings.config)
+    try:
+        async with running_stages(settings, engine) as stages:
+            if args.burst:
+                advanced = await stages.drain()
+                log.info("burst done: %d items advanced", advanced)
+                return 0
+            stopping = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stopping.set)
+            stages.start()
+            log.info("Compression pipeline ready")
+            await stopping.wait()
+            log.info("stopping: leases of unfinished work expire for the next worker")
+            return 0
+    finally:
+        await engine.dispose()
 
 
 async def _db_upgrade(args: argparse.Namespace) -> int:

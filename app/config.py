@@ -78,6 +78,12 @@ class LimitsConfig(_Section):
     max_traces_per_request: int = Field(1000, gt=0)
 
 
+class WorkersConfig(_Section):
+    # How long a claimed trace or batch stays with a worker that stopped answering
+    # (killed, hung) before another worker may take it.
+    lease_seconds: float = Field(30, gt=0)
+
+
 class HubConfig(_Section):
     """config.json"""
 
@@ -85,6 +91,7 @@ class HubConfig(_Section):
     environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
     distributor: DistributorConfig = Field(default_factory=DistributorConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    workers: WorkersConfig = Field(default_factory=WorkersConfig)
 
 
 class CompressionConfig(_Section):

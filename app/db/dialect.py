@@ -40,3 +40,14 @@ def migration_lock(sync_conn: sa.Connection) -> None:
         pass
     else:
         assert_never(dialect)
+
+
+def skip_locked(select: sa.Select[Any], dialect: Dialect) -> sa.Select[Any]:
+    """Rows another worker has locked are passed over, not waited for. SQLite has one
+    writer at a time, so a single UPDATE ... WHERE id IN (SELECT ...) is atomic there
+    without row locks."""
+    if dialect == "postgresql":
+        return select.with_for_update(skip_locked=True)
+    if dialect == "sqlite":
+        return select
+    assert_never(dialect)
