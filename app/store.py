@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.models import TraceRow
+from app.domain import Stage
 from app.errors import BadRequest, NotFound
 
 TRACES = TraceRow.__table__
@@ -140,6 +141,32 @@ async def stats(conn: AsyncConnection) -> dict[str, Any]:
         "total_tokens": int(totals[1]),
         "compressed_tokens": int(totals[2]),
         "mean_reward": float(totals[3]) if totals[3] is not None else None,
+        "compression": await _compression_stats(conn, by_stage),
+    }
+
+
+async def _compression_stats(conn: AsyncConnection, by_stage: dict[str, int]) -> dict[str, Any]:
+    """Counted from the columns compression writes, so traces that moved on to later
+    stages still count: compressed_tokens is set only by a compression, `compression`
+    (the record) by a compression or a skip."""
+    c = TRACES.c
+    compressed = c.compressed_tokens.is_not(None)
+    row = (
+        await conn.execute(
+            sa.select(
+                sa.func.count().filter(compressed),
+                sa.func.count().filter(c.compression.is_not(None), ~compressed),
+                sa.func.avg(sa.cast(c.compressed_tokens, sa.Float) / c.total_tokens).filter(
+                    compressed, c.total_tokens > 0
+                ),
+            )
+        )
+    ).one()
+    return {
+        "compressed": row[0],
+        "skipped": row[1],
+        "failed": by_stage.get(Stage.COMPRESSION_FAILED.value, 0),
+        "mean_ratio": round(float(row[2]), 4) if row[2] is not None else None,
     }
 
 
