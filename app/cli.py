@@ -9,15 +9,22 @@ import logging
 import signal
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
+import httpx
 import uvicorn
 
 from app.api.app import create_app
 from app.config import load_compression, load_config, load_tinker
 from app.db import migrate
 from app.errors import ConfigError
+from app import importer, sources
+from app.environment import Environment
 from app.hub import Settings, open_database, running_stages
+from app.ingest import Ingestor
+from app.inserter import TraceInserter
+from app.progress import Progress
 
 log = logging.getLogger("atropos")
 
@@ -51,6 +58,14 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(worker)
     worker.add_argument("--burst", action="store_true", help="drain the work, then exit")
     worker.set_defaults(run=_worker)
+
+    imp = commands.add_parser("import", help="store trajectory files through the pipeline")
+    imp.add_argument("--config", required=True, help="config.json")
+    imp.add_argument("paths", nargs="+", type=Path, help="files or folders of trajectories")
+    imp.add_argument("--format", default="auto", help="an adapter name, or auto (default)")
+    imp.add_argument("--url", help="POST to this running hub instead of the database")
+    imp.add_argument("--strict", action="store_true", help="an unreadable record fails the run")
+    imp.set_defaults(run=_import)
 
     db = commands.add_parser("db", help="database operations")
     db_commands = db.add_subparsers(dest="db_command", required=True)
@@ -147,6 +162,41 @@ async def _worker(args: argparse.Namespace) -> int:
             return 0
     finally:
         await engine.dispose()
+
+
+async def _import(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    for fmt in [args.format] if args.format != "auto" else []:
+        if fmt not in sources.formats():
+            raise ConfigError(f"--format {fmt}: unknown; one of auto, {', '.join(sources.formats())}")
+    summary = importer.Summary()
+    progress = Progress("imported")
+    batches = importer.chunks(importer.records(args.paths, args.format))
+    if args.url:
+        async with httpx.AsyncClient(base_url=args.url, timeout=120) as client:
+            for chunk in batches:
+                await importer.import_over_http(
+                    client, config.trace_server.endpoint, chunk, summary
+                )
+                progress.advance(len(chunk))
+    else:
+        engine = await open_database(config)
+        inserter = TraceInserter(engine)
+        ingestor = Ingestor(inserter, Environment.from_config(config.environment))
+        inserter.start()
+        try:
+            for chunk in batches:
+                await importer.import_into_database(ingestor, chunk, summary)
+                progress.advance(len(chunk))
+        finally:
+            await inserter.stop()
+            ingestor.close()
+            await engine.dispose()
+    progress.close()
+    for line in summary.lines():
+        print(line)
+    failed = summary.refused or (args.strict and summary.unreadable)
+    return 1 if failed else 0
 
 
 async def _db_upgrade(args: argparse.Namespace) -> int:
