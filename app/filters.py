@@ -12,7 +12,7 @@ system messages).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple, TypedDict
@@ -69,7 +69,7 @@ class Filters:
 
     @classmethod
     def from_config(
-        cls, raw: Sequence[str] | Mapping[str, Mapping[str, Any]], *, file: str = "config.json"
+        cls, raw: list[str] | Mapping[str, Mapping[str, Any]], *, file: str = "config.json"
     ) -> Filters:
         """Compiles `environment.invalid_trace_filters`, a list of names or a mapping of
         name -> parameters; raises ConfigError with one line naming the filter and the fix."""
@@ -219,7 +219,7 @@ _BUILT_INS: dict[str, BuiltIn[Check]] = {
 
 
 def _entries(
-    prefix: str, raw: Sequence[str] | Mapping[str, Mapping[str, Any]]
+    prefix: str, raw: list[str] | Mapping[str, Mapping[str, Any]]
 ) -> list[tuple[str, Mapping[str, Any]]]:
     """(name, parameters) pairs from either config form."""
     if isinstance(raw, Mapping):

@@ -188,7 +188,7 @@ def test_an_action_without_a_tool_name_is_empty(tool: str | None) -> None:
         ([msg("user", "q"), msg("assistant", "")], 1),
         ([msg("user", "q"), msg("assistant", " \n"), msg("user", "well?")], 1),
         ([msg("user", "q"), thought(""), msg("assistant", None), msg("user", "?")], 1),
-        ([act(), obs(), thought("<think>".removeprefix("<think>"))], 2),  # truncated turn
+        ([act(), obs(), thought("")], 2),  # a turn that is only "<think>\n"
         ([act(), obs(), final("")], 2),
         ([act(), obs(), thought(" "), final(None)], 2),
         ([msg("user", ""), act(), obs("")], False),  # only the agent's turns count
