@@ -108,7 +108,10 @@ def _settings(args: argparse.Namespace) -> Settings:
 async def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     workers = not args.no_workers
-    app = create_app(settings, engine=await open_database(settings.config), workers=workers)
+    # Rules first, then the database: a config mistake costs no migration.
+    environment = Environment.from_config(settings.config.environment)
+    engine = await open_database(settings.config)
+    app = create_app(settings, environment=environment, engine=engine, workers=workers)
     ts = settings.config.trace_server
     server = _Server(
         uvicorn.Config(
