@@ -9,15 +9,23 @@ import logging
 import signal
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from collections.abc import Callable, Iterator
 
+import httpx
 import uvicorn
 
 from app.api.app import create_app
 from app.config import load_compression, load_config, load_tinker
 from app.db import migrate
 from app.errors import ConfigError
-from app.hub import open_database
+from app import importer, rescore, sources
+from app.environment import Environment
+from app.hub import Settings, open_database, running_stages
+from app.ingest import Ingestor
+from app.inserter import TraceInserter
+from app.progress import Progress
 
 log = logging.getLogger("atropos")
 
@@ -27,13 +35,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     _setup_logging()
     try:
-        code = asyncio.run(args.run(args))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            code = runner.run(args.run(args))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where it is installed (it comes with uvicorn[standard]): the HTTP path
+    spends a good part of its time in the event loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,6 +65,24 @@ def _parser() -> argparse.ArgumentParser:
         "--no-workers", action="store_true", help="run the API alone (no background stages)"
     )
     serve.set_defaults(run=_serve)
+
+    worker = commands.add_parser("worker", help="run the background stages only")
+    _config_args(worker)
+    worker.add_argument("--burst", action="store_true", help="drain the work, then exit")
+    worker.set_defaults(run=_worker)
+
+    imp = commands.add_parser("import", help="store trajectory files through the pipeline")
+    imp.add_argument("--config", required=True, help="config.json")
+    imp.add_argument("paths", nargs="+", type=Path, help="files or folders of trajectories")
+    imp.add_argument("--format", default="auto", help="an adapter name, or auto (default)")
+    imp.add_argument("--url", help="POST to this running hub instead of the database")
+    imp.add_argument("--strict", action="store_true", help="an unreadable record fails the run")
+    imp.set_defaults(run=_import)
+
+    rescore = commands.add_parser("rescore", help="score stored traces with the current rules")
+    rescore.add_argument("--config", required=True, help="config.json")
+    rescore.add_argument("--since", type=_datetime, help="only traces created since (ISO 8601)")
+    rescore.set_defaults(run=_rescore)
 
     db = commands.add_parser("db", help="database operations")
     db_commands = db.add_subparsers(dest="db_command", required=True)
@@ -73,15 +110,20 @@ def _setup_logging() -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
-async def _serve(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    compression = load_compression(args.compression)
-    tinker = load_tinker(args.tinker)
-    workers = not args.no_workers
-    app = create_app(
-        config, compression, tinker, engine=await open_database(config), workers=workers
+def _settings(args: argparse.Namespace) -> Settings:
+    return Settings(
+        load_config(args.config), load_compression(args.compression), load_tinker(args.tinker)
     )
-    ts = config.trace_server
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    workers = not args.no_workers
+    # Rules first, then the database: a config mistake costs no migration.
+    environment = Environment.from_config(settings.config.environment)
+    engine = await open_database(settings.config)
+    app = create_app(settings, environment=environment, engine=engine, workers=workers)
+    ts = settings.config.trace_server
     server = _Server(
         uvicorn.Config(
             app,
@@ -118,6 +160,89 @@ class _Server(uvicorn.Server):
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+
+
+async def _worker(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    engine = await open_database(settings.config)
+    try:
+        async with running_stages(settings, engine) as stages:
+            if args.burst:
+                advanced = await stages.drain()
+                log.info("burst done: %d items advanced", advanced)
+                return 0
+            stopping = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stopping.set)
+            stages.start()
+            log.info("Compression pipeline ready")
+            await stopping.wait()
+            log.info("stopping: leases of unfinished work expire for the next worker")
+            return 0
+    finally:
+        await engine.dispose()
+
+
+async def _import(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    for fmt in [args.format] if args.format != "auto" else []:
+        if fmt not in sources.formats():
+            raise ConfigError(f"--format {fmt}: unknown; one of auto, {', '.join(sources.formats())}")
+    summary = importer.Summary()
+    progress = Progress("imported")
+    batches = importer.chunks(importer.records(args.paths, args.format))
+    if args.url:
+        async with httpx.AsyncClient(base_url=args.url, timeout=120) as client:
+            for chunk in batches:
+                await importer.import_over_http(
+                    client, config.trace_server.endpoint, chunk, summary
+                )
+                progress.advance(len(chunk))
+    else:
+        engine = await open_database(config)
+        inserter = TraceInserter(engine)
+        ingestor = Ingestor(inserter, Environment.from_config(config.environment))
+        inserter.start()
+        try:
+            for chunk in batches:
+                await importer.import_into_database(ingestor, chunk, summary)
+                progress.advance(len(chunk))
+        finally:
+            await inserter.stop()
+            ingestor.close()
+            await engine.dispose()
+    progress.close()
+    for line in summary.lines():
+        print(line)
+    failed = summary.refused or (args.strict and summary.unreadable)
+    return 1 if failed else 0
+
+
+async def _rescore(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    environment = Environment.from_config(config.environment)
+    engine = await open_database(config)
+    try:
+        progress = Progress("rescored", await rescore.pending(engine, environment, args.since))
+        counts = await rescore.rescore(
+            engine, environment, since=args.since, on_batch=progress.advance
+        )
+        progress.close()
+    finally:
+        await engine.dispose()
+    print(f"rescored: {counts.pop('rescored', 0)}")
+    for move, n in sorted(counts.items()):
+        print(f"stage {move}: {n}")
+    return 0
+
+
+def _datetime(value: str) -> datetime:
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 date or time: {value!r}") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 async def _db_upgrade(args: argparse.Namespace) -> int:

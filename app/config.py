@@ -16,7 +16,14 @@ import os
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from app.errors import ConfigError
 
@@ -78,6 +85,12 @@ class LimitsConfig(_Section):
     max_traces_per_request: int = Field(1000, gt=0)
 
 
+class WorkersConfig(_Section):
+    # How long a claimed trace or batch stays with a worker that stopped answering
+    # (killed, hung) before another worker may take it.
+    lease_seconds: float = Field(30, gt=0)
+
+
 class AtroposConfig(_Section):
     """The Atropos trajectory API (/register, /scored_data, /batch, ...)."""
 
@@ -116,6 +129,7 @@ class HubConfig(_Section):
     environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
     distributor: DistributorConfig = Field(default_factory=DistributorConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    workers: WorkersConfig = Field(default_factory=WorkersConfig)
     atropos: AtroposConfig = Field(default_factory=AtroposConfig)
 
 
@@ -145,6 +159,19 @@ class CompressionConfig(_Section):
         ]
     )
     dedup_window: int = Field(5, ge=0)
+    # summarize_middle: turns kept verbatim at the end, and the summary's size (Hermes'
+    # trajectory_compressor defaults).
+    protect_last_n_turns: int = Field(4, ge=0)
+    summary_target_tokens: int = Field(750, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> CompressionConfig:
+        if self.min_tokens_after > self.max_tokens_after:
+            raise ValueError(
+                f"min_tokens_after ({self.min_tokens_after}) must not exceed "
+                f"max_tokens_after ({self.max_tokens_after})"
+            )
+        return self
 
 
 class CompressionFile(_Section):
@@ -163,6 +190,12 @@ class TinkerConfig(_Section):
     learning_rate: float = Field(4e-5, gt=0)
     epochs: int = Field(1, gt=0)
     batch_size: int = Field(32, gt=0)
+    # The model endpoint client (app/llm.py): per-request timeout, and retries with
+    # jittered exponential backoff on 429, 5xx and timeouts.
+    timeout_seconds: float = Field(60, gt=0)
+    max_retries: int = Field(3, ge=0)
+    retry_base_delay_seconds: float = Field(1.0, ge=0)
+    retry_max_delay_seconds: float = Field(30.0, ge=0)
 
     def api_key(self) -> str | None:
         value = os.environ.get(self.api_key_env)

@@ -1,37 +1,53 @@
-"""The objects one hub process lives by, built from the config files and owned by
-the API's lifespan (or by `atropos worker`): engine, inserter, ingestor, stages."""
+"""The objects one hub process lives by, built from the config files: the engine,
+the ingest path (inserter, ingestor) and the background stages. `atropos serve` owns
+all of them through the API's lifespan; `atropos worker` only the stages."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator
 
+import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.atropos import Atropos
+from app.compression import ModelSummarizer
 from app.config import CompressionFile, HubConfig, TinkerFile
 from app.db import migrate
 from app.db.engine import create_engine, database_url, redacted
 from app.environment import Environment
 from app.ingest import Ingestor
 from app.inserter import TraceInserter
+from app.leases import Lease
+from app.stages.compression import CompressionStage
 from app.worker import StageRunner
 
 log = logging.getLogger("atropos")
 
 
-@dataclass
-class Hub:
+@dataclass(frozen=True)
+class Settings:
+    """The three config files, loaded and checked once."""
+
     config: HubConfig
     compression: CompressionFile
     tinker: TinkerFile
+
+
+@dataclass
+class Hub:
+    settings: Settings
     engine: AsyncEngine
     inserter: TraceInserter
     ingestor: Ingestor
     stages: StageRunner
     atropos: Atropos
+
+    @property
+    def config(self) -> HubConfig:
+        return self.settings.config
 
 
 async def open_database(config: HubConfig) -> AsyncEngine:
@@ -43,36 +59,53 @@ async def open_database(config: HubConfig) -> AsyncEngine:
 
 
 @asynccontextmanager
+async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterator[StageRunner]:
+    """The background stages in pipeline order, with the HTTP client they share. Each
+    stage wakes the runner when it moves traces on, so the next stage starts at once."""
+    config = settings.config
+    runner = StageRunner(config.trace_server.flush_interval_seconds)
+    lease = Lease(config.workers.lease_seconds)
+    async with httpx.AsyncClient() as http:
+        policy = settings.compression.compression
+        runner.add(
+            CompressionStage(
+                engine,
+                policy,
+                max_trace_tokens=config.trace_server.max_trace_tokens,
+                lease=lease,
+                summarizer=ModelSummarizer(http, settings.tinker.tinker),
+                on_advance=runner.wake,
+            )
+        )
+        try:
+            yield runner
+        finally:
+            await runner.stop()
+
+
+@asynccontextmanager
 async def running_hub(
-    config: HubConfig,
-    compression: CompressionFile,
-    tinker: TinkerFile,
+    settings: Settings,
     environment: Environment,
     *,
     engine: AsyncEngine | None = None,
     workers: bool = True,
 ) -> AsyncIterator[Hub]:
-    engine = engine or await open_database(config)
-    stages = StageRunner([], config.trace_server.flush_interval_seconds)
-    inserter = TraceInserter(engine, on_commit=stages.wake)
-    hub = Hub(
-        config=config,
-        compression=compression,
-        tinker=tinker,
-        engine=engine,
-        inserter=inserter,
-        ingestor=Ingestor(inserter, environment),
-        stages=stages,
-        atropos=Atropos(engine, config.atropos),
-    )
-    inserter.start()
-    hub.atropos.start()
-    if workers:
-        stages.start()
+    engine = engine or await open_database(settings.config)
     try:
-        yield hub
+        async with running_stages(settings, engine) as stages:
+            inserter = TraceInserter(engine, on_commit=stages.wake)
+            atropos = Atropos(engine, settings.config.atropos)
+            hub = Hub(settings, engine, inserter, Ingestor(inserter, environment), stages, atropos)
+            inserter.start()
+            atropos.start()
+            if workers:
+                stages.start()
+            try:
+                yield hub
+            finally:
+                await inserter.stop()  # answers what is queued before the engine goes
+                await atropos.stop()
+                hub.ingestor.close()
     finally:
-        await inserter.stop()
-        await hub.atropos.stop()
-        await stages.stop()
         await engine.dispose()

@@ -9,14 +9,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import uuid
-from dataclasses import dataclass
-from typing import Any, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import orjson
 
 from app import formats
 from app.db.types import utcnow
 from app.domain import Stage, Trace
+from app.environment import Environment
 from app.errors import HubError, Invalid
 from app.inserter import Stored, TraceInserter
 from app.tokens import count_parts
@@ -24,27 +25,25 @@ from app.tokens import count_parts
 MAX_TRACE_ID_LENGTH = 200
 
 
-@dataclass(frozen=True, slots=True)
-class Evaluation:
-    reward: float | None
-    breakdown: dict[str, Any] | None
-    reject_reasons: list[dict[str, Any]]
-
-
-class Evaluator(Protocol):
-    """The environment: reward rules and invalid-trace filters (scoring.py, filters.py)."""
-
-    def evaluate(self, trace: Trace) -> Evaluation: ...
-
-
 class Ingestor:
-    def __init__(self, inserter: TraceInserter, evaluator: Evaluator) -> None:
+    def __init__(self, inserter: TraceInserter, environment: Environment) -> None:
         self._inserter = inserter
-        self._evaluator = evaluator
+        self._environment = environment
+        # Parsing and tokenizing are CPU work. Two threads let tiktoken (which releases
+        # the GIL) use the second core; more threads only contend for the GIL.
+        self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ingest")
+
+    def close(self) -> None:
+        self._cpu.shutdown(wait=True)
+
+    async def _in_thread(self, item: Any, fmt: str | None) -> dict[str, Any]:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._cpu, self.prepare, item, fmt
+        )
 
     async def ingest(self, item: Any, fmt: str | None = None) -> Stored:
         """Store one trace (any accepted format) and answer its stored result."""
-        row = await asyncio.to_thread(self.prepare, item, fmt)
+        row = await self._in_thread(item, fmt)
         return await self._inserter.insert(row)
 
     async def ingest_many(
@@ -61,7 +60,7 @@ class Ingestor:
         if isinstance(item, HubError):  # refused while reading the body (a bad NDJSON line)
             return item
         try:
-            return await asyncio.to_thread(self.prepare, item, fmt)
+            return await self._in_thread(item, fmt)
         except HubError as exc:
             return exc
 
@@ -76,7 +75,7 @@ class Ingestor:
         thread (tiktoken releases the GIL), so the event loop keeps answering."""
         trace = formats.parse(item, fmt)
         trace_id = _trace_id(trace)
-        evaluation = self._evaluator.evaluate(trace)
+        evaluation = self._environment.evaluate(trace)
         now = utcnow()
         return {
             "trace_id": trace_id,
@@ -89,6 +88,7 @@ class Ingestor:
             "reward": evaluation.reward,
             "reward_breakdown": evaluation.breakdown,
             "reject_reasons": evaluation.reject_reasons,
+            "scored_with": self._environment.fingerprint,
             "source_format": trace.source_format,
             "env": trace.env,
             "model": trace.agent.model,

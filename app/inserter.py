@@ -172,8 +172,10 @@ class TraceInserter:
 
 
 async def _insert(conn: AsyncConnection, rows: list[dict[str, Any]]) -> set[str]:
+    # executemany with RETURNING: SQLAlchemy batches it into multi-row INSERTs
+    # ("insertmanyvalues") and the compiled statement stays cached.
     stmt = insert_ignoring_conflicts(dialect_of(conn), TRACES, "trace_id")
-    result = await conn.execute(stmt.values(rows).returning(TRACES.c.trace_id))
+    result = await conn.execute(stmt.returning(TRACES.c.trace_id), rows)
     return set(result.scalars())
 
 

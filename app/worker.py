@@ -25,11 +25,14 @@ class PipelineStage(Protocol):
 
 
 class StageRunner:
-    def __init__(self, stages: list[PipelineStage], flush_interval: float) -> None:
-        self.stages = stages
+    def __init__(self, flush_interval: float) -> None:
+        self.stages: list[PipelineStage] = []
         self._flush_interval = flush_interval
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+
+    def add(self, *stages: PipelineStage) -> None:
+        self.stages.extend(stages)
 
     def wake(self) -> None:
         """Called after each ingest commit and stage move: the next stage starts now."""

@@ -10,33 +10,25 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.api import atropos, ops, traces
 from app.api.errors import install_error_handlers
-from app.config import CompressionFile, HubConfig, TinkerFile
 from app.environment import Environment
-from app.hub import running_hub
+from app.hub import Settings, running_hub
 
 
 def create_app(
-    config: HubConfig,
-    compression: CompressionFile | None = None,
-    tinker: TinkerFile | None = None,
+    settings: Settings,
     *,
+    environment: Environment | None = None,
     engine: AsyncEngine | None = None,
     workers: bool = True,
 ) -> FastAPI:
     """The API. Config errors (rules, filters) raise ConfigError here, before serving;
     `engine` may be opened (and migrated) by the caller, else the lifespan opens it."""
-    environment = Environment.from_config(config.environment)
+    config = settings.config
+    environment = environment or Environment.from_config(config.environment)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, object]]:
-        async with running_hub(
-            config,
-            compression or CompressionFile(),
-            tinker or TinkerFile(),
-            environment,
-            engine=engine,
-            workers=workers,
-        ) as hub:
+        async with running_hub(settings, environment, engine=engine, workers=workers) as hub:
             yield {"hub": hub}
 
     app = FastAPI(

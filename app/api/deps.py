@@ -10,7 +10,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.hub import Hub
 
 
-def get_hub(request: Request) -> Hub:
+async def get_hub(request: Request) -> Hub:
+    # async: a plain def dependency would be run in a worker thread on every request.
     hub: Hub = request.state.hub
     return hub
 

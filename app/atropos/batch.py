@@ -38,7 +38,7 @@ from app.atropos.store import (
     move_batch,
     move_groups,
 )
-from app.db.dialect import for_update
+from app.db.dialect import skip_locked
 from app.db.types import utcnow
 
 log = logging.getLogger("atropos.batch")
@@ -104,7 +104,7 @@ async def _claim(conn: AsyncConnection, db: AtroposDb) -> _Claimed | None:
         .order_by(BATCHES.c.seq.desc(), BATCHES.c.id.desc())
         .limit(1)
     )
-    row = (await conn.execute(for_update(db.dialect, query, skip_locked=True))).first()
+    row = (await conn.execute(skip_locked(query, db.dialect))).first()
     return _Claimed(row.id, list(row.group_ids)) if row else None
 
 

@@ -68,7 +68,7 @@ async def acknowledge(db: AtroposDb, lease_id: str) -> dict[str, Any]:
         query = sa.select(BATCHES.c.id, BATCHES.c.state, BATCHES.c.group_ids).where(
             BATCHES.c.lease_id == lease_id
         )
-        row = (await conn.execute(for_update(db.dialect, query))).first()
+        row = (await conn.execute(for_update(query, db.dialect))).first()
         if row is None:
             raise NotFound(
                 f"no batch is leased under batch_id {lease_id!r}; if its lease ran out, "

@@ -213,9 +213,8 @@ class _Placer:
         if env_id not in self._locked:
             # One transaction at a time works on an env's buffer (PostgreSQL; SQLite
             # has one writer anyway), so two halves of a group always meet.
-            await self._conn.execute(
-                for_update(self._db.dialect, sa.select(ENVS.c.env_id).where(ENVS.c.env_id == env_id))
-            )
+            env_row = sa.select(ENVS.c.env_id).where(ENVS.c.env_id == env_id)
+            await self._conn.execute(for_update(env_row, self._db.dialect))
             self._locked.add(env_id)
         await self._conn.execute(sa.insert(GROUPS).values(_row(group, GroupState.BUFFERED, self._now)))
         buffered = (

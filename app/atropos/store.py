@@ -112,7 +112,7 @@ class AtroposDb:
             STATE.c.step,
         ).where(STATE.c.id == 1)
         if lock:
-            query = for_update(self.dialect, query)
+            query = for_update(query, self.dialect)
         row = (await conn.execute(query)).one()
         return RunState(**row._mapping)
 

@@ -63,14 +63,12 @@ async def begin_immediate(conn: AsyncConnection) -> None:
         assert_never(dialect)
 
 
-def for_update(dialect: Dialect, stmt: sa.Select[Any], *, skip_locked: bool = False) -> Any:
-    """SELECT ... FOR UPDATE [SKIP LOCKED]: lock the rows read until commit, or with
-    skip_locked pass over rows another process holds (claiming work).
-
-    SQLite has no row locks; the writer that began with `begin_immediate` already
-    excludes every other writer, so the plain SELECT is the claim."""
+def for_update(stmt: sa.Select[Any], dialect: Dialect) -> sa.Select[Any]:
+    """SELECT ... FOR UPDATE: the rows read stay locked until commit (claiming work
+    without waiting is `skip_locked`). SQLite has no row locks; a writer that began
+    with `begin_immediate` already excludes every other writer."""
     if dialect == "postgresql":
-        return stmt.with_for_update(skip_locked=skip_locked)
+        return stmt.with_for_update()
     if dialect == "sqlite":
         return stmt
     assert_never(dialect)
@@ -85,4 +83,50 @@ def writer_lock(dialect: Dialect) -> AbstractAsyncContextManager[Any]:
         return asyncio.Lock()
     if dialect == "postgresql":
         return nullcontext()
+    assert_never(dialect)
+
+
+def skip_locked(select: sa.Select[Any], dialect: Dialect) -> sa.Select[Any]:
+    """Rows another worker has locked are passed over, not waited for. SQLite has one
+    writer at a time, so a single UPDATE ... WHERE id IN (SELECT ...) is atomic there
+    without row locks."""
+    if dialect == "postgresql":
+        return select.with_for_update(skip_locked=True)
+    if dialect == "sqlite":
+        return select
+    assert_never(dialect)
+
+
+def reject_reason_counts(dialect: Dialect) -> sa.TextClause:
+    """(filter, traces) over traces.reject_reasons, a JSON array of {"filter", ...}."""
+    if dialect == "sqlite":
+        return sa.text(
+            "SELECT json_extract(r.value, '$.filter') AS name, count(*) AS n "
+            "FROM traces, json_each(traces.reject_reasons) AS r "
+            "WHERE traces.reject_reasons IS NOT NULL GROUP BY name"
+        )
+    if dialect == "postgresql":
+        return sa.text(
+            "SELECT r->>'filter' AS name, count(*) AS n "
+            "FROM traces, jsonb_array_elements(traces.reject_reasons) AS r "
+            "WHERE traces.reject_reasons IS NOT NULL GROUP BY name"
+        )
+    assert_never(dialect)
+
+
+def rule_firing_counts(dialect: Dialect) -> sa.TextClause:
+    """(rule, traces it fired on) over traces.reward_breakdown, a JSON object
+    rule -> {"fired", "count", "points"}."""
+    if dialect == "sqlite":
+        return sa.text(
+            "SELECT b.key AS name, count(*) AS n "
+            "FROM traces, json_each(traces.reward_breakdown) AS b "
+            "WHERE json_extract(b.value, '$.fired') = 1 GROUP BY name"
+        )
+    if dialect == "postgresql":
+        return sa.text(
+            "SELECT b.key AS name, count(*) AS n "
+            "FROM traces, jsonb_each(traces.reward_breakdown) AS b "
+            "WHERE (b.value->>'fired')::boolean GROUP BY name"
+        )
     assert_never(dialect)

@@ -1,0 +1,17 @@
+"""Compression: long traces cut to their training-worthy core (issue 4).
+
+    result = await compress(trace, total_tokens, policy, forced=..., summarizer=...)
+    # -> Compressed(trace, tokens_before, tokens_after, target, ratio, strategy,
+    #               removed, over_limit, fallback) | Skipped(reason)
+
+Modules: `compress` (entry point and the target rules), `extract`
+(key_decision_extract and its removal order), `summarize` (summarize_middle, Hermes'
+algorithm), `ledger` (per-step token bookkeeping).
+"""
+
+from __future__ import annotations
+
+from app.compression.compress import Compressed, Skipped, compress
+from app.compression.summarize import ModelSummarizer, Summarizer
+
+__all__ = ["Compressed", "ModelSummarizer", "Skipped", "Summarizer", "compress"]

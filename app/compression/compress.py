@@ -1,0 +1,162 @@
+"""compress(): one trace in, `Compressed` or `Skipped` out. Pure: no database, no
+stage moves; the only I/O is summarize_middle's model call.
+
+Rules (DESIGN §6): target = clamp(ratio x total_tokens, min_tokens_after,
+max_tokens_after). A trace with ratio x total_tokens < min_tokens_after is kept whole,
+unless `forced` (compression disabled but the trace is over max_trace_tokens): then it
+is compressed toward min_tokens_after. The result lands within 25% of the target
+unless what is preserved is larger; it is never under min_tokens_after; over
+max_tokens_after it is marked `over_limit`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from app.compression.extract import key_decision_extract
+from app.compression.ledger import Budget, Ledger
+from app.compression.summarize import Summarizer, summarize_middle
+from app.config import CompressionConfig
+from app.domain import Trace
+from app.tokens import count_parts
+
+# How far a drop may overshoot under the aim; trims are sized to land on it.
+_DROP_OVERSHOOT = 0.15
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """The trace stays whole; `reason` is what the log line says."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Compressed:
+    """A compressed copy of the trace (marked `sft_only`), and how it came about.
+
+    `strategy` is the one that produced the trace; `fallback` says why it is not the
+    configured one (summarize_middle fell back to key_decision_extract). `removed`
+    counts the steps affected per kind of removal.
+    """
+
+    trace: Trace
+    tokens_before: int
+    tokens_after: int
+    target: int
+    strategy: str
+    removed: dict[str, int] = field(default_factory=dict)
+    over_limit: bool = False
+    fallback: str | None = None
+
+    @property
+    def ratio(self) -> float:
+        return round(self.tokens_after / self.tokens_before, 4) if self.tokens_before else 1.0
+
+    def record(self) -> dict[str, Any]:
+        """The compression fields of a trace record (JSON-ready)."""
+        return {
+            "strategy": self.strategy,
+            "tokens_before": self.tokens_before,
+            "tokens_after": self.tokens_after,
+            "target": self.target,
+            "ratio": self.ratio,
+            "removed": self.removed,
+            "over_limit": self.over_limit,
+            "fallback": self.fallback,
+        }
+
+
+async def compress(
+    trace: Trace,
+    total_tokens: int,
+    policy: CompressionConfig,
+    *,
+    forced: bool = False,
+    summarizer: Summarizer | None = None,
+    reward: float | None = None,
+    breakdown: dict[str, Any] | None = None,
+) -> Compressed | Skipped:
+    """Compress `trace` (whose `total_tokens` the caller counted at ingest) by `policy`.
+
+    `forced`: the trace is over max_trace_tokens, so it is compressed even with
+    `enabled: false` or a ratio x total under min_tokens_after. `summarizer` writes
+    summarize_middle's summary (app.compression.ModelSummarizer in production); without
+    one, that strategy falls back to key_decision_extract. `reward` and `breakdown` are
+    kept in the compressed trace's metadata when reward_signal is preserved.
+    """
+    target = _target(total_tokens, policy, forced)
+    if isinstance(target, Skipped):
+        return target
+    budget = _budget(target, policy)
+    ledger = Ledger.of(trace)
+    strategy, fallback, summary = policy.strategy, None, []
+    if policy.strategy == "summarize_middle":
+        outcome = await summarize_middle(ledger, policy, budget, summarizer)
+        if isinstance(outcome, str):
+            strategy, fallback = "key_decision_extract", outcome
+        else:
+            ledger, at = outcome
+            summary = [at]
+    key_decision_extract(ledger, policy, budget, summary)
+    compressed = ledger.result()
+    tokens_after = count_parts(compressed.text_parts())
+    if tokens_after < policy.min_tokens_after:
+        # The floor has slack, so this is not expected; if it happens, keep the whole.
+        return Skipped(
+            f"compressed trace too short, min_tokens_after not satisfied "
+            f"({tokens_after} < {policy.min_tokens_after}); kept whole"
+        )
+    result = Compressed(
+        trace=compressed,
+        tokens_before=total_tokens,
+        tokens_after=tokens_after,
+        target=target,
+        strategy=strategy,
+        removed=dict(ledger.removed),
+        over_limit=tokens_after > policy.max_tokens_after,
+        fallback=fallback,
+    )
+    return _mark(result, policy, reward, breakdown)
+
+
+def _target(total: int, policy: CompressionConfig, forced: bool) -> int | Skipped:
+    if not policy.enabled and not forced:
+        return Skipped("compression disabled (compression.enabled is false)")
+    wanted = policy.ratio * total
+    if wanted < policy.min_tokens_after and not forced:
+        return Skipped(
+            f"ratio x total_tokens = {policy.ratio:g} x {total} = {wanted:.0f} "
+            f"< min_tokens_after {policy.min_tokens_after}"
+        )
+    target = min(max(round(wanted), policy.min_tokens_after), policy.max_tokens_after)
+    if total <= target:
+        return Skipped(f"total_tokens {total} already within the target {target}")
+    return target
+
+
+def _budget(target: int, policy: CompressionConfig) -> Budget:
+    # Step counts add up to within a few tokens of the joined trace's count; the slack
+    # keeps a result aimed at min_tokens_after from landing a token under it.
+    slack = max(16, policy.min_tokens_after // 50) if policy.min_tokens_after else 0
+    floor = policy.min_tokens_after + slack
+    aim = max(target, floor)
+    return Budget(aim=aim, floor=floor, lower=max(floor, int(aim * (1 - _DROP_OVERSHOOT))))
+
+
+def _mark(
+    result: Compressed,
+    policy: CompressionConfig,
+    reward: float | None,
+    breakdown: dict[str, Any] | None,
+) -> Compressed:
+    """Mark the trace SFT-only (its tokens are no longer the policy's own, so RL
+    consumers get the original) and record how it was compressed."""
+    metadata = {**result.trace.metadata, "sft_only": True, "compression": result.record()}
+    if "reward_signal" in policy.preserve_fields:
+        if reward is not None:
+            metadata["reward"] = reward
+        if breakdown is not None:
+            metadata["reward_breakdown"] = breakdown
+    return replace(result, trace=result.trace.model_copy(update={"metadata": metadata}))

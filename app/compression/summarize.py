@@ -1,0 +1,202 @@
+"""summarize_middle: Hermes Agent's trajectory_compressor, on canonical steps.
+
+Steps are grouped into turns the way Hermes' conversations have them: system, human
+(user messages), gpt (thoughts, actions, final answers, assistant messages) and tool
+(observations). The head (the first turn of each of those four roles) and the last
+`protect_last_n_turns` turns are kept. From the first turn after the head, turns are
+taken until replacing them with one summary saves enough to reach the target, and they
+become one user message starting "[CONTEXT SUMMARY]:". As in Hermes' newer version
+(`_snap_boundary`), a region boundary never falls between a gpt turn and the tool
+turn that answers it: it moves forward past the tool turn, or back before the call.
+Canonical observations answer the actions just before them, so turn order is enough.
+
+Hermes also appends a notice to the system turn; it is left out here, so the system
+prompt of a compressed trace stays the one the agent ran with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+
+from app.compression.ledger import Budget, Ledger, step_parts
+from app.config import CompressionConfig, TinkerConfig
+from app.domain import Step, StepType
+from app.llm import LLMError, chat
+
+PREFIX = "[CONTEXT SUMMARY]:"
+# Hermes sends each turn whole up to this size, else its head and tail.
+_TURN_CHARS, _TURN_HEAD, _TURN_TAIL = 3000, 1500, 500
+_PROMPT = """Summarize the following agent conversation turns concisely. This summary will replace these turns in the conversation history.
+
+Write the summary from a neutral perspective describing what the assistant did and learned. Include:
+1. What actions the assistant took (tool calls, searches, file operations)
+2. Key information or results obtained
+3. Any important decisions or findings
+4. Relevant data, file names, values, or outputs
+
+Keep the summary factual and informative. Target approximately {tokens} tokens.
+
+---
+TURNS TO SUMMARIZE:
+{turns}
+---
+
+Write only the summary, starting with "[CONTEXT SUMMARY]:" prefix."""
+
+
+class Summarizer(Protocol):
+    """Writes the summary for a prompt; raises app.llm.LLMError when it cannot."""
+
+    async def __call__(self, prompt: str, *, max_tokens: int) -> str: ...
+
+
+class ModelSummarizer:
+    """A Summarizer backed by the model endpoint tinker.json names (through app.llm)."""
+
+    def __init__(
+        self, client: httpx.AsyncClient, tinker: TinkerConfig, *, temperature: float = 0.3
+    ):
+        self.client = client
+        self.tinker = tinker
+        self.temperature = temperature
+
+    async def __call__(self, prompt: str, *, max_tokens: int) -> str:
+        messages = [{"role": "user", "content": prompt}]
+        result = await chat(
+            self.client, self.tinker, messages, max_tokens=max_tokens, temperature=self.temperature
+        )
+        return result.text
+
+
+@dataclass(frozen=True)
+class _Turn:
+    role: str  # system | human | gpt | tool
+    start: int  # step indices [start, end)
+    end: int
+
+
+async def summarize_middle(
+    ledger: Ledger, policy: CompressionConfig, budget: Budget, summarizer: Summarizer | None
+) -> tuple[Ledger, int] | str:
+    """The ledger with a middle span summarized, and the summary's step index; or why
+    it could not be done (the caller then falls back to key_decision_extract)."""
+    if summarizer is None:
+        return "no summarizer: summarize_middle needs the model endpoint from tinker.json"
+    steps = ledger.trace.steps
+    turns = _turns(steps)
+    span = _span(
+        turns, ledger.tokens, ledger.total - budget.aim + policy.summary_target_tokens, policy
+    )
+    if span is None:
+        return "nothing to summarize between the protected head and tail turns"
+    start, end = span
+    prompt = _PROMPT.format(
+        tokens=policy.summary_target_tokens, turns=_render(steps, turns, start, end)
+    )
+    try:
+        text = (await summarizer(prompt, max_tokens=2 * policy.summary_target_tokens)).strip()
+    except LLMError as exc:
+        return f"the summary model failed: {exc}"
+    if not text:
+        return "the summary model returned an empty summary"
+    if not text.startswith(PREFIX):
+        text = f"{PREFIX} {text}"
+    summary = Step(type=StepType.MESSAGE, role="user", content=text)
+    summarized = ledger.with_span_replaced(start, end, summary)
+    if summarized.total < budget.floor:
+        return (
+            f"the summary left {summarized.total} tokens, under min_tokens_after "
+            f"{policy.min_tokens_after}"
+        )
+    summarized.removed["summarized_steps"] = end - start
+    return summarized, start
+
+
+def _role(step: Step) -> str:
+    if step.type is StepType.OBSERVATION:
+        return "tool"
+    if step.type is StepType.MESSAGE and step.role != "assistant":
+        # A user's, the environment's or a grader's word is the "human" side.
+        return "system" if step.role == "system" else "human"
+    return "gpt"
+
+
+def _turns(steps: list[Step]) -> list[_Turn]:
+    turns: list[_Turn] = []
+    for i, step in enumerate(steps):
+        role = _role(step)
+        if turns and turns[-1].role == role:
+            turns[-1] = _Turn(role, turns[-1].start, i + 1)
+        else:
+            turns.append(_Turn(role, i, i + 1))
+    return turns
+
+
+def _span(
+    turns: list[_Turn], tokens: list[int], need: int, policy: CompressionConfig
+) -> tuple[int, int] | None:
+    """Step indices [start, end) of the fewest middle turns that save `need` tokens
+    (all of the middle when it saves less)."""
+    n = len(turns)
+    firsts = {
+        next((t for t, turn in enumerate(turns) if turn.role == role), None)
+        for role in ("system", "human", "gpt", "tool")
+    }
+    last = set(range(max(n - policy.protect_last_n_turns, 0), n))
+    protected = {t for t in firsts | last if t is not None}
+    head = [t for t in protected if t < n // 2]
+    tail = [t for t in protected if t >= n // 2]
+    lo, hi = (max(head) + 1 if head else 0), (min(tail) if tail else n)
+    lo = _snap_start(turns, lo, hi)
+    if lo >= hi:
+        return None
+    taken, end = 0, lo
+    while end < hi and taken < need:
+        turn = turns[end]
+        taken += sum(tokens[turn.start : turn.end])
+        end += 1
+    end = _snap_end(turns, end, lo, hi)
+    if end <= lo:
+        return None
+    return turns[lo].start, turns[end - 1].end
+
+
+def _clean(turns: list[_Turn], at: int) -> bool:
+    """A boundary at turn `at` separates no call from its tool results."""
+    return at >= len(turns) or turns[at].role != "tool"
+
+
+def _snap_start(turns: list[_Turn], at: int, hi: int) -> int:
+    # The head keeps the call, so its results stay in the head too.
+    while at < hi and not _clean(turns, at):
+        at += 1
+    return at
+
+
+def _snap_end(turns: list[_Turn], at: int, lo: int, hi: int) -> int:
+    """Forward past the tool turn (it goes with its call), or, when the results run
+    into the protected tail, back before the call."""
+    forward = at
+    while forward < hi and not _clean(turns, forward):
+        forward += 1
+    if _clean(turns, forward):
+        return forward
+    while at > lo and not _clean(turns, at):
+        at -= 1
+    return at
+
+
+def _render(steps: list[Step], turns: list[_Turn], start: int, end: int) -> str:
+    """The turns in [start, end) as Hermes feeds them to the summarizer."""
+    blocks = []
+    for t, turn in enumerate(turns):
+        if turn.start < start or turn.end > end:
+            continue
+        value = "\n".join("\n".join(step_parts(s)) for s in steps[turn.start : turn.end])
+        if len(value) > _TURN_CHARS:
+            value = f"{value[:_TURN_HEAD]}\n...[truncated]...\n{value[-_TURN_TAIL:]}"
+        blocks.append(f"[Turn {t} - {turn.role.upper()}]:\n{value}")
+    return "\n\n".join(blocks)

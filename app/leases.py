@@ -1,0 +1,73 @@
+"""Row leases: how a stage claims work so that no two workers process the same row,
+and a dead worker's claims expire.
+
+A claim is one statement, `UPDATE ... WHERE id IN (SELECT ... [FOR UPDATE SKIP
+LOCKED]) AND <lease free> RETURNING ...`: atomic on SQLite's single writer and, with
+SKIP LOCKED, free of waiting on PostgreSQL. The final move of a claimed row checks
+`lease_owner` so that a worker whose lease expired cannot overwrite its successor.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.db.dialect import dialect_of, skip_locked
+from app.db.types import utcnow
+
+
+def worker_id() -> str:
+    """host:pid:random, so that a lease names the process that holds it."""
+    return f"{socket.gethostname()[:32]}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True)
+class Lease:
+    seconds: float = 30
+    owner: str = field(default_factory=worker_id)
+
+
+def lease_is_free(table: sa.Table) -> sa.ColumnElement[bool]:
+    return sa.or_(table.c.lease_expires_at.is_(None), table.c.lease_expires_at < utcnow())
+
+
+async def claim(
+    conn: AsyncConnection,
+    table: sa.Table,
+    *,
+    where: sa.ColumnElement[bool],
+    order_by: Any,
+    limit: int,
+    lease: Lease,
+    returning: list[Any],
+) -> list[sa.Row[Any]]:
+    """Lease up to `limit` rows matching `where` (oldest by `order_by` first) whose
+    lease is free or expired; returns them with `attempts` already counted."""
+    key = next(iter(table.primary_key.columns))
+    pick = sa.select(key).where(where, lease_is_free(table)).order_by(order_by).limit(limit)
+    pick = skip_locked(pick, dialect_of(conn))
+    stmt = (
+        sa.update(table)
+        .where(key.in_(pick.scalar_subquery()), where, lease_is_free(table))
+        .values(
+            lease_owner=lease.owner,
+            lease_expires_at=utcnow() + timedelta(seconds=lease.seconds),
+            attempts=table.c.attempts + 1,
+        )
+        .returning(*returning)
+    )
+    return list((await conn.execute(stmt)).all())
+
+
+def held_by(table: sa.Table, lease: Lease) -> sa.ColumnElement[bool]:
+    return table.c.lease_owner == lease.owner
+
+
+RELEASED = {"lease_owner": None, "lease_expires_at": None}

@@ -1,0 +1,149 @@
+"""The compression stage: claim accepted traces, compress them, store the result
+beside the original, and move each to `compressed` or `compression_skipped`.
+
+A claim is a lease (app/leases.py): a worker killed mid-trace leaves a lease that
+expires, and the next worker compresses the trace; the final move checks the lease,
+so a trace is compressed (stored) at most once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import timedelta
+from typing import Any, Callable
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.compression import Compressed, Skipped, Summarizer, compress
+from app.config import CompressionConfig
+from app.db.models import TraceRow
+from app.db.types import utcnow
+from app.domain import Stage, Trace
+from app.leases import RELEASED, Lease, claim, held_by
+
+log = logging.getLogger("atropos.compression")
+TRACES = TraceRow.__table__
+MAX_ATTEMPTS = 3
+RETRY_BACKOFF_SECONDS = 5
+
+
+class CompressionStage:
+    name = "compression"
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        policy: CompressionConfig,
+        *,
+        max_trace_tokens: int,
+        lease: Lease,
+        summarizer: Summarizer | None = None,
+        batch: int = 8,
+        on_advance: Callable[[], None] | None = None,
+    ) -> None:
+        self._engine = engine
+        self._policy = policy
+        self._max_trace_tokens = max_trace_tokens
+        self._lease = lease
+        self._summarizer = summarizer
+        self._batch = batch
+        self._on_advance = on_advance
+
+    async def run_once(self) -> int:
+        async with self._engine.begin() as conn:
+            rows = await claim(
+                conn,
+                TRACES,
+                where=TRACES.c.stage == Stage.ACCEPTED.value,
+                order_by=TRACES.c.created_at,
+                limit=self._batch,
+                lease=self._lease,
+                returning=[
+                    TRACES.c.trace_id,
+                    TRACES.c.trace,
+                    TRACES.c.total_tokens,
+                    TRACES.c.reward,
+                    TRACES.c.reward_breakdown,
+                    TRACES.c.attempts,
+                ],
+            )
+        for row in rows:
+            await self._one(row)
+        if rows and self._on_advance is not None:
+            self._on_advance()
+        return len(rows)
+
+    async def _one(self, row: Any) -> None:
+        try:
+            result = await self._compress(row)
+        except Exception as exc:  # a strategy or model failure sinks only this trace
+            await self._failed(row, exc)
+            return
+        if isinstance(result, Skipped):
+            log.info("compression skipped: trace %s: %s", row.trace_id, result.reason)
+            await self._move(row.trace_id, Stage.COMPRESSION_SKIPPED,
+                             compression={"skipped": result.reason})
+        else:
+            await self._move(
+                row.trace_id,
+                Stage.COMPRESSED,
+                compressed=result.trace.model_dump(mode="json", exclude_none=True),
+                compressed_tokens=result.tokens_after,
+                compression=result.record(),
+            )
+
+    async def _compress(self, row: Any) -> Compressed | Skipped:
+        trace = Trace.model_validate(row.trace)
+        args = (trace, row.total_tokens, self._policy)
+        kwargs: dict[str, Any] = {
+            "forced": row.total_tokens > self._max_trace_tokens,
+            "reward": row.reward,
+            "breakdown": row.reward_breakdown,
+        }
+        if self._policy.strategy == "summarize_middle":
+            # Mostly waiting on the model: stays on the event loop with its HTTP client.
+            return await compress(*args, summarizer=self._summarizer, **kwargs)
+        # key_decision_extract is pure CPU (tens of ms for a long trace): run it off the
+        # event loop so the API keeps answering. It makes no I/O, so a private loop in
+        # the worker thread is enough.
+        return await asyncio.to_thread(asyncio.run, compress(*args, **kwargs))
+
+    async def _move(self, trace_id: str, target: Stage, **values: Any) -> bool:
+        async with self._engine.begin() as conn:
+            result = await conn.execute(
+                sa.update(TRACES)
+                .where(
+                    TRACES.c.trace_id == trace_id,
+                    TRACES.c.stage == Stage.ACCEPTED.value,
+                    held_by(TRACES, self._lease),
+                )
+                .values(stage=target.value, updated_at=utcnow(), stage_error=None,
+                        **RELEASED, **values)
+            )
+        moved = result.rowcount == 1
+        if not moved:
+            log.warning("trace %s: lease lost before the move to %s; left to its new owner",
+                        trace_id, target.value)
+        return moved
+
+    async def _failed(self, row: Any, exc: Exception) -> None:
+        error = f"{type(exc).__name__}: {exc}"
+        if row.attempts >= MAX_ATTEMPTS:
+            log.error("trace %s: compression failed %d times, giving up: %s",
+                      row.trace_id, row.attempts, error)
+            await self._move(row.trace_id, Stage.COMPRESSION_FAILED, stage_error=error)
+            return
+        retry_in = RETRY_BACKOFF_SECONDS * row.attempts
+        log.warning("trace %s: compression failed (attempt %d of %d), retrying in %d s: %s",
+                    row.trace_id, row.attempts, MAX_ATTEMPTS, retry_in, error)
+        async with self._engine.begin() as conn:
+            # Keep the lease but shorten it to the backoff: the trace is claimable again
+            # (by any worker) once it runs out.
+            await conn.execute(
+                sa.update(TRACES)
+                .where(TRACES.c.trace_id == row.trace_id, held_by(TRACES, self._lease))
+                .values(stage_error=error,
+                        lease_expires_at=utcnow() + timedelta(seconds=retry_in))
+            )

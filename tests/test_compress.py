@@ -1,0 +1,367 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+import app.compression.ledger as ledger_module
+import app.tokens
+from app.compression import Compressed, ModelSummarizer, Skipped, compress
+from app.compression.compress import _budget
+from app.compression.extract import _dedup, key_decision_extract, shape
+from app.compression.ledger import Budget, Ledger, is_error
+from app.compression.summarize import PREFIX, _span, _Turn
+from app.config import CompressionConfig, TinkerConfig
+from app.domain import Step, StepType, Trace
+from app.tokens import count_parts
+from tests.fakes.model_server import FakeModel, serve
+from tests.real_traces import OPENHANDS, SWE_AGENT, load
+
+REAL = OPENHANDS + SWE_AGENT
+# The long runs: OpenHands multi_swe_bench (50-80k raw tokens) and the longer SWE-agent ones.
+LONG = OPENHANDS + [p for p in SWE_AGENT if p.name.startswith(("ctf_web", "marshmallow"))]
+KEY, KEY_ENV = "sk-summary-key", "FAKE_SUMMARY_KEY"
+
+
+def _ids(paths: list[Path]) -> list[str]:
+    return [p.name.split(".")[0][-24:] for p in paths]
+
+
+def total(trace: Trace) -> int:
+    return count_parts(trace.text_parts())
+
+
+async def compressed(trace: Trace, policy: CompressionConfig, **kwargs: object) -> Compressed:
+    result = await compress(trace, total(trace), policy, **kwargs)  # type: ignore[arg-type]
+    assert isinstance(result, Compressed), result
+    return result
+
+
+# --- key_decision_extract on real runs ----------------------------------------------
+
+
+@pytest.mark.parametrize("path", REAL, ids=_ids(REAL))
+async def test_real_runs_land_within_bounds(path: Path) -> None:
+    trace = load(path)
+    policy = CompressionConfig()
+    result = await compress(trace, total(trace), policy)
+    if isinstance(result, Skipped):
+        assert policy.ratio * total(trace) < policy.min_tokens_after
+        return
+    assert result.tokens_after == total(result.trace)  # same tokenizer, same text
+    assert policy.min_tokens_after <= result.tokens_after
+    assert result.over_limit == (result.tokens_after > policy.max_tokens_after)
+    assert result.target == min(max(round(0.3 * total(trace)), 500), 8000)
+    if result.tokens_after > 1.25 * result.target:
+        _assert_only_preserved_left(trace, policy, result.target)
+
+
+def _assert_only_preserved_left(trace: Trace, policy: CompressionConfig, target: int) -> None:
+    """Over 25% above target is allowed only when nothing unpreserved is left to cut."""
+    ledger = Ledger.of(trace)
+    key_decision_extract(ledger, policy, _budget(target, policy))
+    found = shape(trace.steps, policy)
+    left = [
+        i
+        for i, step in enumerate(ledger.steps)
+        if step is not None
+        and i not in found.protected
+        and i not in found.owner
+        and not (step.type is StepType.MESSAGE and step.role == "system")
+    ]
+    assert left == []
+
+
+@pytest.mark.parametrize("path", LONG, ids=_ids(LONG))
+async def test_long_runs_keep_task_final_action_and_every_error(path: Path) -> None:
+    trace = load(path)
+    result = await compressed(trace, CompressionConfig())
+    out = result.trace
+    assert total(trace) >= 3 * result.tokens_after
+    assert result.tokens_after <= 1.25 * result.target
+    assert out.task == trace.task and out.outcome == trace.outcome
+    assert out.metadata["sft_only"] is True
+    _assert_final_action_kept(trace, out)
+    _assert_errors_kept_with_context(trace, out)
+
+
+def _assert_final_action_kept(trace: Trace, out: Trace) -> None:
+    finals = [s for s in trace.steps if s.type is StepType.FINAL]
+    if finals:
+        assert finals[-1] in out.steps
+        return
+    last = [s for s in trace.steps if s.type is StepType.ACTION][-1]
+    assert last in out.steps
+    assert any(s.type is StepType.OBSERVATION and s.call_id == last.call_id for s in out.steps)
+
+
+def _assert_errors_kept_with_context(trace: Trace, out: Trace) -> None:
+    errors = [i for i, s in enumerate(trace.steps) if is_error(s)]
+    kept_text = [s.content or "" for s in out.steps]
+    for i in errors:
+        error = trace.steps[i]
+        head = (error.content or "")[:60]
+        assert any(text.startswith(head) for text in kept_text), f"error at step {i} lost"
+        if error.call_id:
+            assert any(s.type is StepType.ACTION and s.call_id == error.call_id for s in out.steps)
+        reaction = next(
+            (s for s in trace.steps[i + 1 :] if s.type is not StepType.OBSERVATION), None
+        )
+        if reaction is not None:
+            assert any(_same_step(reaction, s) for s in out.steps), f"reaction to step {i} lost"
+
+
+def _same_step(original: Step, kept: Step) -> bool:
+    if original.type is not kept.type:
+        return False
+    if original.type is StepType.ACTION:
+        return original.call_id == kept.call_id
+    return (kept.content or "").startswith((original.content or "")[:60])
+
+
+async def test_long_outputs_are_cut_to_head_and_tail_with_a_marker() -> None:
+    trace = load(OPENHANDS[2])
+    result = await compressed(trace, CompressionConfig())
+    cut = [s.content for s in result.trace.steps if s.content and "tokens cut ...]" in s.content]
+    assert cut and result.removed["redundant_tool_outputs"] == len(cut)
+    original = {s.call_id: s.content for s in trace.steps if s.type is StepType.OBSERVATION}
+    trimmed = next(s for s in result.trace.steps if s.content and "tokens cut ...]" in s.content)
+    head, _, tail = (trimmed.content or "").partition("\n[... ")
+    assert (original[trimmed.call_id] or "").startswith(head)
+    assert (original[trimmed.call_id] or "").endswith(tail.split(" ...]\n", 1)[1])
+
+
+async def test_tighter_passes_then_over_limit() -> None:
+    trace = load(OPENHANDS[0])  # an error streak: mostly preserved
+    result = await compressed(trace, CompressionConfig(ratio=0.5, max_tokens_after=3000))
+    assert result.over_limit and result.tokens_after > 3000
+    assert result.removed["exploration_steps"] > 0 and result.removed["system_prompt"] == 1
+
+
+@pytest.mark.parametrize("path", REAL, ids=_ids(REAL))
+async def test_never_under_min_tokens_after(path: Path) -> None:
+    trace = load(path)
+    policy = CompressionConfig(ratio=0.05, min_tokens_after=1000)
+    result = await compress(trace, total(trace), policy, forced=True)
+    if isinstance(result, Skipped):
+        assert total(trace) <= 1000
+        return
+    assert result.target == max(round(0.05 * total(trace)), 1000)
+    assert result.tokens_after >= 1000
+
+
+def test_counts_are_kept_per_step_not_retokenized(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole trace is tokenized about once (incl. the result), not once per removal."""
+    encoded = [0]
+    real = app.tokens.count_tokens
+
+    def counting(text: str) -> int:
+        encoded[0] += len(text)
+        return real(text)
+
+    monkeypatch.setattr(app.tokens, "count_tokens", counting)
+    monkeypatch.setattr(ledger_module, "count_tokens", counting)
+    trace = load(OPENHANDS[0])
+    policy = CompressionConfig()
+    target = round(0.3 * total(trace))
+    encoded[0] = 0
+    ledger = Ledger.of(trace)
+    key_decision_extract(ledger, policy, _budget(target, policy))
+    # Once over the input (long steps partly by sample) and once over the result.
+    assert encoded[0] < 1.0 * len("\n".join(trace.text_parts()))
+    assert abs(ledger.total - total(ledger.result())) < 0.02 * ledger.total
+
+
+# --- the rules around the strategies ------------------------------------------------
+
+
+def _synthetic(outputs: list[str], task: str = "Fix the failing build.") -> Trace:
+    steps = [Step(type=StepType.MESSAGE, role="system", content="You are a coding agent.")]
+    for n, output in enumerate(outputs):
+        steps += [
+            Step(type=StepType.THOUGHT, content=f"Step {n}: let me look at the next thing."),
+            Step(type=StepType.ACTION, tool="bash", arguments={"cmd": f"run {n}"}, call_id=f"c{n}"),
+            Step(type=StepType.OBSERVATION, call_id=f"c{n}", content=output),
+        ]
+    steps.append(Step(type=StepType.FINAL, content="The build passes now."))
+    return Trace(task=task, steps=steps)
+
+
+async def test_short_trace_is_skipped_with_the_reason() -> None:
+    trace = _synthetic(["ok"] * 3)
+    result = await compress(trace, 300, CompressionConfig())
+    assert result == Skipped("ratio x total_tokens = 0.3 x 300 = 90 < min_tokens_after 500")
+
+
+async def test_disabled_skips_unless_forced() -> None:
+    trace = load(OPENHANDS[1])
+    policy = CompressionConfig(enabled=False)
+    assert await compress(trace, total(trace), policy) == Skipped(
+        "compression disabled (compression.enabled is false)"
+    )
+    result = await compressed(trace, policy, forced=True)
+    assert result.tokens_after <= 1.25 * result.target and result.trace.metadata["sft_only"]
+
+
+async def test_forced_under_min_is_compressed_toward_min() -> None:
+    trace = _synthetic([f"line {k} of a long build log\n" * 60 for k in range(12)])
+    policy = CompressionConfig(enabled=False, ratio=0.05, min_tokens_after=500)
+    assert policy.ratio * total(trace) < 500
+    result = await compressed(trace, policy, forced=True)
+    assert result.target == 500
+    assert 500 <= result.tokens_after <= 625
+
+
+def test_repeated_observations_become_pointers_within_the_window() -> None:
+    log = "\n".join(f"compiling module {k}" for k in range(120))
+    later = log.replace("module 7", "module 8")  # the same but for a number
+    ledger = Ledger.of(_synthetic([log, log, later, "x" * 10, log]))
+    _dedup(ledger, set(), 4, Budget(aim=0, floor=0, lower=0))
+    outputs = [s.content for s in ledger.result().steps if s.type is StepType.OBSERVATION]
+    assert outputs[:3] == [
+        log,
+        "[output identical to the output of step 3 of the original trace]",
+        # Within the window of step 6, whose text is in full at step 3.
+        "[output nearly identical (numbers differ) to the output of step 3 of the original trace]",
+    ]
+    # The last copy is 6 steps after the previous one, beyond dedup_window.
+    assert outputs[4] == log
+    assert ledger.removed == {"repeated_observations": 2}
+
+
+async def test_reward_signal_kept_in_metadata() -> None:
+    trace = load(OPENHANDS[1])
+    result = await compressed(
+        trace, CompressionConfig(), reward=25.0, breakdown={"task_success": 20}
+    )
+    metadata = result.trace.metadata
+    assert (metadata["reward"], metadata["reward_breakdown"]) == (25.0, {"task_success": 20})
+    assert metadata["compression"] == result.record()
+    assert result.record()["ratio"] == result.ratio
+
+
+def test_min_over_max_is_a_config_error() -> None:
+    with pytest.raises(ValueError, match="min_tokens_after"):
+        CompressionConfig(min_tokens_after=9000, max_tokens_after=8000)
+
+
+# --- summarize_middle against the fake model endpoint -------------------------------
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[FakeModel, str]]:
+    fake = FakeModel(key=KEY)
+    with serve(fake) as root:
+        yield fake, root
+
+
+@pytest.fixture
+def fake(served: tuple[FakeModel, str], monkeypatch: pytest.MonkeyPatch) -> FakeModel:
+    model, _ = served
+    model.faults.clear()
+    model.received.clear()
+    monkeypatch.setenv(KEY_ENV, KEY)
+    return model
+
+
+@pytest.fixture
+async def summarizer(served: tuple[FakeModel, str]) -> AsyncIterator[ModelSummarizer]:
+    tinker = TinkerConfig(
+        base_url=f"{served[1]}/v1",
+        api_key_env=KEY_ENV,
+        model_id="fake/summarizer",
+        max_retries=1,
+        retry_base_delay_seconds=0.001,
+    )
+    async with httpx.AsyncClient() as client:
+        yield ModelSummarizer(client, tinker)
+
+
+SUMMARIZE = CompressionConfig(strategy="summarize_middle", summary_target_tokens=200)
+
+
+async def test_summarize_middle_request_and_placement(
+    fake: FakeModel, summarizer: ModelSummarizer
+) -> None:
+    trace = load(OPENHANDS[2])
+    result = await compressed(trace, SUMMARIZE, summarizer=summarizer)
+    assert (result.strategy, result.fallback) == ("summarize_middle", None)
+    [request] = fake.received
+    assert request.path == "/v1/chat/completions"
+    assert request.headers["authorization"] == f"Bearer {KEY}"
+    assert request.body["model"] == "fake/summarizer"
+    assert request.body["max_tokens"] == 400
+    [message] = request.body["messages"]
+    assert message["role"] == "user" and "TURNS TO SUMMARIZE" in message["content"]
+    # Turns: 0 system, 1 first thought+action, 2 its result: the protected head.
+    assert "[Turn 2 - TOOL]" not in message["content"]
+    assert message["content"].split("TURNS TO SUMMARIZE:\n")[1].startswith("[Turn 3 - GPT]:")
+
+    steps = result.trace.steps
+    [at] = [i for i, s in enumerate(steps) if s.content and s.content.startswith(PREFIX)]
+    assert steps[at].type is StepType.MESSAGE and steps[at].role == "user"
+    # Head: system, first thought+action, first result; all before the summary, unchanged.
+    assert steps[:at] == trace.steps[:at] and at >= 4
+    assert result.removed["summarized_steps"] > 0
+    assert result.tokens_after <= 1.25 * result.target
+
+
+@pytest.mark.parametrize("path", OPENHANDS, ids=_ids(OPENHANDS))
+async def test_summarize_middle_never_splits_a_call_from_its_result(
+    fake: FakeModel, summarizer: ModelSummarizer, path: Path
+) -> None:
+    trace = load(path)
+    result = await compressed(trace, SUMMARIZE, summarizer=summarizer)
+    assert result.fallback is None
+    calls = {s.call_id for s in result.trace.steps if s.type is StepType.ACTION}
+    answered = {
+        s.call_id for s in result.trace.steps if s.type is StepType.OBSERVATION and s.call_id
+    }
+    assert answered <= calls
+    # Every call whose result was in the original still has it next to it.
+    had_result = {s.call_id for s in trace.steps if s.type is StepType.OBSERVATION}
+    assert calls & had_result <= answered
+
+
+def test_span_snaps_around_tool_turns() -> None:
+    turns = [
+        _Turn(role, i, i + 1)
+        for i, role in enumerate(
+            ["system", "human", "gpt", "tool", "gpt", "tool", "gpt", "tool", "gpt", "tool"]
+        )
+    ]
+    tokens = [10] * len(turns)
+    policy = CompressionConfig(protect_last_n_turns=3)  # the tail starts on a tool turn
+    # Need 10: one gpt turn, and its tool turn goes with it.
+    assert _span(turns, tokens, 10, policy) == (4, 6)
+    # Need everything: the tail's tool turn (7) belongs to gpt turn 6, so 6 stays out.
+    assert _span(turns, tokens, 1000, policy) == (4, 6)
+
+
+@pytest.mark.parametrize(
+    ("fault", "said"),
+    [("500", "unavailable after 2"), ("401", KEY_ENV), ("no_choices", "fake/summarizer")],
+)
+async def test_summarize_middle_falls_back_when_the_model_fails(
+    fake: FakeModel, summarizer: ModelSummarizer, fault: str, said: str
+) -> None:
+    fake.faults.extend([fault] * 3)
+    trace = load(OPENHANDS[2])
+    result = await compressed(trace, SUMMARIZE, summarizer=summarizer)
+    assert result.strategy == "key_decision_extract"
+    assert (
+        result.fallback
+        and result.fallback.startswith("the summary model failed")
+        and said in result.fallback
+    )
+    assert KEY not in result.fallback
+    assert result.trace.metadata["compression"]["fallback"] == result.fallback
+    assert not any((s.content or "").startswith(PREFIX) for s in result.trace.steps)
+    assert result.tokens_after <= 1.25 * result.target
+
+
+async def test_summarize_middle_without_a_summarizer_falls_back() -> None:
+    result = await compressed(load(OPENHANDS[2]), SUMMARIZE)
+    assert result.strategy == "key_decision_extract" and "no summarizer" in (result.fallback or "")
