@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.api import ops, traces
+from app.api import ops, runs, traces
 from app.api.errors import install_error_handlers
 from app.environment import Environment
 from app.hub import Settings, running_hub
@@ -39,4 +39,5 @@ def create_app(
     install_error_handlers(app)
     app.include_router(traces.router(config.trace_server.endpoint))
     app.include_router(ops.router)
+    app.include_router(runs.router)
     return app
