@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Iterator
 
@@ -19,7 +20,7 @@ from app.api.app import create_app
 from app.config import load_compression, load_config, load_tinker
 from app.db import migrate
 from app.errors import ConfigError
-from app import importer, sources
+from app import importer, rescore, sources
 from app.environment import Environment
 from app.hub import Settings, open_database, running_stages
 from app.ingest import Ingestor
@@ -66,6 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--url", help="POST to this running hub instead of the database")
     imp.add_argument("--strict", action="store_true", help="an unreadable record fails the run")
     imp.set_defaults(run=_import)
+
+    rescore = commands.add_parser("rescore", help="score stored traces with the current rules")
+    rescore.add_argument("--config", required=True, help="config.json")
+    rescore.add_argument("--since", type=_datetime, help="only traces created since (ISO 8601)")
+    rescore.set_defaults(run=_rescore)
 
     db = commands.add_parser("db", help="database operations")
     db_commands = db.add_subparsers(dest="db_command", required=True)
@@ -197,6 +203,32 @@ async def _import(args: argparse.Namespace) -> int:
         print(line)
     failed = summary.refused or (args.strict and summary.unreadable)
     return 1 if failed else 0
+
+
+async def _rescore(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    environment = Environment.from_config(config.environment)
+    engine = await open_database(config)
+    try:
+        progress = Progress("rescored", await rescore.pending(engine, environment, args.since))
+        counts = await rescore.rescore(
+            engine, environment, since=args.since, on_batch=progress.advance
+        )
+        progress.close()
+    finally:
+        await engine.dispose()
+    print(f"rescored: {counts.pop('rescored', 0)}")
+    for move, n in sorted(counts.items()):
+        print(f"stage {move}: {n}")
+    return 0
+
+
+def _datetime(value: str) -> datetime:
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 date or time: {value!r}") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 async def _db_upgrade(args: argparse.Namespace) -> int:
