@@ -8,7 +8,9 @@ start_timeout.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,11 +89,20 @@ async def _probe(
 
 
 async def _answers_2xx(http: httpx.AsyncClient, url: str) -> bool:
+    token = _probing.set(True)
     try:
         response = await http.get(url, timeout=_HTTP_TIMEOUT)
     except httpx.HTTPError:
         return False  # not listening yet, or not answering: try again
+    finally:
+        _probing.reset(token)
     return response.is_success
+
+
+# httpx logs every response at INFO; a probe five times a second of a server still
+# answering 503 would bury the hub's log. Only the probes are kept out of it.
+_probing: ContextVar[bool] = ContextVar("probing", default=False)
+logging.getLogger("httpx").addFilter(lambda _record: not _probing.get())
 
 
 class _LogScanner:

@@ -79,12 +79,14 @@ class RunProcess:
 
     def __init__(
         self,
+        run_id: str,
         role: str,
         log_path: Path,
         pid: int,
         ticks: int | None,
         popen: subprocess.Popen[bytes] | None = None,
     ) -> None:
+        self.run_id = run_id
         self.role = role
         self.log_path = log_path
         self.pid = pid
@@ -95,7 +97,14 @@ class RunProcess:
 
     @classmethod
     def spawn(
-        cls, role: str, command: list[str], *, cwd: str, env: dict[str, str], log_path: Path
+        cls,
+        run_id: str,
+        role: str,
+        command: list[str],
+        *,
+        cwd: str,
+        env: dict[str, str],
+        log_path: Path,
     ) -> RunProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         exit_path = _exit_path(log_path)
@@ -110,12 +119,14 @@ class RunProcess:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        return cls(role, log_path, popen.pid, start_ticks(popen.pid), popen)
+        return cls(run_id, role, log_path, popen.pid, start_ticks(popen.pid), popen)
 
     @classmethod
-    def attach(cls, role: str, log_path: Path, pid: int, ticks: int | None) -> RunProcess:
+    def attach(
+        cls, run_id: str, role: str, log_path: Path, pid: int, ticks: int | None
+    ) -> RunProcess:
         """A process another hub process spawned."""
-        return cls(role, log_path, pid, ticks)
+        return cls(run_id, role, log_path, pid, ticks)
 
     def running(self) -> bool:
         if self._popen is not None:
@@ -138,34 +149,30 @@ class RunProcess:
         if await self._gone_within(timeout):
             return
         log.warning(
-            "%s (pid %d) still running %g s after SIGTERM: sending SIGKILL",
+            "run %s: %s (pid %d) still running %g s after SIGTERM; sending SIGKILL",
+            self.run_id,
             self.role,
             self.pid,
             timeout,
         )
         self._signal(signal.SIGKILL)
         if not await self._gone_within(_AFTER_KILL):
-            log.error("%s (pid %d): process group still there after SIGKILL", self.role, self.pid)
+            log.error(
+                "run %s: %s (pid %d): its process group is still there after SIGKILL",
+                self.run_id,
+                self.role,
+                self.pid,
+            )
 
     def _group_alive(self) -> bool:
         if self._popen is not None:
             self._popen.poll()
         stat = _stat(self.pid)
-        if (
-            stat is not None
-            and self.start_ticks is not None
-            and stat.start_ticks != self.start_ticks
-        ):
+        if stat is not None and self.start_ticks not in (None, stat.start_ticks):
             return False  # the pid now leads someone else's group; ours is gone
         # The leader may be gone while processes it started live on in its group; the
         # kernel does not hand out a pid that is still a group id, so the group is ours.
-        try:
-            os.killpg(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return _has_live_members(self.pid)
 
     def _signal(self, sig: signal.Signals) -> bool:
         """Signal the group if it is still there; False if it is not."""
@@ -184,6 +191,23 @@ class RunProcess:
                 return False
             await asyncio.sleep(_STOP_POLL)
         return True
+
+
+def _has_live_members(pgid: int) -> bool:
+    """Whether process group `pgid` has a member that is not a zombie. kill(-pgid, 0)
+    would count zombies too, and whoever reaps the orphans of a killed launcher
+    (init, a container's pid 1) may take its time."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        state, _ppid, pgrp = raw[raw.rindex(")") + 2 :].split(maxsplit=3)[:3]
+        if int(pgrp) == pgid and state not in ("Z", "X"):
+            return True
+    return False
 
 
 def _exit_path(log_path: Path) -> Path:

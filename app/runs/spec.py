@@ -12,7 +12,6 @@ check means "up once spawned".
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -71,23 +70,14 @@ class ProcessSpec(_Spec):
 class RunSpec(_Spec):
     trainer: ProcessSpec
     environments: list[ProcessSpec] = Field(default_factory=list)
-    # The processes' working directory; relative paths are taken from the hub's.
+    # The processes' working directory on the hub's machine; default and relative
+    # paths are the hub's (resolved and checked when the run is created).
     cwd: str | None = None
     # Added to the environment the processes inherit from the hub. Stored with the run
     # and shown by GET: secrets belong in the hub's environment, not here.
     env: dict[str, str] = Field(default_factory=dict)
     poll_interval: Annotated[float, Field(gt=0)] = 30
     stop_timeout: Annotated[float, Field(ge=0)] = 10
-
-    @field_validator("cwd")
-    @classmethod
-    def _cwd_is_a_directory(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        path = Path(value).expanduser().resolve()
-        if not path.is_dir():
-            raise ValueError(f"{value} is not a directory on the hub's machine")
-        return str(path)
 
     @field_validator("env")
     @classmethod

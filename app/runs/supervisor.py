@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import RunsConfig, TinkerConfig
 from app.db.types import utcnow
-from app.errors import Conflict
+from app.errors import Conflict, Invalid
 from app.runs import store
 from app.runs.channel import ModelChannel, process_env
 from app.runs.health import Exited, Healthy, Interrupted, TimedOut, wait_until_healthy
@@ -59,7 +59,7 @@ class RunSupervisor:
             candidates = await store.unwatched_runs(conn, self.host, self.identity)
         for run_id, owner in candidates:
             if owner is not None and _alive(owner, self.host):
-                continue
+                continue  # another hub on this machine watches it
             async with self._engine.begin() as conn:
                 if not await store.claim(conn, run_id, owner, self.identity):
                     continue
@@ -78,8 +78,11 @@ class RunSupervisor:
 
     async def create(self, spec: RunSpec, hub_url: str) -> RunRecord:
         """Record a pending run and start launching it; answers at once."""
+        cwd = Path(spec.cwd or os.getcwd()).expanduser().resolve()
+        if not cwd.is_dir():
+            raise Invalid(f"cwd: {spec.cwd} is not a directory on the hub's machine", field="cwd")
+        spec = spec.model_copy(update={"cwd": str(cwd)})
         run_id = uuid.uuid4().hex[:12]
-        spec = spec.model_copy(update={"cwd": spec.cwd or os.getcwd()})
         processes = [
             (role, p.command, str(log_path(self._config.logs_dir, role, run_id)))
             for role, p in spec.processes()
@@ -88,7 +91,7 @@ class RunSupervisor:
             await store.create_run(
                 conn,
                 run_id,
-                spec.model_dump(mode="json"),
+                spec.model_dump(mode="json", exclude_none=True),
                 processes,
                 host=self.host,
                 supervisor=self.identity,
@@ -179,7 +182,7 @@ class _Run:
     def adopt(cls, supervisor: RunSupervisor, record: RunRecord) -> _Run:
         """A run another hub process started, with the processes it had started."""
         processes = [
-            RunProcess.attach(p.role, Path(p.log_path), p.pid, p.start_ticks)
+            RunProcess.attach(record.run_id, p.role, Path(p.log_path), p.pid, p.start_ticks)
             for p in record.processes
             if p.pid is not None
         ]
@@ -241,7 +244,7 @@ class _Run:
             )
             try:
                 proc = RunProcess.spawn(
-                    role, spec.command, cwd=self.spec.cwd, env=env, log_path=path
+                    self.run_id, role, spec.command, cwd=self.spec.cwd, env=env, log_path=path
                 )
             except OSError as exc:
                 return RunStatus.FAILED, f"{_label(role)} could not be started: {exc}"

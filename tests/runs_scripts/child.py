@@ -34,7 +34,9 @@ def main() -> None:
     args = parser.parse_args()
 
     def event(what: str) -> None:
-        line = json.dumps({"name": args.name, "event": what, "t": time.time()})
+        line = json.dumps(
+            {"name": args.name, "event": what, "t": time.time(), "pgid": os.getpgid(0)}
+        )
         with open(args.events, "a") as f:
             f.write(line + "\n")
 
