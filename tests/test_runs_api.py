@@ -192,7 +192,7 @@ def test_a_trainer_that_exits_0_completes_the_run(runs_env: RunsEnv) -> None:
         ]
     assert run["error_message"] is None
     assert [p["exit_code"] for p in run["processes"]] == [0, -15]
-    assert "run %s: completed" % run_id in hub.log
+    assert f"run {run_id}: completed" in hub.log
 
 
 def test_start_failures_say_why(runs_env: RunsEnv) -> None:
