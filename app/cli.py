@@ -26,6 +26,7 @@ from app.hub import Settings, open_database, running_stages
 from app.ingest import Ingestor
 from app.inserter import TraceInserter
 from app.progress import Progress
+from app.runs import client as run_client
 
 log = logging.getLogger("atropos")
 
@@ -72,6 +73,15 @@ def _parser() -> argparse.ArgumentParser:
     rescore.add_argument("--config", required=True, help="config.json")
     rescore.add_argument("--since", type=_datetime, help="only traces created since (ISO 8601)")
     rescore.set_defaults(run=_rescore)
+
+    run = commands.add_parser(
+        "run",
+        help="start a training run on a hub and follow it",
+        description=run_client.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run_client.add_arguments(run)
+    run.set_defaults(run=run_client.main)
 
     db = commands.add_parser("db", help="database operations")
     db_commands = db.add_subparsers(dest="db_command", required=True)

@@ -319,11 +319,11 @@ class _Run:
         """Stop what still runs, environments first, then record how the run ended.
         Processes first: a hub that dies in between leaves the run unfinished in the
         database, and the next one comes to the same end."""
-        for proc in reversed(self.processes):
+        for position, proc in reversed(list(enumerate(self.processes))):
             await proc.stop(self.spec.stop_timeout)
-        async with self._engine.begin() as conn:
-            for position, proc in enumerate(self.processes):
+            async with self._engine.begin() as conn:
                 await store.record_exit(conn, self.run_id, position, proc.exit_code())
+        async with self._engine.begin() as conn:
             moved = await store.move(
                 conn,
                 self.run_id,
