@@ -11,7 +11,7 @@ import sys
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import uvicorn
@@ -36,13 +36,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     _setup_logging()
     try:
-        code = asyncio.run(args.run(args))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            code = runner.run(args.run(args))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where it is installed (it comes with uvicorn[standard]): the HTTP path
+    spends a good part of its time in the event loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -118,7 +129,10 @@ def _settings(args: argparse.Namespace) -> Settings:
 async def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     workers = not args.no_workers
-    app = create_app(settings, engine=await open_database(settings.config), workers=workers)
+    # Rules first, then the database: a config mistake costs no migration.
+    environment = Environment.from_config(settings.config.environment)
+    engine = await open_database(settings.config)
+    app = create_app(settings, environment=environment, engine=engine, workers=workers)
     ts = settings.config.trace_server
     server = _Server(
         uvicorn.Config(

@@ -155,13 +155,13 @@ def check_json(value: Any, where: str) -> Any:
 
 
 def arguments(value: Any, where: str) -> Any:
-    """Tool-call arguments: a JSON object, or the raw string when it is not one."""
-    if value is None or isinstance(value, dict):
-        return check_json(value, where)
+    """Tool-call arguments: a JSON object, or the raw string when it is not one. Other
+    JSON values (an array, a number) are kept as sent: an agent that wrote them made an
+    invalid tool call, which the `invalid_tool_call` rule scores, not a bad request."""
     if isinstance(value, str):
         parsed = loads(value)
         return check_json(parsed, where) if isinstance(parsed, dict) else value
-    fail(where, f"expected an object or a JSON string, got {type_name(value)}")
+    return check_json(value, where)
 
 
 def text_content(value: Any, where: str) -> str | None:
