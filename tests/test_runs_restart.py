@@ -73,12 +73,10 @@ def test_a_restarted_hub_reattaches_live_runs_and_fails_dead_ones(runs_env: Runs
     assert not any(alive(pid) for pid in pids[live])
 
 
-def test_a_stop_taken_by_another_hub_is_carried_out_by_the_watcher(
-    runs_env: RunsEnv,
-) -> None:
+def test_a_stop_taken_by_another_hub_is_carried_out(runs_env: RunsEnv) -> None:
     """Two hubs share the database. A DELETE that the other hub answers is carried out
-    by the watching hub at its next poll; one answered while the watcher is dead is
-    carried out by the next hub that starts."""
+    by the watching hub at its next poll, or by the other hub itself once the watcher
+    is dead."""
     watcher, other = runs_env.hub(), runs_env.hub()
     with watcher.client() as w, other.client() as o:
         first = start(w, spec(runs_env.child("t1"), runs_env.child("e1")))
@@ -86,17 +84,44 @@ def test_a_stop_taken_by_another_hub_is_carried_out_by_the_watcher(
         assert o.delete(f"/v1/runs/{first}").json()["status"] == "stopping"
         assert wait_status(o, first, "stopped")["processes"][0]["exit_code"] == -15
         assert not any(alive(pid) for pid in pids)
+        assert f"run {first}: stopped" in watcher.log
 
         second = start(w, spec(runs_env.child("t2"), runs_env.child("e2")))
         pids = [p["pid"] for p in wait_status(w, second, "running")["processes"]]
         watcher.kill()
         assert o.delete(f"/v1/runs/{second}").json()["status"] == "stopping"
-        time.sleep(0.5)
-        assert all(alive(pid) for pid in pids)  # nobody on duty: it waits
-    watcher.start()
-    with watcher.client() as w:
-        run = wait_status(w, second, "stopped")
+        run = wait_status(o, second, "stopped")
     assert [p["exit_code"] for p in run["processes"]] == [-15, -15]
+    assert not any(alive(pid) for pid in pids)
+    assert f"run {second}: stopped" in other.log
+
+
+def test_a_stop_cut_short_by_a_hub_crash_is_finished_by_the_next_hub(
+    runs_env: RunsEnv,
+) -> None:
+    hub = runs_env.hub()
+    with hub.client() as client:
+        body = spec(
+            runs_env.child("t"),
+            runs_env.child("e", "--ignore-sigterm"),
+            # Up means its SIGTERM handler is in place.
+            trainer_health={"log": "t started"},
+            env_health=[{"log": "e started"}],
+            stop_timeout=2,
+        )
+        run_id = start(client, body)
+        pids = [p["pid"] for p in wait_status(client, run_id, "running")["processes"]]
+        client.delete(f"/v1/runs/{run_id}")
+        deadline = time.monotonic() + 10
+        while not any(e["event"] == "sigterm" for e in runs_env.events()):
+            assert time.monotonic() < deadline, runs_env.events()
+            time.sleep(0.02)
+    hub.kill()  # while it waits for the environment that shrugs SIGTERM off
+    assert all(alive(pid) for pid in pids)
+    hub.start()
+    with hub.client() as client:
+        run = wait_status(client, run_id, "stopped")
+    assert [p["exit_code"] for p in run["processes"]] == [-15, None]  # e: SIGKILLed, unseen
     assert not any(alive(pid) for pid in pids)
 
 

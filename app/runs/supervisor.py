@@ -58,13 +58,20 @@ class RunSupervisor:
         async with self._engine.begin() as conn:
             candidates = await store.unwatched_runs(conn, self.host, self.identity)
         for run_id, owner in candidates:
-            if owner is not None and _alive(owner, self.host):
-                continue  # another hub on this machine watches it
-            async with self._engine.begin() as conn:
-                if not await store.claim(conn, run_id, owner, self.identity):
-                    continue
-                record = await store.get_run(conn, run_id)
-            self._watch(_Run.adopt(self, record), _Run.resume, record.status)
+            try:
+                await self._take_over(run_id, owner)
+            except Exception:
+                # One run the hub cannot make sense of must not keep it from serving.
+                log.exception("run %s: could not take it over", run_id)
+
+    async def _take_over(self, run_id: str, owner: str | None) -> None:
+        if owner is not None and _alive(owner, self.host):
+            return  # another hub process on this machine watches it
+        async with self._engine.begin() as conn:
+            if not await store.claim(conn, run_id, owner, self.identity):
+                return  # another hub took it first
+            record = await store.get_run(conn, run_id)
+        self._watch(_Run.adopt(self, record), _Run.resume, record.status)
 
     async def close(self) -> None:
         """Stop watching; the runs' processes keep running for the next hub."""
@@ -130,6 +137,9 @@ class RunSupervisor:
             record = await store.get_run(conn, run_id)
         if run_id in self._runs:
             self._runs[run_id].stop_requested.set()
+        elif record.host == self.host:
+            # Its watcher may be dead: then this hub carries the stop out itself.
+            await self._take_over(run_id, record.supervisor)
         return record
 
     async def describe(self, run_id: str, tail_lines: int = 0) -> dict[str, Any]:
