@@ -64,3 +64,7 @@ class TraceRow(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
 
     __table_args__ = (sa.Index("ix_traces_stage_created_at", "stage", "created_at"),)
+
+
+# The Core table, for the set-based statements (group insert, claims, stage moves).
+TRACES: sa.Table = TraceRow.__table__  # type: ignore[assignment]
