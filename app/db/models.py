@@ -66,6 +66,10 @@ class TraceRow(Base):
     __table_args__ = (sa.Index("ix_traces_stage_created_at", "stage", "created_at"),)
 
 
+# The Core table, for the set-based statements (group insert, claims, stage moves).
+TRACES: sa.Table = TraceRow.__table__  # type: ignore[assignment]
+
+
 class RunRow(Base):
     """One training run (app/runs): a trainer and its environments, started, watched
     and stopped by the hub. The injected model channel (keys, URLs) is never stored."""
@@ -107,3 +111,7 @@ class RunProcessRow(Base):
     healthy_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
     exited_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
     exit_code: Mapped[int | None] = mapped_column(sa.Integer)
+
+
+RUNS: sa.Table = RunRow.__table__  # type: ignore[assignment]
+RUN_PROCESSES: sa.Table = RunProcessRow.__table__  # type: ignore[assignment]

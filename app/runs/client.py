@@ -2,7 +2,8 @@
 Ctrl-C.
 
     atropos run --url http://127.0.0.1:8000 \\
-        --trainer "python launch_training.py --config run.yaml" --trainer-health log:"Starting training" \\
+        --trainer "python launch_training.py --config run.yaml" \\
+        --trainer-health "log:Starting training" \\
         --env "python my_env.py serve" --env-health alive:10
 
 The run lives on the hub, not in this command: if the hub restarts meanwhile, the

@@ -11,18 +11,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.models import RunProcessRow, RunRow
+from app.db.models import RUN_PROCESSES as PROCESSES
+from app.db.models import RUNS
 from app.db.types import utcnow
 from app.errors import NotFound
-
-# Declarative models type __table__ as a FromClause; these are plain Tables.
-RUNS = cast(sa.Table, RunRow.__table__)
-PROCESSES = cast(sa.Table, RunProcessRow.__table__)
 
 
 class RunStatus(StrEnum):
