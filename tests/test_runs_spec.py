@@ -54,8 +54,10 @@ def test_the_trainer_alone_gets_the_model_channel(monkeypatch: pytest.MonkeyPatc
         "PATH": "/bin", "MY_KEY": "sk-from-env-123", "TINKER_API_KEY": "tk-123456",
         "ATROPOS_TRACE_SERVER__DATABASE_URL": "postgresql://u:pw@db/x", "ATROPOS_HOME": "/a",
     }
-    common = {"spec_env": {"SEED": "1"}, "channel": channel, "hub_url": "http://10.0.0.5:8000",
-              "inherited": inherited}
+    common: dict[str, Any] = {
+        "spec_env": {"SEED": "1"}, "channel": channel, "hub_url": "http://10.0.0.5:8000",
+        "inherited": inherited,
+    }
     trainer = process_env("trainer", **common)
     assert trainer == {
         "PATH": "/bin", "ATROPOS_HOME": "/a", "PYTHONUNBUFFERED": "1", "SEED": "1",

@@ -17,10 +17,12 @@ import os
 import shlex
 import socket
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import RunsConfig, TinkerConfig
@@ -37,6 +39,8 @@ from app.runs.store import RunRecord, RunStatus
 log = logging.getLogger("atropos.runs")
 
 Outcome = tuple[RunStatus, str | None]
+# A _Run method that carries a run to its end: launch, or resume.
+_Step = Callable[..., Awaitable[None]]
 
 
 class RunSupervisor:
@@ -79,9 +83,13 @@ class RunSupervisor:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        async with self._engine.begin() as conn:
-            await store.release(conn, self.identity)
         await self._http.aclose()
+        try:
+            async with self._engine.begin() as conn:
+                await store.release(conn, self.identity)
+        except (SQLAlchemyError, OSError) as exc:
+            # Harmless: the next hub sees that this process is gone and takes them over.
+            log.warning("runs not released (%s); the next hub takes them over", exc)
 
     async def create(self, spec: RunSpec, hub_url: str) -> RunRecord:
         """Record a pending run and start launching it; answers at once."""
@@ -148,8 +156,8 @@ class RunSupervisor:
             record = await store.get_run(conn, run_id)
         body = record.to_json()
         if tail_lines:
-            # Read now, so that a key rotated since the run started is caught as well as
-            # the one it got; a trainer that prints its key does not publish it here.
+            # A trainer that prints its key has it in its own log; the API does not
+            # pass it on.
             channel = ModelChannel.from_tinker(self._tinker)
             for shown, process in zip(body["processes"], record.processes):
                 lines = await asyncio.to_thread(tail, Path(process.log_path), tail_lines)
@@ -160,7 +168,7 @@ class RunSupervisor:
         async with self._engine.connect() as conn:
             return [r.to_json() for r in await store.list_runs(conn, status, limit)]
 
-    def _watch(self, run: _Run, step: Any, *args: Any) -> None:
+    def _watch(self, run: _Run, step: _Step, *args: Any) -> None:
         self._runs[run.run_id] = run
         run.task = asyncio.create_task(run.guarded(step, *args), name=f"run-{run.run_id}")
         run.task.add_done_callback(lambda _: self._runs.pop(run.run_id, None))
@@ -200,7 +208,7 @@ class _Run:
         channel = ModelChannel.from_tinker(supervisor._tinker)
         return cls(supervisor, record.run_id, spec, channel, "", processes)
 
-    async def guarded(self, step: Any, *args: Any) -> None:
+    async def guarded(self, step: _Step, *args: Any) -> None:
         try:
             await step(self, *args)
         except asyncio.CancelledError:
