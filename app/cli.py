@@ -8,24 +8,25 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from collections.abc import Callable, Iterator
 
 import httpx
 import uvicorn
 
+from app import importer, rescore, sources
 from app.api.app import create_app
 from app.config import load_compression, load_config, load_tinker
 from app.db import migrate
-from app.errors import ConfigError
-from app import importer, rescore, sources
 from app.environment import Environment
+from app.errors import ConfigError
 from app.hub import Settings, open_database, running_stages
 from app.ingest import Ingestor
 from app.inserter import TraceInserter
 from app.progress import Progress
+from app.runs import client as run_client
 
 log = logging.getLogger("atropos")
 
@@ -83,6 +84,15 @@ def _parser() -> argparse.ArgumentParser:
     rescore.add_argument("--config", required=True, help="config.json")
     rescore.add_argument("--since", type=_datetime, help="only traces created since (ISO 8601)")
     rescore.set_defaults(run=_rescore)
+
+    run = commands.add_parser(
+        "run",
+        help="start a training run on a hub and follow it",
+        description=run_client.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run_client.add_arguments(run)
+    run.set_defaults(run=run_client.main)
 
     db = commands.add_parser("db", help="database operations")
     db_commands = db.add_subparsers(dest="db_command", required=True)
@@ -186,9 +196,9 @@ async def _worker(args: argparse.Namespace) -> int:
 
 async def _import(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    for fmt in [args.format] if args.format != "auto" else []:
-        if fmt not in sources.formats():
-            raise ConfigError(f"--format {fmt}: unknown; one of auto, {', '.join(sources.formats())}")
+    if args.format != "auto" and args.format not in sources.formats():
+        known = ", ".join(sources.formats())
+        raise ConfigError(f"--format {args.format}: unknown; one of auto, {known}")
     summary = importer.Summary()
     progress = Progress("imported")
     batches = importer.chunks(importer.records(args.paths, args.format))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 from pydantic import (
     BaseModel,
@@ -91,6 +91,30 @@ class WorkersConfig(_Section):
     lease_seconds: float = Field(30, gt=0)
 
 
+class RunsConfig(_Section):
+    """Training runs (app/runs): the hub starts and watches trainer and environment
+    processes. Off by default, because the endpoint spawns processes."""
+
+    enabled: bool = False
+    # Each process writes {logs_dir}/{trainer|env_N}_{run_id}.log.
+    logs_dir: str = "~/.atropos/logs"
+    # ATROPOS_HUB_URL as the run's processes get it; null: the address the request
+    # that started the run came in on (an address of this machine that reaches the hub).
+    hub_url: str | None = None
+
+    @field_validator("logs_dir")
+    @classmethod
+    def _expand_home(cls, value: str) -> str:
+        return str(Path(value).expanduser())
+
+    @field_validator("hub_url")
+    @classmethod
+    def _hub_url_is_http(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL, e.g. http://10.0.0.5:8000")
+        return value.rstrip("/") if value else value
+
+
 class AtroposConfig(_Section):
     """The Atropos trajectory API (/register, /scored_data, /batch, ...)."""
 
@@ -131,6 +155,11 @@ class HubConfig(_Section):
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
     atropos: AtroposConfig = Field(default_factory=AtroposConfig)
+    runs: RunsConfig = Field(default_factory=RunsConfig)
+
+
+PreservedField = Literal["user_instruction", "final_action", "reward_signal", "error_context"]
+DroppedField = Literal["intermediate_thoughts", "repeated_observations", "redundant_tool_outputs"]
 
 
 class CompressionConfig(_Section):
@@ -139,25 +168,10 @@ class CompressionConfig(_Section):
     min_tokens_after: int = Field(500, ge=0)
     max_tokens_after: int = Field(8000, gt=0)
     strategy: Literal["key_decision_extract", "summarize_middle"] = "key_decision_extract"
-    preserve_fields: list[
-        Literal["user_instruction", "final_action", "reward_signal", "error_context"]
-    ] = Field(
-        default_factory=lambda: [
-            "user_instruction",
-            "final_action",
-            "reward_signal",
-            "error_context",
-        ]
+    preserve_fields: list[PreservedField] = Field(
+        default_factory=lambda: list(get_args(PreservedField))
     )
-    drop_fields: list[
-        Literal["intermediate_thoughts", "repeated_observations", "redundant_tool_outputs"]
-    ] = Field(
-        default_factory=lambda: [
-            "intermediate_thoughts",
-            "repeated_observations",
-            "redundant_tool_outputs",
-        ]
-    )
+    drop_fields: list[DroppedField] = Field(default_factory=lambda: list(get_args(DroppedField)))
     dedup_window: int = Field(5, ge=0)
     # summarize_middle: turns kept verbatim at the end, and the summary's size (Hermes'
     # trajectory_compressor defaults).

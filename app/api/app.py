@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.api import atropos, ops, traces
+from app.api import atropos, ops, runs, traces
 from app.api.errors import install_error_handlers
 from app.environment import Environment
 from app.hub import Settings, running_hub
@@ -40,5 +40,6 @@ def create_app(
     install_error_handlers(app)
     app.include_router(traces.router(config.trace_server.endpoint))
     app.include_router(ops.router)
+    app.include_router(runs.router)
     app.include_router(atropos.router(config.atropos))
     return app
