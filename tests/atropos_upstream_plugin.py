@@ -38,9 +38,7 @@ class _HubPopen(_RealPopen):  # type: ignore[type-arg]
 
 
 def _launches_run_api(command: list[Any]) -> bool:
-    return any(
-        command[i] == "-m" and command[i + 1] == RUN_API for i in range(len(command) - 1)
-    )
+    return any(command[i] == "-m" and command[i + 1] == RUN_API for i in range(len(command) - 1))
 
 
 def _hub_launch(command: list[Any], kwargs: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:

@@ -156,7 +156,9 @@ def test_handshake_killed_at_each_step(hub: HubProcess) -> None:
         "checkpoint_interval": 10,
         "num_steps": 100,
     }
-    assert register_env(client, desired_name="math", max_token_length=1024)["wandb_name"] == "math_1"
+    assert (
+        register_env(client, desired_name="math", max_token_length=1024)["wandb_name"] == "math_1"
+    )
     client = restart(hub, client)
     # The next env gets the next id; the ids and weights before it are kept.
     assert register_env(client, desired_name="code")["env_id"] == 2
@@ -167,6 +169,7 @@ def test_handshake_killed_at_each_step(hub: HubProcess) -> None:
     assert client.get("/status-env", params={"env_id": 1}).json()["env_weight"] == 0.25
     assert client.get("/status").json() == {"current_step": 7, "queue_size": 0}
     client.close()
+
 
 def test_status_env_needs_a_registered_env(api: httpx.Client) -> None:
     register(api)
@@ -397,6 +400,7 @@ def test_admin_key_guards_reset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
             assert client.get("/info").json()["batch_size"] == -1
     finally:
         hub.kill()
+
 
 # --- durability and concurrency under load ---------------------------------------------
 

@@ -107,7 +107,15 @@ def run_api(atroposlib_dir: Path, tmp_path: Path) -> Iterator[str]:
         port = s.getsockname()[1]
     log = open(tmp_path / "run-api.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "atroposlib.cli.run_api", "--host", "127.0.0.1", "--port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "atroposlib.cli.run_api",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(atroposlib_dir)},
         stdout=log,
@@ -166,16 +174,20 @@ def _scenario(rnd: random.Random) -> Iterator[tuple[str, str, Any]]:
     allocations), then groups (some of odd sizes, some of no env), lists, status,
     status-env and batches in random order; reset at the end."""
     batch_size = rnd.choice([4, 8, 12, 16])
-    yield "POST", "/register", {
-        "wandb_group": f"g{batch_size}",
-        "wandb_project": "diff",
-        "batch_size": batch_size,
-        "max_token_len": 256,
-        "checkpoint_dir": "/tmp/ckpt",
-        "save_checkpoint_interval": 5,
-        "starting_step": rnd.choice([0, 3]),
-        "num_steps": 50,
-    }
+    yield (
+        "POST",
+        "/register",
+        {
+            "wandb_group": f"g{batch_size}",
+            "wandb_project": "diff",
+            "batch_size": batch_size,
+            "max_token_len": 256,
+            "checkpoint_dir": "/tmp/ckpt",
+            "save_checkpoint_interval": 5,
+            "starting_step": rnd.choice([0, 3]),
+            "num_steps": 50,
+        },
+    )
     yield "POST", "/register-env", _env(rnd, 4)  # the trainer has not started: wait
     yield "GET", "/batch", None
     group_sizes = []
@@ -188,12 +200,16 @@ def _scenario(rnd: random.Random) -> Iterator[tuple[str, str, Any]]:
         roll = rnd.random()
         env_id = rnd.randrange(len(group_sizes))
         if roll < 0.45:
-            size = group_sizes[env_id] if rnd.random() < 0.75 else rnd.randint(1, group_sizes[env_id])
+            size = (
+                group_sizes[env_id] if rnd.random() < 0.75 else rnd.randint(1, group_sizes[env_id])
+            )
             yield "POST", "/scored_data", _group(rnd, size, env_id if rnd.random() < 0.9 else None)
         elif roll < 0.55:
-            yield "POST", "/scored_data_list", [
-                _group(rnd, group_sizes[env_id], env_id) for _ in range(rnd.randint(1, 3))
-            ]
+            yield (
+                "POST",
+                "/scored_data_list",
+                [_group(rnd, group_sizes[env_id], env_id) for _ in range(rnd.randint(1, 3))],
+            )
         elif roll < 0.75:
             yield "GET", "/batch", None
         elif roll < 0.85 and env_id in connected:
@@ -274,7 +290,9 @@ def test_batch_formation_matches_atroposlib(atroposlib_utils: ModuleType) -> Non
         batch_size = rnd.choice([1, 2, 4, 5, 6, 8, 12, 16, 32])
         expected = _atroposlib_batches(atroposlib_utils, queue, batch_size, envs)
         items = [Item(g["id"], g["env_id"], len(g["tokens"])) for g in queue]
-        shares = [EnvShare(e["registered_id"], e["connected"], e["min_batch_allocation"]) for e in envs]
+        shares = [
+            EnvShare(e["registered_id"], e["connected"], e["min_batch_allocation"]) for e in envs
+        ]
         got = [[item.id for item in batch] for batch in form_batches(items, batch_size, shares)]
         assert got == expected, (queue, batch_size, envs)
 

@@ -20,8 +20,8 @@ from app.api.responses import JSONResponse
 from app.atropos.models import (
     BatchAck,
     EnvIdentifier,
-    Registration,
     RegisterEnv,
+    Registration,
     ScoredData,
 )
 from app.config import AtroposConfig
@@ -93,9 +93,7 @@ def router(config: AtroposConfig) -> APIRouter:
         return JSONResponse(await hub.atropos.status())
 
     @api.get("/status-env", openapi_extra=_body_doc(EnvIdentifier))
-    async def status_env(
-        request: Request, hub: HubDep, env_id: int | None = None
-    ) -> JSONResponse:
+    async def status_env(request: Request, hub: HubDep, env_id: int | None = None) -> JSONResponse:
         # atroposlib's env client sends {"env_id": n} as the body of this GET;
         # ?env_id=n works too.
         raw = await _body(request, hub, optional=env_id is not None)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from typing import Any, Callable, Coroutine
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from fastapi.routing import APIRoute
 from starlette.requests import Request

@@ -74,9 +74,9 @@ async def next_batch(db: AtroposDb, *, ack: bool, lease_seconds: float) -> bytes
             return orjson.dumps(NOT_REGISTERED)
         if not run.started:
             await conn.execute(
-                sa.update(STATE).where(STATE.c.id == 1, STATE.c.started.is_(False)).values(
-                    started=True, updated_at=now
-                )
+                sa.update(STATE)
+                .where(STATE.c.id == 1, STATE.c.started.is_(False))
+                .values(started=True, updated_at=now)
             )
         await lease.expire(conn, now)
         claimed = await _claim(conn, db)
@@ -132,9 +132,8 @@ async def _form(conn: AsyncConnection, run: RunState) -> int:
     batches = await asyncio.to_thread(form_batches, queue, run.batch_size, envs)
     if not batches:
         return 0
-    await move_groups(
-        conn, (item.id for batch in batches for item in batch), GroupState.QUEUED, GroupState.BATCHED
-    )
+    grouped = (item.id for batch in batches for item in batch)
+    await move_groups(conn, grouped, GroupState.QUEUED, GroupState.BATCHED)
     top = await conn.scalar(sa.select(sa.func.coalesce(sa.func.max(BATCHES.c.seq), 0)))
     now = utcnow()
     await conn.execute(

@@ -51,13 +51,17 @@ async def expire(conn: AsyncConnection, now: datetime) -> None:
     others = BATCHES.alias("others")  # not correlated with the row being updated
     top = sa.select(sa.func.coalesce(sa.func.max(others.c.seq), 0) + 1).scalar_subquery()
     expired = (
-        await conn.execute(
-            sa.update(BATCHES)
-            .where(BATCHES.c.state == BatchState.LEASED, BATCHES.c.lease_expires_at < now)
-            .values(state=BatchState.PENDING, seq=top, updated_at=now)
-            .returning(BATCHES.c.lease_id)
+        (
+            await conn.execute(
+                sa.update(BATCHES)
+                .where(BATCHES.c.state == BatchState.LEASED, BATCHES.c.lease_expires_at < now)
+                .values(state=BatchState.PENDING, seq=top, updated_at=now)
+                .returning(BATCHES.c.lease_id)
+            )
         )
-    ).scalars().all()
+        .scalars()
+        .all()
+    )
     for lease_id in expired:
         log.warning("batch %s was not acknowledged in time; it will be served again", lease_id)
 

@@ -23,8 +23,9 @@ The rules, as atroposlib has them:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 
 class Item(NamedTuple):

@@ -178,9 +178,7 @@ class GroupWriter:
         )
 
     def _overloaded(self, message: str) -> Unavailable:
-        return Unavailable(
-            message, retry_after=self._config.retry_after_seconds, code="queue_full"
-        )
+        return Unavailable(message, retry_after=self._config.retry_after_seconds, code="queue_full")
 
 
 class _Placer:
@@ -216,7 +214,8 @@ class _Placer:
             env_row = sa.select(ENVS.c.env_id).where(ENVS.c.env_id == env_id)
             await self._conn.execute(for_update(env_row, self._db.dialect))
             self._locked.add(env_id)
-        await self._conn.execute(sa.insert(GROUPS).values(_row(group, GroupState.BUFFERED, self._now)))
+        row = _row(group, GroupState.BUFFERED, self._now)
+        await self._conn.execute(sa.insert(GROUPS).values(row))
         buffered = (
             await self._conn.execute(
                 sa.select(GROUPS.c.id, GROUPS.c.size)

@@ -9,7 +9,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from app.atropos.models import Registration, RegisterEnv
+from app.atropos.models import RegisterEnv, Registration
 from app.atropos.store import BATCHES, ENVS, GROUPS, STATE, AtroposDb, GroupState
 from app.db.types import utcnow
 

@@ -10,14 +10,14 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.atropos import batch, lease, registration, status
-from app.atropos.models import Registration, RegisterEnv, ScoredData
+from app.atropos.models import RegisterEnv, Registration, ScoredData
 from app.atropos.queue import GroupWriter, NewGroup, Placed
 from app.atropos.store import GROUPS, AtroposDb, Contention, GroupState
 from app.config import AtroposConfig
 from app.errors import Unavailable
 
 # What atroposlib's /latest_example answers before any group has arrived.
-NO_EXAMPLE = {
+NO_EXAMPLE: dict[str, list[Any]] = {
     "tokens": [],
     "masks": [],
     "scores": [],
@@ -99,13 +99,17 @@ class Atropos:
                 self.db, ack=ack, lease_seconds=self.config.ack_timeout_seconds
             )
         except Contention:
-            raise Unavailable("another hub is serving the same batch; retry", retry_after=1)
+            raise Unavailable(
+                "another hub is serving the same batch; retry", retry_after=1
+            ) from None
 
     async def acknowledge(self, batch_id: str) -> dict[str, Any]:
         try:
             return await lease.acknowledge(self.db, batch_id)
         except Contention:
-            raise Unavailable("another hub is acknowledging this batch; retry", retry_after=1)
+            raise Unavailable(
+                "another hub is acknowledging this batch; retry", retry_after=1
+            ) from None
 
     async def latest_example(self) -> bytes:
         """The newest group that entered the queue, as it was sent."""

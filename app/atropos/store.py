@@ -16,13 +16,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from app.db import models
 from app.db.dialect import Dialect, begin_immediate, dialect_of, for_update, writer_lock
-from app.db.models import AtroposBatchRow, AtroposEnvRow, AtroposGroupRow, AtroposStateRow
 
-STATE = AtroposStateRow.__table__
-ENVS = AtroposEnvRow.__table__
-GROUPS = AtroposGroupRow.__table__
-BATCHES = AtroposBatchRow.__table__
+STATE = models.ATROPOS_STATE
+ENVS = models.ATROPOS_ENVS
+GROUPS = models.ATROPOS_GROUPS
+BATCHES = models.ATROPOS_BATCHES
 
 # Parameters per statement for `id IN (...)`: well under SQLite's and asyncpg's limits.
 _IN_CHUNK = 500

@@ -216,3 +216,9 @@ class AtroposBatchRow(Base):
     updated_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
 
     __table_args__ = (sa.Index("ix_atropos_batches_state_seq", "state", "seq"),)
+
+
+ATROPOS_STATE: sa.Table = AtroposStateRow.__table__  # type: ignore[assignment]
+ATROPOS_ENVS: sa.Table = AtroposEnvRow.__table__  # type: ignore[assignment]
+ATROPOS_GROUPS: sa.Table = AtroposGroupRow.__table__  # type: ignore[assignment]
+ATROPOS_BATCHES: sa.Table = AtroposBatchRow.__table__  # type: ignore[assignment]
