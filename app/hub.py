@@ -4,6 +4,7 @@ all of them through the API's lifespan; `atropos worker` only the stages."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -108,6 +109,10 @@ async def running_hub(
                 if settings.config.runs.enabled:
                     hub.runs = RunSupervisor(engine, settings.config.runs, settings.tinker.tinker)
                     await hub.runs.start()  # re-attaches to the runs a previous hub left
+                # What exists now lives as long as the process: keep it out of the
+                # collector's full passes, which otherwise walked every object of
+                # the app (~60 ms, once a second under ingest load).
+                gc.freeze()
                 yield hub
             finally:
                 if hub.runs is not None:

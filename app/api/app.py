@@ -38,8 +38,8 @@ def create_app(
         lifespan=lifespan,
     )
     install_error_handlers(app)
+    app.include_router(atropos.router(config.atropos))
     app.include_router(traces.router(config.trace_server.endpoint))
     app.include_router(ops.router)
     app.include_router(runs.router)
-    app.include_router(atropos.router(config.atropos))
     return app

@@ -19,7 +19,6 @@ from datetime import datetime
 
 import orjson
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.atropos import lease
 from app.atropos.logprobs import fill_inference_logprobs
@@ -28,6 +27,7 @@ from app.atropos.store import (
     BATCHES,
     ENVS,
     GROUPS,
+    PAYLOADS,
     STATE,
     AtroposDb,
     BatchState,
@@ -37,8 +37,9 @@ from app.atropos.store import (
     drop_served_groups,
     move_batch,
     move_groups,
+    run_state,
 )
-from app.db.dialect import skip_locked
+from app.db.dialect import dialect_of, skip_locked
 from app.db.types import utcnow
 
 log = logging.getLogger("atropos.batch")
@@ -66,53 +67,64 @@ class _Stored:
 async def next_batch(db: AtroposDb, *, ack: bool, lease_seconds: float) -> bytes:
     """The JSON body of GET /batch: `{"batch": [group, ...]}` (with `"batch_id"`
     when leased), `{"batch": null}`, or atroposlib's not-registered error."""
-    now = utcnow()
-    lease_id: str | None = None
-    async with db.writing() as conn:
-        run = await db.run_state(conn)
-        if not run.registered:
-            return orjson.dumps(NOT_REGISTERED)
-        if not run.started:
-            await conn.execute(
-                sa.update(STATE)
-                .where(STATE.c.id == 1, STATE.c.started.is_(False))
-                .values(started=True, updated_at=now)
-            )
-        await lease.expire(conn, now)
-        claimed = await _claim(conn, db)
-        if claimed is None:
-            # Form under the run lock; another hub may have formed while we waited.
-            run = await db.run_state(conn, lock=True)
-            claimed = await _claim(conn, db)
-            if claimed is None and run.registered and await _form(conn, run):
-                claimed = await _claim(conn, db)
-        if claimed is None:
-            return NO_BATCH
-        stored = await _stored(conn, claimed.group_ids)
-        if ack:
-            lease_id = await lease.grant(conn, claimed.id, now, lease_seconds)
-        else:
-            await _served(conn, claimed, now)
-    # Assembled after the commit, outside the writer lock.
+    outcome = await db.write(lambda conn: _next_batch(conn, ack, lease_seconds))
+    if outcome is None:
+        return NO_BATCH
+    if isinstance(outcome, bytes):
+        return outcome
+    stored, lease_id = outcome
+    # Assembled after the commit, off the event loop (gzip and logprobs are CPU).
     return await asyncio.to_thread(_body, stored, lease_id)
 
 
-async def _claim(conn: AsyncConnection, db: AtroposDb) -> _Claimed | None:
+def _next_batch(
+    conn: sa.Connection, ack: bool, lease_seconds: float
+) -> bytes | tuple[list[_Stored], str | None] | None:
+    """One transaction: start the run, re-queue expired leases, claim the next
+    formed batch (forming batches first when none is left), and serve or lease it."""
+    now = utcnow()
+    run = run_state(conn)
+    if not run.registered:
+        return orjson.dumps(NOT_REGISTERED)
+    if not run.started:
+        conn.execute(
+            sa.update(STATE)
+            .where(STATE.c.id == 1, STATE.c.started.is_(False))
+            .values(started=True, updated_at=now)
+        )
+    lease.expire(conn, now)
+    claimed = _claim(conn)
+    if claimed is None:
+        # Form under the run lock; another hub may have formed while we waited.
+        run = run_state(conn, lock=True)
+        claimed = _claim(conn)
+        if claimed is None and run.registered and _form(conn, run):
+            claimed = _claim(conn)
+    if claimed is None:
+        return None
+    stored = _stored(conn, claimed.group_ids)
+    if ack:
+        return stored, lease.grant(conn, claimed.id, now, lease_seconds)
+    _served(conn, claimed, now)
+    return stored, None
+
+
+def _claim(conn: sa.Connection) -> _Claimed | None:
     query = (
         sa.select(BATCHES.c.id, BATCHES.c.group_ids)
         .where(BATCHES.c.state == BatchState.PENDING)
         .order_by(BATCHES.c.seq.desc(), BATCHES.c.id.desc())
         .limit(1)
     )
-    row = (await conn.execute(skip_locked(query, db.dialect))).first()
+    row = conn.execute(skip_locked(query, dialect_of(conn))).first()
     return _Claimed(row.id, list(row.group_ids)) if row else None
 
 
-async def _form(conn: AsyncConnection, run: RunState) -> int:
+def _form(conn: sa.Connection, run: RunState) -> int:
     """Form every batch the queue allows now; returns how many."""
     queue = [
         Item(*row)
-        for row in await conn.execute(
+        for row in conn.execute(
             sa.select(GROUPS.c.id, GROUPS.c.env_id, GROUPS.c.size)
             .where(GROUPS.c.state == GroupState.QUEUED)
             .order_by(GROUPS.c.id)
@@ -122,21 +134,20 @@ async def _form(conn: AsyncConnection, run: RunState) -> int:
         return 0
     envs = [
         EnvShare(*row)
-        for row in await conn.execute(
+        for row in conn.execute(
             sa.select(ENVS.c.env_id, ENVS.c.connected, ENVS.c.min_batch_allocation).order_by(
                 ENVS.c.env_id
             )
         )
     ]
-    # Pure CPU over (id, env, size) only; a thread keeps the event loop answering.
-    batches = await asyncio.to_thread(form_batches, queue, run.batch_size, envs)
+    batches = form_batches(queue, run.batch_size, envs)
     if not batches:
         return 0
     grouped = (item.id for batch in batches for item in batch)
-    await move_groups(conn, grouped, GroupState.QUEUED, GroupState.BATCHED)
-    top = await conn.scalar(sa.select(sa.func.coalesce(sa.func.max(BATCHES.c.seq), 0)))
+    move_groups(conn, grouped, GroupState.QUEUED, GroupState.BATCHED)
+    top = conn.scalar(sa.select(sa.func.coalesce(sa.func.max(BATCHES.c.seq), 0)))
     now = utcnow()
-    await conn.execute(
+    conn.execute(
         sa.insert(BATCHES),
         [
             {
@@ -151,7 +162,7 @@ async def _form(conn: AsyncConnection, run: RunState) -> int:
             for i, batch in enumerate(batches)
         ],
     )
-    await conn.execute(
+    conn.execute(
         sa.update(STATE)
         .where(STATE.c.id == 1)
         .values(step=STATE.c.step + len(batches), updated_at=now)
@@ -166,11 +177,11 @@ async def _form(conn: AsyncConnection, run: RunState) -> int:
     return len(batches)
 
 
-async def _stored(conn: AsyncConnection, group_ids: list[int]) -> list[_Stored]:
-    rows = await conn.execute(
-        sa.select(GROUPS.c.id, GROUPS.c.payload, GROUPS.c.fill_logprobs).where(
-            GROUPS.c.id.in_(group_ids)
-        )
+def _stored(conn: sa.Connection, group_ids: list[int]) -> list[_Stored]:
+    rows = conn.execute(
+        sa.select(GROUPS.c.id, PAYLOADS.c.payload, GROUPS.c.fill_logprobs)
+        .join(PAYLOADS, PAYLOADS.c.id == GROUPS.c.payload_id)
+        .where(GROUPS.c.id.in_(group_ids))
     )
     by_id = {row.id: _Stored(row.payload, row.fill_logprobs) for row in rows}
     missing = [gid for gid in group_ids if gid not in by_id]
@@ -179,8 +190,8 @@ async def _stored(conn: AsyncConnection, group_ids: list[int]) -> list[_Stored]:
     return [by_id[gid] for gid in group_ids]
 
 
-async def _served(conn: AsyncConnection, claimed: _Claimed, now: datetime) -> None:
-    await move_batch(
+def _served(conn: sa.Connection, claimed: _Claimed, now: datetime) -> None:
+    move_batch(
         conn,
         claimed.id,
         (BatchState.PENDING,),
@@ -189,8 +200,8 @@ async def _served(conn: AsyncConnection, claimed: _Claimed, now: datetime) -> No
         deliveries=BATCHES.c.deliveries + 1,
         updated_at=now,
     )
-    await move_groups(conn, claimed.group_ids, GroupState.BATCHED, GroupState.SERVED)
-    await drop_served_groups(conn)
+    move_groups(conn, claimed.group_ids, GroupState.BATCHED, GroupState.SERVED)
+    drop_served_groups(conn)
 
 
 def _body(groups: list[_Stored], lease_id: str | None) -> bytes:

@@ -13,7 +13,6 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.atropos.store import (
     BATCHES,
@@ -24,16 +23,16 @@ from app.atropos.store import (
     move_batch,
     move_groups,
 )
-from app.db.dialect import for_update
+from app.db.dialect import dialect_of, for_update
 from app.db.types import utcnow
 from app.errors import NotFound
 
 log = logging.getLogger("atropos.lease")
 
 
-async def grant(conn: AsyncConnection, batch_id: int, now: datetime, seconds: float) -> str:
+def grant(conn: sa.Connection, batch_id: int, now: datetime, seconds: float) -> str:
     lease_id = uuid.uuid4().hex
-    await move_batch(
+    move_batch(
         conn,
         batch_id,
         (BatchState.PENDING,),
@@ -46,18 +45,16 @@ async def grant(conn: AsyncConnection, batch_id: int, now: datetime, seconds: fl
     return lease_id
 
 
-async def expire(conn: AsyncConnection, now: datetime) -> None:
+def expire(conn: sa.Connection, now: datetime) -> None:
     """Leases past their deadline: the batch is pending again, next in line."""
     others = BATCHES.alias("others")  # not correlated with the row being updated
     top = sa.select(sa.func.coalesce(sa.func.max(others.c.seq), 0) + 1).scalar_subquery()
     expired = (
-        (
-            await conn.execute(
-                sa.update(BATCHES)
-                .where(BATCHES.c.state == BatchState.LEASED, BATCHES.c.lease_expires_at < now)
-                .values(state=BatchState.PENDING, seq=top, updated_at=now)
-                .returning(BATCHES.c.lease_id)
-            )
+        conn.execute(
+            sa.update(BATCHES)
+            .where(BATCHES.c.state == BatchState.LEASED, BATCHES.c.lease_expires_at < now)
+            .values(state=BatchState.PENDING, seq=top, updated_at=now)
+            .returning(BATCHES.c.lease_id)
         )
         .scalars()
         .all()
@@ -67,24 +64,26 @@ async def expire(conn: AsyncConnection, now: datetime) -> None:
 
 
 async def acknowledge(db: AtroposDb, lease_id: str) -> dict[str, Any]:
-    now = utcnow()
-    async with db.writing() as conn:
-        query = sa.select(BATCHES.c.id, BATCHES.c.state, BATCHES.c.group_ids).where(
-            BATCHES.c.lease_id == lease_id
+    return await db.write(lambda conn: _acknowledge(conn, lease_id))
+
+
+def _acknowledge(conn: sa.Connection, lease_id: str) -> dict[str, Any]:
+    query = sa.select(BATCHES.c.id, BATCHES.c.state, BATCHES.c.group_ids).where(
+        BATCHES.c.lease_id == lease_id
+    )
+    row = conn.execute(for_update(query, dialect_of(conn))).first()
+    if row is None:
+        raise NotFound(
+            f"no batch is leased under batch_id {lease_id!r}; if its lease ran out, "
+            "it has been served again",
+            field="batch_id",
+            code="unknown_batch",
         )
-        row = (await conn.execute(for_update(query, db.dialect))).first()
-        if row is None:
-            raise NotFound(
-                f"no batch is leased under batch_id {lease_id!r}; if its lease ran out, "
-                "it has been served again",
-                field="batch_id",
-                code="unknown_batch",
-            )
-        if row.state == BatchState.ACKED:
-            return {"status": "acked", "batch_id": lease_id, "duplicate": True}
-        await move_batch(
-            conn, row.id, (BatchState.LEASED, BatchState.PENDING), BatchState.ACKED, updated_at=now
-        )
-        await move_groups(conn, row.group_ids, GroupState.BATCHED, GroupState.SERVED)
-        await drop_served_groups(conn)
+    if row.state == BatchState.ACKED:
+        return {"status": "acked", "batch_id": lease_id, "duplicate": True}
+    move_batch(
+        conn, row.id, (BatchState.LEASED, BatchState.PENDING), BatchState.ACKED, updated_at=utcnow()
+    )
+    move_groups(conn, row.group_ids, GroupState.BATCHED, GroupState.SERVED)
+    drop_served_groups(conn)
     return {"status": "acked", "batch_id": lease_id, "duplicate": False}

@@ -21,13 +21,12 @@ from typing import Any
 
 import orjson
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.atropos.models import ScoredData
 from app.atropos.packing import groups_summing_to
-from app.atropos.store import ENVS, GROUPS, WAITING, AtroposDb, GroupState
+from app.atropos.store import ENVS, GROUPS, PAYLOADS, WAITING, AtroposDb, GroupState
 from app.config import AtroposConfig
-from app.db.dialect import for_update
+from app.db.dialect import Dialect, for_update, reserve_ids
 from app.db.types import utcnow
 from app.errors import HubError, Invalid, Unavailable
 
@@ -53,7 +52,9 @@ class NewGroup:
     @classmethod
     def from_scored(cls, data: ScoredData) -> NewGroup:
         try:
-            raw = orjson.dumps(data.model_dump())
+            # The fields hold plain lists and dicts (no nested models), in declaration
+            # order: __dict__ is model_dump() without the copy.
+            raw = orjson.dumps(data.__dict__)
         except orjson.JSONEncodeError as exc:  # an integer beyond 64 bits
             raise Invalid(f"the group cannot be stored as JSON: {exc}") from None
         return cls(
@@ -137,23 +138,7 @@ class GroupWriter:
                     self._queue.task_done()
 
     async def _write(self, batch: list[_Request]) -> None:
-        results: list[tuple[_Request, list[Placed] | HubError]] = []
-        async with self._db.writing() as conn:
-            groups, nbytes = await _waiting(conn)
-            admitted: list[_Request] = []
-            for request in batch:
-                if self._fits(groups + len(request.groups), nbytes + request.nbytes):
-                    admitted.append(request)
-                    groups += len(request.groups)
-                    nbytes += request.nbytes
-                else:
-                    results.append((request, self._full(groups, nbytes)))
-            if admitted:
-                sizes = await _group_sizes(conn)
-                placer = _Placer(conn, self._db, sizes)
-                for request in admitted:
-                    results.append((request, [await placer.place(g) for g in request.groups]))
-                await placer.flush()
+        results = await self._db.write(lambda conn: self._store(conn, batch))
         for request, result in results:
             if request.done.done():
                 continue
@@ -161,6 +146,27 @@ class GroupWriter:
                 request.done.set_exception(result)
             else:
                 request.done.set_result(result)
+
+    def _store(
+        self, conn: sa.Connection, batch: list[_Request]
+    ) -> list[tuple[_Request, list[Placed] | HubError]]:
+        """One transaction (run off the event loop): admit what fits, place it."""
+        results: list[tuple[_Request, list[Placed] | HubError]] = []
+        groups, nbytes = _waiting(conn)
+        admitted: list[_Request] = []
+        for request in batch:
+            if self._fits(groups + len(request.groups), nbytes + request.nbytes):
+                admitted.append(request)
+                groups += len(request.groups)
+                nbytes += request.nbytes
+            else:
+                results.append((request, self._full(groups, nbytes)))
+        if admitted:
+            placer = _Placer(conn, self._db.dialect, _group_sizes(conn))
+            for request in admitted:
+                results.append((request, [placer.place(g) for g in request.groups]))
+            placer.flush()
+        return results
 
     def _fits(self, groups: int, nbytes: int) -> bool:
         limit_bytes = self._config.queue_max_bytes
@@ -185,50 +191,54 @@ class _Placer:
     """Places groups in order within one transaction: queue rows are inserted in
     runs, so that ids (the queue order) follow the order groups arrived in."""
 
-    def __init__(self, conn: AsyncConnection, db: AtroposDb, group_sizes: dict[int, int]):
+    def __init__(self, conn: sa.Connection, dialect: Dialect, group_sizes: dict[int, int]):
         self._conn = conn
-        self._db = db
+        self._dialect = dialect
         self._group_sizes = group_sizes
-        self._rows: list[dict[str, Any]] = []
+        self._queued: list[NewGroup] = []
         self._locked: set[int] = set()
         self._now = utcnow()
 
-    async def place(self, group: NewGroup) -> Placed:
+    def place(self, group: NewGroup) -> Placed:
         expected = self._group_sizes.get(group.env_id) if group.env_id is not None else None
         if expected is None or group.size == expected:
-            self._rows.append(_row(group, GroupState.QUEUED, self._now))
+            self._queued.append(group)
             return Placed()
-        await self.flush()
+        self.flush()
         assert group.env_id is not None
-        return await self._buffer(group, group.env_id, expected)
+        return self._buffer(group, group.env_id, expected)
 
-    async def flush(self) -> None:
-        if self._rows:
-            await self._conn.execute(sa.insert(GROUPS), self._rows)
-            self._rows = []
+    def flush(self) -> None:
+        if self._queued:
+            self._insert(self._queued, GroupState.QUEUED)
+            self._queued = []
 
-    async def _buffer(self, group: NewGroup, env_id: int, group_size: int) -> Placed:
+    def _insert(self, groups: list[NewGroup], state: GroupState) -> None:
+        payload_ids = reserve_ids(self._conn, PAYLOADS, len(groups))
+        payloads = [{"id": pid, "payload": g.payload} for g, pid in zip(groups, payload_ids)]
+        self._conn.execute(sa.insert(PAYLOADS), payloads)
+        rows = [_row(g, state, pid, self._now) for g, pid in zip(groups, payload_ids)]
+        self._conn.execute(sa.insert(GROUPS), rows)
+
+    def _buffer(self, group: NewGroup, env_id: int, group_size: int) -> Placed:
         if env_id not in self._locked:
             # One transaction at a time works on an env's buffer (PostgreSQL; SQLite
             # has one writer anyway), so two halves of a group always meet.
             env_row = sa.select(ENVS.c.env_id).where(ENVS.c.env_id == env_id)
-            await self._conn.execute(for_update(env_row, self._db.dialect))
+            self._conn.execute(for_update(env_row, self._dialect))
             self._locked.add(env_id)
-        row = _row(group, GroupState.BUFFERED, self._now)
-        await self._conn.execute(sa.insert(GROUPS).values(row))
-        buffered = (
-            await self._conn.execute(
-                sa.select(GROUPS.c.id, GROUPS.c.size)
-                .where(GROUPS.c.state == GroupState.BUFFERED, GROUPS.c.env_id == env_id)
-                .order_by(GROUPS.c.id)
-            )
+        self._insert([group], GroupState.BUFFERED)
+        buffered = self._conn.execute(
+            sa.select(GROUPS.c.id, GROUPS.c.size)
+            .where(GROUPS.c.state == GroupState.BUFFERED, GROUPS.c.env_id == env_id)
+            .order_by(GROUPS.c.id)
         ).all()
         chosen = groups_summing_to([row.size for row in buffered], group_size)
         released = [buffered[i].id for i in chosen]
-        for group_id in released:  # copied, so that the queue order (id) is release order
-            await self._conn.execute(sa.insert(GROUPS).from_select(_COPIED, _copy_of(group_id)))
+        for group_id in released:  # a new row each, so that the queue order is release order
+            self._conn.execute(sa.insert(GROUPS).from_select(_COPIED, _copy_of(group_id)))
         if released:
-            await self._conn.execute(
+            self._conn.execute(
                 sa.delete(GROUPS).where(
                     GROUPS.c.id.in_(released), GROUPS.c.state == GroupState.BUFFERED
                 )
@@ -237,7 +247,7 @@ class _Placer:
         return Placed(buffered=True, buffer_size=left)
 
 
-_COPIED = ["state", "env_id", "size", "bytes", "fill_logprobs", "payload", "created_at"]
+_COPIED = ["state", "env_id", "size", "bytes", "fill_logprobs", "payload_id", "created_at"]
 
 
 def _copy_of(group_id: int) -> sa.Select[Any]:
@@ -247,34 +257,34 @@ def _copy_of(group_id: int) -> sa.Select[Any]:
         GROUPS.c.size,
         GROUPS.c.bytes,
         GROUPS.c.fill_logprobs,
-        GROUPS.c.payload,
+        GROUPS.c.payload_id,
         GROUPS.c.created_at,
     ).where(GROUPS.c.id == group_id)
 
 
-def _row(group: NewGroup, state: GroupState, now: datetime) -> dict[str, Any]:
+def _row(group: NewGroup, state: GroupState, payload_id: int, now: datetime) -> dict[str, Any]:
     return {
         "state": state,
         "env_id": group.env_id,
         "size": group.size,
         "bytes": group.nbytes,
         "fill_logprobs": group.fill_logprobs,
-        "payload": group.payload,
+        "payload_id": payload_id,
         "created_at": now,
     }
 
 
-async def _waiting(conn: AsyncConnection) -> tuple[int, int]:
-    row = (
-        await conn.execute(
-            sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(GROUPS.c.bytes), 0)).where(
-                GROUPS.c.state.in_(WAITING)
-            )
-        )
-    ).one()
+def _waiting(conn: sa.Connection) -> tuple[int, int]:
+    row = conn.execute(_WAITING).one()
     return int(row[0]), int(row[1])
 
 
-async def _group_sizes(conn: AsyncConnection) -> dict[int, int]:
-    rows = await conn.execute(sa.select(ENVS.c.env_id, ENVS.c.group_size))
-    return {env_id: group_size for env_id, group_size in rows}
+def _group_sizes(conn: sa.Connection) -> dict[int, int]:
+    return {env_id: size for env_id, size in conn.execute(_GROUP_SIZES)}
+
+
+# Built once: the statements of every commit keep their compiled form cached.
+_WAITING = sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(GROUPS.c.bytes), 0)).where(
+    GROUPS.c.state.in_(WAITING)
+)
+_GROUP_SIZES = sa.select(ENVS.c.env_id, ENVS.c.group_size)

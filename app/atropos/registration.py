@@ -10,7 +10,16 @@ from typing import Any
 import sqlalchemy as sa
 
 from app.atropos.models import RegisterEnv, Registration
-from app.atropos.store import BATCHES, ENVS, GROUPS, STATE, AtroposDb, GroupState
+from app.atropos.store import (
+    BATCHES,
+    ENVS,
+    GROUPS,
+    PAYLOADS,
+    STATE,
+    AtroposDb,
+    GroupState,
+    run_state,
+)
 from app.db.types import utcnow
 
 WAIT_FOR_TRAINER = {"status": "wait for trainer to start"}
@@ -20,10 +29,10 @@ async def register(db: AtroposDb, registration: Registration) -> dict[str, Any]:
     """The first /register of a run sets it up; later ones (another trainer rank, a
     restarted trainer) only get their own uuid, as with atroposlib."""
     trainer_uuid = uuid.uuid4().int
-    values: dict[str, Any] = {"trainer_uuid": str(trainer_uuid), "updated_at": utcnow()}
-    async with db.writing() as conn:
-        run = await db.run_state(conn, lock=True)
-        if not run.registered:
+
+    def work(conn: sa.Connection) -> None:
+        values: dict[str, Any] = {"trainer_uuid": str(trainer_uuid), "updated_at": utcnow()}
+        if not run_state(conn, lock=True).registered:
             values.update(
                 registered=True,
                 started=False,
@@ -37,32 +46,37 @@ async def register(db: AtroposDb, registration: Registration) -> dict[str, Any]:
                 num_steps=registration.num_steps,
                 step=registration.starting_step,
             )
-        await conn.execute(sa.update(STATE).where(STATE.c.id == 1).values(**values))
+        conn.execute(sa.update(STATE).where(STATE.c.id == 1).values(**values))
+
+    await db.write(work)
     return {"uuid": trainer_uuid}
 
 
 async def register_env(db: AtroposDb, env: RegisterEnv) -> dict[str, Any]:
-    async with db.writing() as conn:
-        # The run lock also serialises env ids across hubs sharing the database.
-        run = await db.run_state(conn, lock=True)
-        if not run.started:
-            return dict(WAIT_FOR_TRAINER)
-        names = (await conn.execute(sa.select(ENVS.c.desired_name))).scalars().all()
-        env_id = len(names)
-        real_name = f"{env.desired_name}_{sum(1 for n in names if n == env.desired_name)}"
-        await conn.execute(
-            sa.insert(ENVS).values(
-                env_id=env_id,
-                desired_name=env.desired_name,
-                real_name=real_name,
-                weight=env.weight,
-                max_token_length=env.max_token_length,
-                group_size=env.group_size,
-                min_batch_allocation=env.min_batch_allocation,
-                connected=True,
-                registered_at=utcnow(),
-            )
+    return await db.write(lambda conn: _register_env(conn, env))
+
+
+def _register_env(conn: sa.Connection, env: RegisterEnv) -> dict[str, Any]:
+    # The run lock also serialises env ids across hubs sharing the database.
+    run = run_state(conn, lock=True)
+    if not run.started:
+        return dict(WAIT_FOR_TRAINER)
+    names = conn.execute(sa.select(ENVS.c.desired_name)).scalars().all()
+    env_id = len(names)
+    real_name = f"{env.desired_name}_{sum(1 for n in names if n == env.desired_name)}"
+    conn.execute(
+        sa.insert(ENVS).values(
+            env_id=env_id,
+            desired_name=env.desired_name,
+            real_name=real_name,
+            weight=env.weight,
+            max_token_length=env.max_token_length,
+            group_size=env.group_size,
+            min_batch_allocation=env.min_batch_allocation,
+            connected=True,
+            registered_at=utcnow(),
         )
+    )
     return {
         "status": "success",
         "env_id": env_id,
@@ -75,24 +89,22 @@ async def register_env(db: AtroposDb, env: RegisterEnv) -> dict[str, Any]:
 
 
 async def disconnect_env(db: AtroposDb, env_id: int) -> dict[str, Any]:
-    async with db.writing() as conn:
-        result = await conn.execute(
-            sa.update(ENVS).where(ENVS.c.env_id == env_id).values(connected=False)
-        )
-    if result.rowcount != 1:
+    def work(conn: sa.Connection) -> int:
+        update = sa.update(ENVS).where(ENVS.c.env_id == env_id).values(connected=False)
+        return conn.execute(update).rowcount
+
+    if await db.write(work) != 1:
         return {"status": "failure", "error": f"no env registered with env_id {env_id}"}
     return {"status": "success"}
 
 
 async def info(db: AtroposDb) -> dict[str, Any]:
-    async with db.reading() as conn:
-        run = await db.run_state(conn)
+    run = await db.read(run_state)
     return {"batch_size": run.batch_size, "max_token_len": run.max_token_len}
 
 
 async def wandb_info(db: AtroposDb) -> dict[str, Any]:
-    async with db.reading() as conn:
-        run = await db.run_state(conn)
+    run = await db.read(run_state)
     return {"group": run.wandb_group, "project": run.wandb_project}
 
 
@@ -100,35 +112,38 @@ async def reset(db: AtroposDb) -> None:
     """What atroposlib's /reset_data clears: the registration, step, envs, buffers,
     queue and formed batches. Like atroposlib, it keeps the latest example and the
     last max_token_len and checkpoint settings."""
-    async with db.writing() as conn:
-        await db.run_state(conn, lock=True)
-        await conn.execute(
-            sa.update(STATE)
-            .where(STATE.c.id == 1)
-            .values(
-                registered=False,
-                started=False,
-                trainer_uuid=None,
-                wandb_group=None,
-                wandb_project=None,
-                batch_size=-1,
-                num_steps=-1,
-                step=0,
-                updated_at=utcnow(),
-            )
+    await db.write(_reset)
+
+
+def _reset(conn: sa.Connection) -> None:
+    run_state(conn, lock=True)
+    conn.execute(
+        sa.update(STATE)
+        .where(STATE.c.id == 1)
+        .values(
+            registered=False,
+            started=False,
+            trainer_uuid=None,
+            wandb_group=None,
+            wandb_project=None,
+            batch_size=-1,
+            num_steps=-1,
+            step=0,
+            updated_at=utcnow(),
         )
-        await conn.execute(sa.delete(ENVS))
-        await conn.execute(sa.delete(BATCHES))
-        latest = (
-            await conn.execute(
-                sa.select(sa.func.max(GROUPS.c.id)).where(GROUPS.c.state != GroupState.BUFFERED)
-            )
-        ).scalar()
-        if latest is None:
-            await conn.execute(sa.delete(GROUPS))
-            return
-        await conn.execute(sa.delete(GROUPS).where(GROUPS.c.id != latest))
-        # A wipe, not a step of the pipeline: the one group kept is only an example now.
-        await conn.execute(
-            sa.update(GROUPS).where(GROUPS.c.id == latest).values(state=GroupState.SERVED)
+    )
+    conn.execute(sa.delete(ENVS))
+    conn.execute(sa.delete(BATCHES))
+    latest = conn.execute(
+        sa.select(GROUPS.c.id, GROUPS.c.payload_id)
+        .where(GROUPS.c.state != GroupState.BUFFERED)
+        .order_by(GROUPS.c.id.desc())
+        .limit(1)
+    ).first()
+    conn.execute(sa.delete(GROUPS).where(GROUPS.c.id != (latest.id if latest else -1)))
+    conn.execute(sa.delete(PAYLOADS).where(PAYLOADS.c.id != (latest.payload_id if latest else -1)))
+    if latest is not None:
+        # A wipe, not a step of the pipeline: the group kept is only an example now.
+        conn.execute(
+            sa.update(GROUPS).where(GROUPS.c.id == latest.id).values(state=GroupState.SERVED)
         )

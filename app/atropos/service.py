@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.atropos import batch, lease, registration, status
 from app.atropos.models import RegisterEnv, Registration, ScoredData
 from app.atropos.queue import GroupWriter, NewGroup, Placed
-from app.atropos.store import GROUPS, AtroposDb, Contention, GroupState
+from app.atropos.store import GROUPS, PAYLOADS, AtroposDb, Contention, GroupState
 from app.config import AtroposConfig
 from app.errors import Unavailable
 
@@ -41,6 +41,7 @@ class Atropos:
 
     async def stop(self) -> None:
         await self._writer.stop()
+        await self.db.close()
 
     # --- the handshake -------------------------------------------------------------
 
@@ -115,7 +116,8 @@ class Atropos:
         """The newest group that entered the queue, as it was sent."""
         async with self.db.reading() as conn:
             payload = await conn.scalar(
-                sa.select(GROUPS.c.payload)
+                sa.select(PAYLOADS.c.payload)
+                .join(GROUPS, GROUPS.c.payload_id == PAYLOADS.c.id)
                 .where(GROUPS.c.state != GroupState.BUFFERED)
                 .order_by(GROUPS.c.id.desc())
                 .limit(1)

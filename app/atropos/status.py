@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.atropos.store import ENVS, GROUPS, AtroposDb, GroupState
+from app.atropos.store import ENVS, GROUPS, AtroposDb, GroupState, RunState, run_state
 from app.errors import NotFound
 
 # The least env_weight an env is told, so that no env is starved completely.
@@ -38,21 +37,22 @@ class _Queued:
 
 
 async def status(db: AtroposDb) -> dict[str, Any]:
-    async with db.reading() as conn:
-        run = await db.run_state(conn)
-        queued = await conn.scalar(
+    def work(conn: sa.Connection) -> dict[str, Any]:
+        queued = conn.scalar(
             sa.select(sa.func.count())
             .select_from(GROUPS)
             .where(GROUPS.c.state == GroupState.QUEUED)
         )
-    return {"current_step": run.step, "queue_size": queued or 0}
+        return {"current_step": run_state(conn).step, "queue_size": queued or 0}
+
+    return await db.read(work)
 
 
 async def status_env(db: AtroposDb, env_id: int) -> dict[str, Any]:
-    async with db.reading() as conn:
-        run = await db.run_state(conn)
-        envs = await _envs(conn)
-        queue = await _queued_by_env(conn)
+    def work(conn: sa.Connection) -> tuple[RunState, list[_Env], dict[int | None, _Queued]]:
+        return run_state(conn), _envs(conn), _queued_by_env(conn)
+
+    run, envs, queue = await db.read(work)
     env = next((e for e in envs if e.env_id == env_id), None)
     if env is None:
         raise NotFound(f"no env registered with env_id {env_id}", field="env_id")
@@ -100,8 +100,8 @@ async def status_env(db: AtroposDb, env_id: int) -> dict[str, Any]:
     }
 
 
-async def _envs(conn: AsyncConnection) -> list[_Env]:
-    rows = await conn.execute(
+def _envs(conn: sa.Connection) -> list[_Env]:
+    rows = conn.execute(
         sa.select(
             ENVS.c.env_id,
             ENVS.c.max_token_length,
@@ -114,8 +114,8 @@ async def _envs(conn: AsyncConnection) -> list[_Env]:
     return [_Env(**row._mapping) for row in rows]
 
 
-async def _queued_by_env(conn: AsyncConnection) -> dict[int | None, _Queued]:
-    rows = await conn.execute(
+def _queued_by_env(conn: sa.Connection) -> dict[int | None, _Queued]:
+    rows = conn.execute(
         sa.select(GROUPS.c.env_id, sa.func.sum(GROUPS.c.size), sa.func.max(GROUPS.c.size))
         .where(GROUPS.c.state == GroupState.QUEUED)
         .group_by(GROUPS.c.env_id)
@@ -124,9 +124,11 @@ async def _queued_by_env(conn: AsyncConnection) -> dict[int | None, _Queued]:
 
 
 async def _raise_group_size(db: AtroposDb, env_id: int, group_size: int) -> None:
-    async with db.writing() as conn:
-        await conn.execute(
+    def work(conn: sa.Connection) -> None:
+        conn.execute(
             sa.update(ENVS)
             .where(ENVS.c.env_id == env_id, ENVS.c.group_size < group_size)
             .values(group_size=group_size)
         )
+
+    await db.write(work)

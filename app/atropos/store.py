@@ -1,28 +1,32 @@
 """The Atropos tables, their states, and the one way to write them.
 
-Every write goes through `AtroposDb.writing()`: a transaction that is the database's
-writer from its first statement (SQLite) and, on PostgreSQL, locks the rows it
-depends on. Reads that need no consistency with a later write use `reading()`.
+Every write goes through `AtroposDb.write(work)`: one transaction that is the
+database's writer from its first statement (SQLite) and, on PostgreSQL, locks the
+rows it depends on. Reads that need no consistency with a later write use
+`reading()` or `read(work)`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db import models
-from app.db.dialect import Dialect, begin_immediate, dialect_of, for_update, writer_lock
+from app.db.dialect import Dialect, OneHop, dialect_of, for_update
 
 STATE = models.ATROPOS_STATE
 ENVS = models.ATROPOS_ENVS
 GROUPS = models.ATROPOS_GROUPS
+PAYLOADS = models.ATROPOS_PAYLOADS
 BATCHES = models.ATROPOS_BATCHES
+
+T = TypeVar("T")
 
 # Parameters per statement for `id IN (...)`: well under SQLite's and asyncpg's limits.
 _IN_CHUNK = 500
@@ -79,46 +83,56 @@ class RunState:
 
 
 class AtroposDb:
+    """Every write is one synchronous transaction function, run whole by `write`
+    (see dialect.OneHop: on SQLite in a thread of its own, begun IMMEDIATE, so one
+    writer at a time and no wait on the event loop per statement). Reads go through
+    `reading`."""
+
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.dialect: Dialect = dialect_of(engine)
-        self._lock = writer_lock(self.dialect)
+        self._hop = OneHop(engine)
 
-    @asynccontextmanager
-    async def writing(self) -> AsyncIterator[AsyncConnection]:
-        """A write transaction, committed when the block exits without error."""
-        async with self._lock, self.engine.begin() as conn:
-            await begin_immediate(conn)
-            yield conn
+    async def write(self, work: Callable[[sa.Connection], T]) -> T:
+        """Run `work` in one write transaction, committed if it returns."""
+        return await self._hop.run(work)
 
     @asynccontextmanager
     async def reading(self) -> AsyncIterator[AsyncConnection]:
         async with self.engine.connect() as conn:
             yield conn
 
-    async def run_state(self, conn: AsyncConnection, *, lock: bool = False) -> RunState:
-        """The run row; with lock, held until commit (PostgreSQL), which makes the
-        holder the only one forming batches, registering or resetting."""
-        query = sa.select(
-            STATE.c.registered,
-            STATE.c.started,
-            STATE.c.batch_size,
-            STATE.c.max_token_len,
-            STATE.c.wandb_group,
-            STATE.c.wandb_project,
-            STATE.c.checkpoint_dir,
-            STATE.c.save_checkpoint_interval,
-            STATE.c.num_steps,
-            STATE.c.step,
-        ).where(STATE.c.id == 1)
-        if lock:
-            query = for_update(query, self.dialect)
-        row = (await conn.execute(query)).one()
-        return RunState(**row._mapping)
+    async def read(self, work: Callable[[sa.Connection], T]) -> T:
+        """Run `work` (synchronous) on a read connection."""
+        async with self.engine.connect() as conn:
+            return await conn.run_sync(work)
+
+    async def close(self) -> None:
+        await self._hop.close()
 
 
-async def move_groups(
-    conn: AsyncConnection, ids: Iterable[int], source: GroupState, target: GroupState
+def run_state(conn: sa.Connection, *, lock: bool = False) -> RunState:
+    """The run row; with lock, held until commit (PostgreSQL), which makes the holder
+    the only one forming batches, registering or resetting."""
+    query = sa.select(
+        STATE.c.registered,
+        STATE.c.started,
+        STATE.c.batch_size,
+        STATE.c.max_token_len,
+        STATE.c.wandb_group,
+        STATE.c.wandb_project,
+        STATE.c.checkpoint_dir,
+        STATE.c.save_checkpoint_interval,
+        STATE.c.num_steps,
+        STATE.c.step,
+    ).where(STATE.c.id == 1)
+    if lock:
+        query = for_update(query, dialect_of(conn))
+    return RunState(**conn.execute(query).one()._mapping)
+
+
+def move_groups(
+    conn: sa.Connection, ids: Iterable[int], source: GroupState, target: GroupState
 ) -> None:
     """UPDATE ... SET state = target WHERE state = source, for every id or none."""
     assert target in GROUP_MOVES[source], f"group {source} -> {target}"
@@ -126,18 +140,17 @@ async def move_groups(
     moved = 0
     for start in range(0, len(ids), _IN_CHUNK):
         chunk = ids[start : start + _IN_CHUNK]
-        result = await conn.execute(
+        moved += conn.execute(
             sa.update(GROUPS)
             .where(GROUPS.c.id.in_(chunk), GROUPS.c.state == source)
             .values(state=target)
-        )
-        moved += result.rowcount
+        ).rowcount
     if moved != len(ids):
         raise Contention(f"{len(ids) - moved} of {len(ids)} groups were no longer {source}")
 
 
-async def move_batch(
-    conn: AsyncConnection,
+def move_batch(
+    conn: sa.Connection,
     batch_id: int,
     sources: tuple[BatchState, ...],
     target: BatchState,
@@ -145,7 +158,7 @@ async def move_batch(
 ) -> None:
     for source in sources:
         assert target in BATCH_MOVES[source], f"batch {source} -> {target}"
-    result = await conn.execute(
+    result = conn.execute(
         sa.update(BATCHES)
         .where(BATCHES.c.id == batch_id, BATCHES.c.state.in_(sources))
         .values(state=target, **values)
@@ -154,15 +167,27 @@ async def move_batch(
         raise Contention(f"batch {batch_id} was no longer {'/'.join(sources)}")
 
 
-async def drop_served_groups(conn: AsyncConnection) -> None:
-    """Delete served groups, except the latest example (the newest group that
-    entered the queue), which /latest_example still answers."""
-    others = GROUPS.alias("others")  # not correlated with the row being deleted
+def drop_served_groups(conn: sa.Connection) -> None:
+    """Delete served groups and their payloads, except the latest example (the
+    newest group that entered the queue), which /latest_example still answers."""
+    others = GROUPS.alias("others")  # not correlated with the rows being deleted
     latest = (
         sa.select(sa.func.max(others.c.id))
         .where(others.c.state != GroupState.BUFFERED)
         .scalar_subquery()
     )
-    await conn.execute(
-        sa.delete(GROUPS).where(GROUPS.c.state == GroupState.SERVED, GROUPS.c.id < latest)
-    )
+    served = conn.execute(
+        sa.select(GROUPS.c.id, GROUPS.c.payload_id).where(
+            GROUPS.c.state == GroupState.SERVED, GROUPS.c.id < latest
+        )
+    ).all()
+    delete_groups(conn, served)
+
+
+def delete_groups(conn: sa.Connection, rows: Iterable[Any]) -> None:
+    """Delete groups (rows with .id and .payload_id), then their payloads."""
+    rows = list(rows)
+    for start in range(0, len(rows), _IN_CHUNK):
+        chunk = rows[start : start + _IN_CHUNK]
+        conn.execute(sa.delete(GROUPS).where(GROUPS.c.id.in_([r.id for r in chunk])))
+        conn.execute(sa.delete(PAYLOADS).where(PAYLOADS.c.id.in_([r.payload_id for r in chunk])))

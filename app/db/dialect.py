@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from contextlib import AbstractAsyncContextManager, nullcontext
-from typing import Any, Literal, assert_never
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal, TypeVar, assert_never
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from app.db.engine import create_thread_engine
+
 Dialect = Literal["sqlite", "postgresql"]
+T = TypeVar("T")
 
 
 def dialect_of(conn: AsyncConnection | AsyncEngine | sa.Connection) -> Dialect:
@@ -46,7 +50,7 @@ def migration_lock(sync_conn: sa.Connection) -> None:
         assert_never(dialect)
 
 
-async def begin_immediate(conn: AsyncConnection) -> None:
+def begin_immediate(conn: sa.Connection) -> None:
     """Make the transaction just begun on `conn` a writer before it reads anything,
     so that its reads and the writes that depend on them are not interleaved with
     another writer's.
@@ -58,7 +62,7 @@ async def begin_immediate(conn: AsyncConnection) -> None:
     dialect = dialect_of(conn)
     if dialect == "sqlite":
         # pysqlite issues no BEGIN of its own while one is open, and commits this one.
-        await conn.exec_driver_sql("BEGIN IMMEDIATE")
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
     elif dialect == "postgresql":
         pass
     else:
@@ -76,16 +80,73 @@ def for_update(stmt: sa.Select[Any], dialect: Dialect) -> sa.Select[Any]:
     assert_never(dialect)
 
 
-def writer_lock(dialect: Dialect) -> AbstractAsyncContextManager[Any]:
-    """The in-process lock around write transactions.
+def reserve_ids(conn: sa.Connection, table: sa.Table, n: int) -> list[int]:
+    """n new values of `table`'s autoincrementing integer key, to insert rows whose
+    ids must be known beforehand without a RETURNING per row (an ordered RETURNING
+    makes SQLAlchemy insert SQLite rows one statement at a time).
 
-    SQLite: one writer at a time anyway; queueing our own writers on an asyncio.Lock
-    spares them SQLite's busy-wait sleeps. PostgreSQL: none (row locks decide)."""
+    SQLite: max + 1 onwards; only valid inside a `begin_immediate` transaction,
+    whose write lock keeps anyone else from taking the same ids. PostgreSQL: values
+    drawn from the column's own sequence, unique across sessions."""
+    dialect = dialect_of(conn)
+    key = table.c.id
     if dialect == "sqlite":
-        return asyncio.Lock()
+        top = conn.scalar(sa.select(sa.func.coalesce(sa.func.max(key), 0)))
+        first = int(top or 0) + 1
+        return list(range(first, first + n))
     if dialect == "postgresql":
-        return nullcontext()
+        sequence = sa.func.pg_get_serial_sequence(table.name, key.name)
+        rows = conn.execute(
+            sa.select(sa.func.nextval(sequence)).select_from(sa.func.generate_series(1, n))
+        )
+        return [int(value) for value in rows.scalars()]
     assert_never(dialect)
+
+
+class OneHop:
+    """Write transactions run whole, with one wait on the event loop.
+
+    SQLite: aiosqlite hands every statement to its thread and back several times
+    (cursor, execute, fetch, close), and on a busy event loop each trip waits its
+    turn, so a commit of a few statements took tens of milliseconds under load. Here
+    the transaction runs on a plain sqlite3 connection in a thread of its own, begun
+    IMMEDIATE. PostgreSQL: asyncpg already costs one round trip per statement; the
+    work runs through run_sync on a pooled connection.
+
+    `work` is a synchronous function of a Connection; it must not touch the event
+    loop (it may run in another thread)."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._dialect = dialect_of(engine)
+        self._thread: ThreadPoolExecutor | None = None
+        self._sync: sa.Engine | None = None
+
+    async def run(self, work: Callable[[sa.Connection], T]) -> T:
+        if self._dialect == "sqlite":
+            if self._thread is None:
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="sqlite-one-hop")
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._thread, self._in_thread, work)
+        if self._dialect == "postgresql":
+            async with self._engine.begin() as conn:
+                return await conn.run_sync(work)
+        assert_never(self._dialect)
+
+    def _in_thread(self, work: Callable[[sa.Connection], T]) -> T:
+        if self._sync is None:
+            self._sync = create_thread_engine(self._engine)
+        with self._sync.begin() as conn:
+            begin_immediate(conn)
+            return work(conn)
+
+    async def close(self) -> None:
+        if self._thread is None:
+            return
+        if self._sync is not None:
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._sync.dispose)
+        self._thread.shutdown()
+        self._thread = None
 
 
 def skip_locked(select: sa.Select[Any], dialect: Dialect) -> sa.Select[Any]:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
@@ -34,18 +35,37 @@ def redacted(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
+_JSON: dict[str, Any] = {
+    "json_serializer": lambda v: orjson.dumps(v).decode(),
+    "json_deserializer": orjson.loads,
+}
+
+
 def create_engine(cfg: TraceServerConfig) -> AsyncEngine:
     url = database_url(cfg)
-    common: dict[str, Any] = {
-        "json_serializer": lambda v: orjson.dumps(v).decode(),
-        "json_deserializer": orjson.loads,
-    }
+
     if cfg.storage_backend == "sqlite":
         Path(cfg.db_path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_async_engine(url, pool_size=8, max_overflow=8, **common)
+        engine = create_async_engine(url, pool_size=8, max_overflow=8, **_JSON)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
-    return create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True, **common)
+    return create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True, **_JSON)
+
+
+def create_thread_engine(engine: AsyncEngine) -> sa.Engine:
+    """A synchronous engine on the same SQLite file, with the same pragmas, for
+    transactions run whole in one worker thread (`dialect.OneHop`)."""
+    url = engine.url.set(drivername="sqlite")
+    # One connection, used by one thread at a time (OneHop's own).
+    sync = sa.create_engine(
+        url,
+        pool_size=1,
+        max_overflow=0,
+        connect_args={"check_same_thread": False},
+        **_JSON,
+    )
+    event.listen(sync, "connect", _sqlite_pragmas)
+    return sync
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

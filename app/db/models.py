@@ -166,12 +166,25 @@ class AtroposEnvRow(Base):
     registered_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
 
 
+class AtroposPayloadRow(Base):
+    """A group's JSON as the env sent it (normalised as atroposlib does), served byte
+    for byte. Written once, never updated: a group's state changes on its small row
+    in atropos_groups (SQLite rewrites a whole row, overflow pages and all, on any
+    UPDATE)."""
+
+    __tablename__ = "atropos_payloads"
+
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
+    payload: Mapped[str] = mapped_column(sa.Text)
+
+
 class AtroposGroupRow(Base):
-    """One scored group, as the env sent it (JSON text, served byte for byte).
+    """One scored group.
 
     state: buffered (an odd-size group waiting for others of its env) -> queued ->
-    batched (in a formed batch) -> served. The id order is the queue order; a served
-    group is deleted unless it is the latest example.
+    batched (in a formed batch) -> served. The id order is the queue order (a group
+    released from a buffer gets a new row); a served group is deleted, with its
+    payload, unless it is the latest example.
     """
 
     __tablename__ = "atropos_groups"
@@ -180,17 +193,18 @@ class AtroposGroupRow(Base):
     state: Mapped[str] = mapped_column(sa.String(16))
     env_id: Mapped[int | None] = mapped_column(sa.Integer)
     size: Mapped[int] = mapped_column(sa.Integer)  # sequences in the group
-    bytes: Mapped[int] = mapped_column(sa.Integer)  # length of payload
+    bytes: Mapped[int] = mapped_column(sa.Integer)  # length of the payload
     # The env sent no inference_logprobs: the hub fills them when serving.
     fill_logprobs: Mapped[bool] = mapped_column(sa.Boolean)
-    payload: Mapped[str] = mapped_column(sa.Text)
+    payload_id: Mapped[int] = mapped_column(_BIG_ID, sa.ForeignKey("atropos_payloads.id"))
     created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
 
     __table_args__ = (
-        # Covers the queue scans (formation, /status, /status-env, the bound) without
-        # touching the large rows.
+        # Covers the queue scans (formation, /status, /status-env, the bound).
         sa.Index("ix_atropos_groups_state_id", "state", "id", "env_id", "size", "bytes"),
         sa.Index("ix_atropos_groups_state_env_id", "state", "env_id"),
+        # Deleting a payload checks that no group still refers to it.
+        sa.Index("ix_atropos_groups_payload_id", "payload_id"),
     )
 
 
@@ -221,4 +235,5 @@ class AtroposBatchRow(Base):
 ATROPOS_STATE: sa.Table = AtroposStateRow.__table__  # type: ignore[assignment]
 ATROPOS_ENVS: sa.Table = AtroposEnvRow.__table__  # type: ignore[assignment]
 ATROPOS_GROUPS: sa.Table = AtroposGroupRow.__table__  # type: ignore[assignment]
+ATROPOS_PAYLOADS: sa.Table = AtroposPayloadRow.__table__  # type: ignore[assignment]
 ATROPOS_BATCHES: sa.Table = AtroposBatchRow.__table__  # type: ignore[assignment]

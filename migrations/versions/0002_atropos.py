@@ -1,4 +1,4 @@
-"""atropos tables: the run, registered envs, queued groups, formed batches
+"""atropos tables: the run, registered envs, queued groups and their payloads, batches
 
 Revision ID: 0002
 Revises: 0001
@@ -55,6 +55,13 @@ def upgrade() -> None:
     )
 
     op.create_table(
+        "atropos_payloads",
+        sa.Column("id", BIG_ID, nullable=False, autoincrement=True),
+        sa.Column("payload", sa.Text, nullable=False),
+        sa.PrimaryKeyConstraint("id", name="pk_atropos_payloads"),
+    )
+
+    op.create_table(
         "atropos_groups",
         sa.Column("id", BIG_ID, nullable=False, autoincrement=True),
         sa.Column("state", sa.String(16), nullable=False),
@@ -62,9 +69,14 @@ def upgrade() -> None:
         sa.Column("size", sa.Integer, nullable=False),
         sa.Column("bytes", sa.Integer, nullable=False),
         sa.Column("fill_logprobs", sa.Boolean, nullable=False),
-        sa.Column("payload", sa.Text, nullable=False),
+        sa.Column("payload_id", BIG_ID, nullable=False),
         sa.Column("created_at", TIMESTAMP, nullable=False),
         sa.PrimaryKeyConstraint("id", name="pk_atropos_groups"),
+        sa.ForeignKeyConstraint(
+            ["payload_id"],
+            ["atropos_payloads.id"],
+            name="fk_atropos_groups_payload_id_atropos_payloads",
+        ),
     )
     op.create_index(
         "ix_atropos_groups_state_id",
@@ -72,6 +84,7 @@ def upgrade() -> None:
         ["state", "id", "env_id", "size", "bytes"],
     )
     op.create_index("ix_atropos_groups_state_env_id", "atropos_groups", ["state", "env_id"])
+    op.create_index("ix_atropos_groups_payload_id", "atropos_groups", ["payload_id"])
 
     op.create_table(
         "atropos_batches",
@@ -94,5 +107,6 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("atropos_batches")
     op.drop_table("atropos_groups")
+    op.drop_table("atropos_payloads")
     op.drop_table("atropos_envs")
     op.drop_table("atropos_state")
