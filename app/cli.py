@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from collections.abc import Callable, Iterator
 
@@ -19,8 +19,10 @@ import uvicorn
 from app.api.app import create_app
 from app.config import load_compression, load_config, load_tinker
 from app.db import migrate
-from app.errors import ConfigError
-from app import importer, rescore, sources
+from app.errors import ConfigError, HubError
+from app import importer, keys, rescore, retention, sources
+from app.domain import Stage
+from app.durations import parse_duration
 from app.environment import Environment
 from app.hub import Settings, open_database, running_stages
 from app.ingest import Ingestor
@@ -83,6 +85,51 @@ def _parser() -> argparse.ArgumentParser:
     rescore.add_argument("--config", required=True, help="config.json")
     rescore.add_argument("--since", type=_datetime, help="only traces created since (ISO 8601)")
     rescore.set_defaults(run=_rescore)
+
+    prune = commands.add_parser(
+        "prune", help="delete old traces (never one still on its way to training)"
+    )
+    prune.add_argument("--config", required=True, help="config.json")
+    prune.add_argument(
+        "--older-than", required=True, type=_duration, help="e.g. 30d, 12h, 2w (created before)"
+    )
+    prune.add_argument(
+        "--max-reward", type=float, help="only traces whose reward is below this (reward < R)"
+    )
+    prune.add_argument(
+        "--stage",
+        action="append",
+        type=_prunable_stage,
+        default=[],
+        help="only traces in this stage (repeatable)",
+    )
+    prune.add_argument("--dry-run", action="store_true", help="count, delete nothing")
+    prune.add_argument("--batch-size", type=int, default=1000, help="traces per transaction")
+    prune.add_argument(
+        "--no-vacuum", action="store_true", help="SQLite: skip VACUUM (it locks writers out)"
+    )
+    prune.set_defaults(run=_prune)
+
+    key_cmd = commands.add_parser("keys", help="API keys (auth.enabled)")
+    key_commands = key_cmd.add_subparsers(dest="keys_command", required=True)
+    create = key_commands.add_parser("create", help="make a key; prints it once, last line")
+    create.add_argument("--config", required=True, help="config.json")
+    create.add_argument(
+        "--scope",
+        action="append",
+        required=True,
+        choices=[s.value for s in keys.Scope],
+        help="ingest, read or admin (admin includes both; repeatable)",
+    )
+    create.add_argument("--name", required=True, help="who or what the key is for")
+    create.set_defaults(run=_keys_create)
+    listing = key_commands.add_parser("list", help="every key, revoked ones too")
+    listing.add_argument("--config", required=True, help="config.json")
+    listing.set_defaults(run=_keys_list)
+    revoke = key_commands.add_parser("revoke", help="a revoked key stops working at once")
+    revoke.add_argument("--config", required=True, help="config.json")
+    revoke.add_argument("key_id", help="the id shown by `atropos keys list`")
+    revoke.set_defaults(run=_keys_revoke)
 
     db = commands.add_parser("db", help="database operations")
     db_commands = db.add_subparsers(dest="db_command", required=True)
@@ -202,7 +249,7 @@ async def _import(args: argparse.Namespace) -> int:
     else:
         engine = await open_database(config)
         inserter = TraceInserter(engine)
-        ingestor = Ingestor(inserter, Environment.from_config(config.environment))
+        ingestor = Ingestor(inserter, Environment.from_config(config.environment), config.limits)
         inserter.start()
         try:
             for chunk in batches:
@@ -243,6 +290,98 @@ def _datetime(value: str) -> datetime:
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an ISO 8601 date or time: {value!r}") from None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _duration(value: str) -> timedelta:
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _prunable_stage(value: str) -> Stage:
+    try:
+        stage = Stage(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"unknown stage {value!r}; one of {', '.join(Stage)}"
+        ) from None
+    if stage is Stage.BATCHED:
+        raise argparse.ArgumentTypeError("batched traces wait for delivery; never pruned")
+    return stage
+
+
+async def _prune(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size: must be at least 1")
+    config = load_config(args.config)
+    criteria = retention.Criteria(args.older_than, args.max_reward, tuple(args.stage))
+    engine = await open_database(config)
+    try:
+        result = await retention.prune(
+            engine,
+            criteria,
+            batch_size=args.batch_size,
+            dry_run=args.dry_run,
+            vacuum=not args.no_vacuum,
+        )
+    finally:
+        await engine.dispose()
+    print(f"matching: {result.matched} traces {criteria.describe()}")
+    if args.dry_run:
+        print("dry run: nothing deleted")
+        return 0
+    print(f"deleted: {result.deleted} in {result.batches} batches")
+    if result.maintenance:
+        print(f"then: {', '.join(result.maintenance)}")
+    return 0
+
+
+async def _keys_create(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if not config.auth.enabled:
+        log.warning("auth.enabled is false in %s: keys are not checked until it is true",
+                    args.config)
+    engine = await open_database(config)
+    try:
+        key, secret = await keys.create_key(engine, args.name, {keys.Scope(s) for s in args.scope})
+    finally:
+        await engine.dispose()
+    print(f"created API key {key.describe()}, scopes: {', '.join(sorted(key.scopes))}")
+    print("it is shown only now; the hub keeps a hash of it:")
+    print(secret)
+    return 0
+
+
+async def _keys_list(args: argparse.Namespace) -> int:
+    engine = await open_database(load_config(args.config))
+    try:
+        found = await keys.list_keys(engine)
+    finally:
+        await engine.dispose()
+    print(f"{'KEY_ID':<14}{'NAME':<24}{'SCOPES':<20}{'CREATED':<22}STATUS")
+    for key in found:
+        status = f"revoked {_when(key.revoked_at)}" if key.revoked_at else "active"
+        scopes = ",".join(sorted(key.scopes))
+        print(f"{key.key_id:<14}{key.name[:23]:<24}{scopes:<20}{_when(key.created_at):<22}{status}")
+    return 0
+
+
+async def _keys_revoke(args: argparse.Namespace) -> int:
+    engine = await open_database(load_config(args.config))
+    try:
+        key = await keys.revoke_key(engine, args.key_id)
+    except HubError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        await engine.dispose()
+    print(f"revoked API key {key.describe()} at {_when(key.revoked_at)}")
+    return 0
+
+
+def _when(moment: datetime | None) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%SZ") if moment else "-"
 
 
 async def _db_upgrade(args: argparse.Namespace) -> int:
