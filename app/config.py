@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (

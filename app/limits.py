@@ -39,13 +39,14 @@ def check_item(item: Any, limits: LimitsConfig) -> None:
 def check_trace(trace: Trace, limits: LimitsConfig) -> None:
     if len(trace.steps) > limits.max_steps_per_trace:
         raise _too_many_steps(f"the normalised trace has {len(trace.steps)} steps", limits)
+    # The task counts as a step: other formats send it as the first user message.
+    if len(trace.task or "") > limits.max_step_chars:
+        raise _step_too_long(f"the task has {len(trace.task or '')} characters", limits)
     for index, step in enumerate(trace.steps):
         chars = len(step.content or "") + len(step.error or "") + _chars(step.arguments)
         if chars > limits.max_step_chars:
-            raise PayloadTooLarge(
-                f"step {index} of the normalised trace has {chars} characters; "
-                f"limits.max_step_chars is {limits.max_step_chars}",
-                field="limits.max_step_chars",
+            raise _step_too_long(
+                f"step {index} of the normalised trace has {chars} characters", limits
             )
 
 
@@ -74,6 +75,13 @@ def _chars(arguments: Any) -> int:
     if isinstance(arguments, str):
         return len(arguments)
     return len(orjson.dumps(arguments))
+
+
+def _step_too_long(what: str, limits: LimitsConfig) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"{what}; limits.max_step_chars is {limits.max_step_chars}",
+        field="limits.max_step_chars",
+    )
 
 
 def _too_many_steps(what: str, limits: LimitsConfig) -> PayloadTooLarge:

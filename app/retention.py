@@ -19,6 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from app import schedule
 from app.config import RetentionConfig
 from app.db.dialect import after_bulk_delete, dialect_of, skip_locked
 from app.db.models import TraceRow
@@ -26,7 +27,6 @@ from app.db.types import utcnow
 from app.domain import Stage
 from app.durations import format_duration
 from app.leases import lease_is_free
-from app import schedule
 
 log = logging.getLogger("atropos.retention")
 

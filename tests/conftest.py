@@ -20,6 +20,7 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +86,43 @@ def _pg_admin(sql: str) -> None:
             await conn.close()
 
     asyncio.run(run())
+
+
+def db_execute(trace_server: dict[str, Any], statement: str | sa.Executable,
+               **params: Any) -> list[dict[str, Any]]:
+    """Run one statement on the test database (either dialect) from a sync test, as a
+    user with sqlite3/psql would; returns the rows, if any."""
+    import asyncio
+
+    from app.config import TraceServerConfig
+    from app.db.engine import create_engine
+
+    if isinstance(statement, str):
+        statement = sa.text(statement)
+
+    async def run() -> list[dict[str, Any]]:
+        engine = create_engine(TraceServerConfig(**trace_server))
+        try:
+            async with engine.begin() as conn:
+                result = await conn.execute(statement, params)
+                return [dict(row._mapping) for row in result] if result.returns_rows else []
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`atropos ARGS` in its own process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 # --- hub processes ---------------------------------------------------------------
