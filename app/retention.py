@@ -94,8 +94,9 @@ async def prune(
                     sa.delete(TRACES).where(TRACES.c.trace_id.in_(pick.scalar_subquery()))
                 )
             ).rowcount
-        result.deleted += deleted
-        result.batches += 1
+        if deleted:
+            result.deleted += deleted
+            result.batches += 1
         if deleted < batch_size:
             break
     if result.deleted:
