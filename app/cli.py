@@ -8,22 +8,22 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from collections.abc import Callable, Iterator
 
 import httpx
 import uvicorn
 
+from app import importer, keys, rescore, retention, sources
 from app.api.app import create_app
 from app.config import load_compression, load_config, load_tinker
 from app.db import migrate
-from app.errors import ConfigError, HubError
-from app import importer, keys, rescore, retention, sources
 from app.domain import Stage
 from app.durations import parse_duration
 from app.environment import Environment
+from app.errors import ConfigError, HubError
 from app.hub import Settings, open_database, running_stages
 from app.ingest import Ingestor
 from app.inserter import TraceInserter
@@ -233,9 +233,9 @@ async def _worker(args: argparse.Namespace) -> int:
 
 async def _import(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    for fmt in [args.format] if args.format != "auto" else []:
-        if fmt not in sources.formats():
-            raise ConfigError(f"--format {fmt}: unknown; one of auto, {', '.join(sources.formats())}")
+    if args.format != "auto" and args.format not in sources.formats():
+        known = ", ".join(sources.formats())
+        raise ConfigError(f"--format {args.format}: unknown; one of auto, {known}")
     summary = importer.Summary()
     progress = Progress("imported")
     batches = importer.chunks(importer.records(args.paths, args.format))

@@ -27,11 +27,10 @@ from enum import StrEnum
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.db.models import ApiKeyRow
+from app.db.models import API_KEYS as KEYS
 from app.db.types import utcnow
 from app.errors import NotFound
 
-KEYS = ApiKeyRow.__table__
 PREFIX = "ath"
 
 

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from app import schedule
 from app.config import RetentionConfig
 from app.db.dialect import after_bulk_delete, dialect_of, skip_locked
-from app.db.models import TraceRow
+from app.db.models import TRACES
 from app.db.types import utcnow
 from app.domain import Stage
 from app.durations import format_duration
@@ -30,7 +30,6 @@ from app.leases import lease_is_free
 
 log = logging.getLogger("atropos.retention")
 
-TRACES = TraceRow.__table__
 # The batches tables, named without their models: retention must work on a database
 # that has them and on one that does not (yet).
 _MEMBERS = sa.table("batch_traces", sa.column("trace_id"), sa.column("batch_id"))

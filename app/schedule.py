@@ -12,10 +12,9 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db.dialect import dialect_of, insert_ignoring_conflicts
-from app.db.models import ScheduledTaskRow
+from app.db.models import SCHEDULED_TASKS as TASKS
 from app.db.types import utcnow
 
-TASKS = ScheduledTaskRow.__table__
 _NEVER = datetime(1970, 1, 1, tzinfo=UTC)
 
 

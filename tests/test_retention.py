@@ -13,13 +13,11 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from app.db.models import ScheduledTaskRow, TraceRow
+from app.db.models import SCHEDULED_TASKS, TRACES
 from app.db.types import utcnow
 from app.durations import format_duration, parse_duration
 from app.retention import Criteria
 from tests.conftest import HubProcess, db_execute, native_trace, run_cli, write_config
-
-TRACES = TraceRow.__table__
 
 # The batches tables as the distribution stage creates them (migration 0003); made
 # here when this database has none, to show that retention respects them.
@@ -127,7 +125,7 @@ def test_worker_applies_retention_once_per_period(
             assert time.monotonic() < deadline, present(client, *ALL)
             time.sleep(0.2)
         hub.wait_for_log("retention: deleted 4 of 4 traces matching older than 30d, reward < 5")
-        [task] = db_execute(trace_server, sa.select(ScheduledTaskRow.__table__))
+        [task] = db_execute(trace_server, sa.select(SCHEDULED_TASKS))
         assert task["name"] == "retention" and task["last_result"]["deleted"] == 4
 
         # Within the period, another process (or a restart) does not run it again.

@@ -6,13 +6,13 @@ from fastapi import APIRouter
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.responses import PlainTextResponse
 
+from app import store
 from app.api.auth import requires
 from app.api.deps import ConnDep, HubDep
 from app.api.openapi import errors
 from app.api.responses import JSONResponse
 from app.db import migrate
 from app.keys import Scope
-from app import store
 
 router = APIRouter(tags=["ops"])
 

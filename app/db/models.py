@@ -66,6 +66,10 @@ class TraceRow(Base):
     __table_args__ = (sa.Index("ix_traces_stage_created_at", "stage", "created_at"),)
 
 
+# The Core table, for the set-based statements (group insert, claims, stage moves).
+TRACES: sa.Table = TraceRow.__table__  # type: ignore[assignment]
+
+
 class ApiKeyRow(Base):
     """An API key (app/keys.py). Only the sha256 of its secret is kept: the key itself
     is shown once, by `atropos keys create`."""
@@ -80,6 +84,9 @@ class ApiKeyRow(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
 
 
+API_KEYS: sa.Table = ApiKeyRow.__table__  # type: ignore[assignment]
+
+
 class ScheduledTaskRow(Base):
     """When a periodic task (retention) last ran, so that several hub processes run it
     once per period between them, and a restart does not run it again early."""
@@ -90,3 +97,6 @@ class ScheduledTaskRow(Base):
     last_started_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
     last_finished_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
     last_result: Mapped[dict[str, Any] | None] = mapped_column(JSON_)
+
+
+SCHEDULED_TASKS: sa.Table = ScheduledTaskRow.__table__  # type: ignore[assignment]
