@@ -112,6 +112,25 @@ def db_execute(trace_server: dict[str, Any], statement: str | sa.Executable,
     return asyncio.run(run())
 
 
+def make_api_key(trace_server: dict[str, Any], *scopes: str, name: str = "test") -> str:
+    """An API key made directly in the database a hub uses (`atropos keys create` has
+    its own test); returns the key to send as `Authorization: Bearer <key>`."""
+    import asyncio
+
+    from app.config import TraceServerConfig
+    from app.db.engine import create_engine
+    from app.keys import Scope, create_key
+
+    async def make() -> str:
+        engine = create_engine(TraceServerConfig(**trace_server))
+        try:
+            return (await create_key(engine, name, {Scope(s) for s in scopes}))[1]
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(make())
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """`atropos ARGS` in its own process, as a user runs it."""
     return subprocess.run(

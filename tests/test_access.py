@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import time
 from pathlib import Path
@@ -13,26 +12,13 @@ import pytest
 from fastapi import APIRouter, FastAPI
 
 from app.api.openapi import install_openapi
-from app.config import AuthConfig, TraceServerConfig
-from app.db.engine import create_engine
-from app.keys import Scope, create_key
+from app.config import AuthConfig
+from app.keys import Scope
 from tests.conftest import HubProcess, db_execute, native_trace, run_cli
+from tests.conftest import make_api_key as make_key
 
 # key_cache_seconds 0: a revocation shows on the very next request.
 AUTH = {"enabled": True, "key_cache_seconds": 0}
-
-
-def make_key(trace_server: dict[str, Any], *scopes: str, name: str = "test") -> str:
-    """A key made directly in the database the hub uses (the CLI has its own test)."""
-
-    async def make() -> str:
-        engine = create_engine(TraceServerConfig(**trace_server))
-        try:
-            return (await create_key(engine, name, {Scope(s) for s in scopes}))[1]
-        finally:
-            await engine.dispose()
-
-    return asyncio.run(make())
 
 
 def bearer(key: str) -> dict[str, str]:
