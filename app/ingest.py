@@ -95,6 +95,7 @@ class Ingestor:
         thread (tiktoken releases the GIL), so the event loop keeps answering. The limits
         are checked first, so that a trace over one costs no tokenizing."""
         check_item(item, self._limits)
+        digest = content_hash(item)  # also: refuses what the `original` column cannot hold
         trace = formats.parse(item, fmt)
         check_trace(trace, self._limits)
         trace_id = _trace_id(trace)
@@ -117,7 +118,7 @@ class Ingestor:
             "model": trace.agent.model,
             "agent_name": trace.agent.name,
             "policy_version": trace.policy_version,
-            "content_hash": content_hash(item),
+            "content_hash": digest,
             "original": item,
             "trace": trace.model_copy(update={"trace_id": trace_id}).model_dump(
                 mode="json", exclude_none=True
@@ -134,8 +135,14 @@ async def _result(waiting: asyncio.Future[Stored]) -> Stored | HubError:
 
 
 def content_hash(item: Any) -> str:
-    """The same content hashes the same whatever the key order or whitespace."""
-    return hashlib.sha256(orjson.dumps(item, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    """The same content hashes the same whatever the key order or whitespace. Raises
+    Invalid for what cannot be stored as JSON: lone surrogates and integers past 64
+    bits, which JSON read by the standard library (`atropos import`) can hold."""
+    try:
+        encoded = orjson.dumps(item, option=orjson.OPT_SORT_KEYS)
+    except (orjson.JSONEncodeError, TypeError) as exc:
+        raise Invalid(f"the trace cannot be stored as JSON: {exc}") from None
+    return hashlib.sha256(encoded).hexdigest()
 
 
 def _trace_id(trace: Trace) -> str:
