@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -78,6 +79,12 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("paths", nargs="+", type=Path, help="files or folders of trajectories")
     imp.add_argument("--format", default="auto", help="an adapter name, or auto (default)")
     imp.add_argument("--url", help="POST to this running hub instead of the database")
+    imp.add_argument(
+        "--api-key-env",
+        default="ATROPOS_API_KEY",
+        help="with --url: the environment variable holding the hub's API key "
+        "(default ATROPOS_API_KEY; unset: none is sent)",
+    )
     imp.add_argument("--strict", action="store_true", help="an unreadable record fails the run")
     imp.set_defaults(run=_import)
 
@@ -240,7 +247,10 @@ async def _import(args: argparse.Namespace) -> int:
     progress = Progress("imported")
     batches = importer.chunks(importer.records(args.paths, args.format))
     if args.url:
-        async with httpx.AsyncClient(base_url=args.url, timeout=120) as client:
+        # The key comes from the environment: on the command line, `ps` would show it.
+        key = os.environ.get(args.api_key_env, "").strip()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with httpx.AsyncClient(base_url=args.url, timeout=120, headers=headers) as client:
             for chunk in batches:
                 await importer.import_over_http(
                     client, config.trace_server.endpoint, chunk, summary

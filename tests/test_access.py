@@ -14,7 +14,7 @@ from fastapi import APIRouter, FastAPI
 from app.api.openapi import install_openapi
 from app.config import AuthConfig
 from app.keys import Scope
-from tests.conftest import HubProcess, db_execute, native_trace, run_cli
+from tests.conftest import REAL, HubProcess, db_execute, native_trace, run_cli
 from tests.conftest import make_api_key as make_key
 
 # key_cache_seconds 0: a revocation shows on the very next request.
@@ -236,3 +236,19 @@ def test_auth_config_errors(tmp_path: Path) -> None:
     config.write_text('{"auth": {"rate_limit_per_second": 0}}')
     result = run_cli("serve", "--config", str(config))
     assert result.returncode == 2 and "auth.rate_limit_per_second" in result.stderr
+
+
+def test_import_over_http_sends_the_key_and_waits_when_told(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    hub = start_hub(trace_server, "--no-workers",
+                    auth={**AUTH, "rate_limit_per_second": 1, "rate_limit_burst": 1})
+    files = str(REAL / "tau-bench")  # 200 traces: four requests, three of them limited
+    refused = run_cli("import", "--config", str(hub.config), "--url", hub.url, files)
+    assert refused.returncode != 0 and "401" in refused.stderr
+    key = make_key(trace_server, "ingest")
+    result = run_cli("import", "--config", str(hub.config), "--url", hub.url,
+                     "--api-key-env", "HUB_KEY", files, env={"HUB_KEY": key})
+    assert result.returncode == 0, result.stderr
+    assert "stored: 200" in result.stdout
+    assert key not in result.stdout + result.stderr
