@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -29,6 +28,7 @@ from app.hub import Settings, open_database, running_stages
 from app.ingest import Ingestor
 from app.inserter import TraceInserter
 from app.progress import Progress
+from app.runs import client as run_client
 
 log = logging.getLogger("atropos")
 
@@ -133,10 +133,19 @@ def _parser() -> argparse.ArgumentParser:
     listing = key_commands.add_parser("list", help="every key, revoked ones too")
     listing.add_argument("--config", required=True, help="config.json")
     listing.set_defaults(run=_keys_list)
-    revoke = key_commands.add_parser("revoke", help="a revoked key stops working at once")
+    revoke = key_commands.add_parser("revoke", help="stops the key (within auth.key_cache_seconds)")
     revoke.add_argument("--config", required=True, help="config.json")
     revoke.add_argument("key_id", help="the id shown by `atropos keys list`")
     revoke.set_defaults(run=_keys_revoke)
+
+    run = commands.add_parser(
+        "run",
+        help="start a training run on a hub and follow it",
+        description=run_client.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run_client.add_arguments(run)
+    run.set_defaults(run=run_client.main)
 
     db = commands.add_parser("db", help="database operations")
     db_commands = db.add_subparsers(dest="db_command", required=True)
@@ -247,9 +256,7 @@ async def _import(args: argparse.Namespace) -> int:
     progress = Progress("imported")
     batches = importer.chunks(importer.records(args.paths, args.format))
     if args.url:
-        # The key comes from the environment: on the command line, `ps` would show it.
-        key = os.environ.get(args.api_key_env, "").strip()
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        headers = keys.bearer_from_env(args.api_key_env)
         async with httpx.AsyncClient(base_url=args.url, timeout=120, headers=headers) as client:
             for chunk in batches:
                 await importer.import_over_http(

@@ -23,6 +23,7 @@ from app.ingest import Ingestor
 from app.inserter import TraceInserter
 from app.leases import Lease
 from app.retention import RetentionStage
+from app.runs import RunSupervisor
 from app.stages.compression import CompressionStage
 from app.worker import StageRunner
 
@@ -46,6 +47,8 @@ class Hub:
     ingestor: Ingestor
     stages: StageRunner
     access: Access
+    # Training runs (app/runs); None unless config.json's runs.enabled is true.
+    runs: RunSupervisor | None = None
 
     @property
     def config(self) -> HubConfig:
@@ -110,8 +113,13 @@ async def running_hub(
             if workers:
                 stages.start()
             try:
+                if settings.config.runs.enabled:
+                    hub.runs = RunSupervisor(engine, settings.config.runs, settings.tinker.tinker)
+                    await hub.runs.start()  # re-attaches to the runs a previous hub left
                 yield hub
             finally:
+                if hub.runs is not None:
+                    await hub.runs.close()  # the runs' processes keep running
                 await inserter.stop()  # answers what is queued before the engine goes
                 hub.ingestor.close()
     finally:

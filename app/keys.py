@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -54,6 +55,14 @@ class ApiKey:
     def describe(self) -> str:
         """How log lines and error messages name a key: never with its secret."""
         return f"{self.name!r} ({self.key_id})"
+
+
+def bearer_from_env(variable: str) -> dict[str, str]:
+    """The Authorization header for the key in environment variable `variable` (none
+    if it is unset): commands take keys from the environment, since `ps` shows
+    command lines."""
+    key = os.environ.get(variable, "").strip()
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def hash_secret(secret: str) -> str:

@@ -42,6 +42,7 @@ __all__ = [
     "ProxyFailed",
     "RequestRejected",
     "WrongURL",
+    "api_base_url",
     "chat",
     "chat_url",
 ]
@@ -118,6 +119,12 @@ def chat_url(base_url: str) -> str:
         return base
     last = urlsplit(base).path.rsplit("/", 1)[-1]
     return f"{base}/chat/completions" if _VERSION.fullmatch(last) else f"{base}/v1/chat/completions"
+
+
+def api_base_url(base_url: str) -> str:
+    """The OpenAI-style base URL (`.../v1`) for `base_url`, normalised as `chat_url`
+    does: what an OpenAI SDK client takes as OPENAI_BASE_URL."""
+    return chat_url(base_url).removesuffix("/chat/completions")
 
 
 async def chat(

@@ -252,3 +252,20 @@ def test_import_over_http_sends_the_key_and_waits_when_told(
     assert result.returncode == 0, result.stderr
     assert "stored: 200" in result.stdout
     assert key not in result.stdout + result.stderr
+
+
+def test_runs_need_the_admin_scope(secured: tuple[HubProcess, dict[str, str]]) -> None:
+    hub, keys = secured
+    with hub.client() as client:
+        for scope in ("read", "ingest"):
+            for method, path in [("GET", "/v1/runs"), ("GET", "/v1/runs/x"),
+                                 ("POST", "/v1/runs"), ("DELETE", "/v1/runs/x")]:
+                r = client.request(method, path, headers=bearer(keys[scope]), json={})
+                assert r.status_code == 403, (scope, path, r.text)
+                assert r.json()["error"]["code"] == "insufficient_scope"
+        assert client.get("/v1/runs").status_code == 401
+        # The admin key passes the guard; these runs are off in this hub's config.
+        r = client.get("/v1/runs", headers=bearer(keys["admin"]))
+        assert r.status_code == 403 and r.json()["error"]["code"] == "runs_disabled"
+        doc = client.get("/openapi.json").json()
+    assert doc["paths"]["/v1/runs"]["post"]["security"] == [{"bearerAuth": ["admin"]}]
