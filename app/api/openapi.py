@@ -107,6 +107,10 @@ def _document(app: FastAPI, auth: AuthConfig) -> dict[str, Any]:
                 for media in response.get("content", {}).values():
                     if media.get("schema", {}).get("$ref") == _FASTAPI_422:
                         media["schema"] = {"$ref": ERROR_REF}
+            if "requestBody" in operation:
+                # Any body can arrive as malformed JSON.
+                for status, response in errors(400).items():
+                    responses.setdefault(str(status), response)
             if "security" not in operation:
                 if path == "/v1" or path.startswith("/v1/"):
                     unguarded.append(f"{method.upper()} {path}")
