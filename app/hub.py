@@ -21,6 +21,9 @@ from app.ingest import Ingestor
 from app.inserter import TraceInserter
 from app.leases import Lease
 from app.stages.compression import CompressionStage
+from app.stages.delivery import DeliveryStage
+from app.stages.distribution import DistributionStage
+from app.targets import build_target
 from app.worker import StageRunner
 
 log = logging.getLogger("atropos")
@@ -73,7 +76,15 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
                 lease=lease,
                 summarizer=ModelSummarizer(http, settings.tinker.tinker),
                 on_advance=runner.wake,
-            )
+            ),
+            DistributionStage(engine, config.distributor, on_advance=runner.wake),
+            DeliveryStage(
+                engine,
+                build_target(config.distributor, settings.tinker.tinker, http),
+                config.distributor,
+                lease=lease,
+                on_advance=runner.wake,
+            ),
         )
         try:
             yield runner

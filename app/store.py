@@ -12,10 +12,12 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.models import TraceRow
+from app.db.models import BatchRow, TraceRow
+from app.domain import BatchState
 from app.errors import BadRequest, NotFound
 
 TRACES = TraceRow.__table__
+BATCHES = BatchRow.__table__
 View = Literal["canonical", "original", "compressed"]
 
 SUMMARY_COLUMNS = (
@@ -103,7 +105,7 @@ async def list_traces(
     last record, so paging is stable while new traces arrive."""
     query = sa.select(*SUMMARY_COLUMNS).where(*where.clauses())
     if cursor:
-        created_at, trace_id = _decode_cursor(cursor)
+        created_at, trace_id = decode_cursor(cursor)
         query = query.where(
             sa.tuple_(TRACES.c.created_at, TRACES.c.trace_id) < (created_at, trace_id)
         )
@@ -115,7 +117,7 @@ async def list_traces(
     next_cursor = None
     if len(rows) > limit:
         last = rows[limit - 1]
-        next_cursor = _encode_cursor(last.created_at, last.trace_id)
+        next_cursor = encode_cursor(last.created_at, last.trace_id)
     return records, next_cursor
 
 
@@ -140,7 +142,15 @@ async def stats(conn: AsyncConnection) -> dict[str, Any]:
         "total_tokens": int(totals[1]),
         "compressed_tokens": int(totals[2]),
         "mean_reward": float(totals[3]) if totals[3] is not None else None,
+        "batches": await batch_counts(conn),
     }
+
+
+async def batch_counts(conn: AsyncConnection) -> dict[str, int]:
+    """Batches by state (every state, 0 when none) and the total."""
+    counted = await _count_by(conn, BATCHES.c.state)
+    by_state = {state.value: counted.get(state.value, 0) for state in BatchState}
+    return {**by_state, "total": sum(counted.values())}
 
 
 async def _count_by(conn: AsyncConnection, column: sa.Column[Any]) -> dict[str, int]:
@@ -166,12 +176,12 @@ def _summary(row: Any) -> dict[str, Any]:
     }
 
 
-def _encode_cursor(created_at: datetime, trace_id: str) -> str:
+def encode_cursor(created_at: datetime, trace_id: str) -> str:
     raw = orjson.dumps([created_at.isoformat(), trace_id])
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         created_at, trace_id = orjson.loads(raw)

@@ -1,7 +1,8 @@
-"""The background stages (compression, distribution, delivery) and the loop that
-runs them: claim -> work -> advance, until there is nothing left, then sleep until
+"""The background stages (compression, distribution, delivery) and the loops that
+run them: claim -> work -> advance, until there is nothing left, then sleep until
 woken or until flush_interval_seconds has passed (the longest a missed wake-up can
-delay a trace).
+delay a trace). Each stage has a loop of its own, so a long delivery (a training job
+polls for minutes) never holds up compression or batching.
 
 Every stage keeps its state in the database, so any process may die at any moment
 and the next one picks the work up.
@@ -28,15 +29,16 @@ class StageRunner:
     def __init__(self, flush_interval: float) -> None:
         self.stages: list[PipelineStage] = []
         self._flush_interval = flush_interval
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._wakes: list[asyncio.Event] = []
+        self._tasks: list[asyncio.Task[None]] = []
 
     def add(self, *stages: PipelineStage) -> None:
         self.stages.extend(stages)
 
     def wake(self) -> None:
         """Called after each ingest commit and stage move: the next stage starts now."""
-        self._wake.set()
+        for event in self._wakes:
+            event.set()
 
     async def drain(self) -> int:
         """Run every stage until none has work left (`--burst`). Returns items advanced."""
@@ -50,23 +52,27 @@ class StageRunner:
                 return total
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="stage-runner")
+        for stage in self.stages:
+            event = asyncio.Event()
+            self._wakes.append(event)
+            self._tasks.append(
+                asyncio.create_task(self._loop(stage, event), name=f"stage-{stage.name}")
+            )
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        self._wakes.clear()
 
-    async def _loop(self) -> None:
+    async def _loop(self, stage: PipelineStage, wake: asyncio.Event) -> None:
         while True:
-            self._wake.clear()
-            await self.drain()
+            wake.clear()
+            while await self._run_stage(stage):
+                pass
             try:
-                await asyncio.wait_for(self._wake.wait(), self._flush_interval)
+                await asyncio.wait_for(wake.wait(), self._flush_interval)
             except TimeoutError:
                 pass
 

@@ -103,6 +103,8 @@ def write_config(directory: Path, trace_server: dict[str, Any], **sections: Any)
 class HubProcess:
     """`atropos serve` as a user runs it, in its own process."""
 
+    command = "serve"
+
     def __init__(self, config: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.config = config
         self.args = args
@@ -114,7 +116,8 @@ class HubProcess:
     def start(self, timeout: float = 30) -> HubProcess:
         self.lines = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--config", str(self.config), *self.args],
+            [sys.executable, "-m", "app.cli", self.command, "--config", str(self.config),
+             *self.args],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT), **self.env},
             stderr=subprocess.PIPE,
@@ -134,10 +137,15 @@ class HubProcess:
         with proc.stderr:
             for line in proc.stderr:
                 self.lines.append(line)
-                if match := LISTENING.search(line):
-                    self.url = f"http://{match[1]}:{match[2]}"
+                if self._ready(line):
                     ready.set()
         ready.set()
+
+    def _ready(self, line: str) -> bool:
+        if match := LISTENING.search(line):
+            self.url = f"http://{match[1]}:{match[2]}"
+            return True
+        return False
 
     @property
     def log(self) -> str:
@@ -167,6 +175,28 @@ class HubProcess:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{text!r} not in the log:\n{self.log}")
             time.sleep(0.05)
+
+
+class WorkerProcess(HubProcess):
+    """`atropos worker`: the background stages alone, ready once they say so."""
+
+    command = "worker"
+
+    def _ready(self, line: str) -> bool:
+        return "pipeline ready" in line
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """One `atropos ...` command to its end (e.g. `worker --burst`, `export`)."""
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.api import ops, traces
+from app.api import batches, ops, traces
 from app.api.errors import install_error_handlers
 from app.environment import Environment
 from app.hub import Settings, running_hub
@@ -38,5 +38,6 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(traces.router(config.trace_server.endpoint))
+    app.include_router(batches.router)
     app.include_router(ops.router)
     return app
