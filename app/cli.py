@@ -7,12 +7,15 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Iterator
 
+import httpx
 import uvicorn
 
 from app import formats
@@ -23,9 +26,14 @@ from app.db import migrate
 from app.doctor import diagnose
 from app.domain import Stage
 from app.errors import ConfigError, HubError
-from app.export import DEFAULT_STAGES, ExportQuery, Progress, count, export_traces, parse_since
+from app import importer, rescore, sources
+from app.environment import Environment
+from app.export import DEFAULT_STAGES, ExportQuery, count, export_traces
 from app.hub import Settings, open_database, running_stages
+from app.ingest import Ingestor
+from app.inserter import TraceInserter
 from app.llm import LLMError
+from app.progress import Progress
 from app.training import TrainingFailed
 from app.training.dataset import train_dataset
 
@@ -62,6 +70,20 @@ def _parser() -> argparse.ArgumentParser:
     worker.add_argument("--burst", action="store_true", help="drain the work, then exit")
     worker.set_defaults(run=_worker)
 
+    imp = commands.add_parser("import", help="store trajectory files through the pipeline")
+    imp.add_argument("--config", required=True, help="config.json")
+    imp.add_argument("paths", nargs="+", type=Path, help="files or folders of trajectories")
+    imp.add_argument("--format", default="auto", help="an adapter name, or auto (default)")
+    imp.add_argument("--url", help="POST to this running hub instead of the database")
+    imp.add_argument("--strict", action="store_true", help="an unreadable record fails the run")
+    imp.set_defaults(run=_import)
+
+    rescore = commands.add_parser("rescore", help="score stored traces with the current rules")
+    rescore.add_argument("--config", required=True, help="config.json")
+    rescore.add_argument("--since", type=_datetime,
+                         help="only traces created since: an ISO date/time or an age (7d, 12h)")
+    rescore.set_defaults(run=_rescore)
+
     train = commands.add_parser("train", help="one training job from a dataset file")
     train.add_argument("--config", required=True, help="tinker.json")
     train.add_argument("--dataset", required=True, type=Path, help="a JSONL training file")
@@ -75,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--compressed", action="store_true",
                         help="the compressed view of each trace that has one")
     export.add_argument("--min-reward", type=float, help="only traces with reward >= R")
-    export.add_argument("--since", type=parse_since,
+    export.add_argument("--since", type=_datetime,
                         help="only traces created since: an ISO date/time or an age (7d, 12h)")
     export.add_argument("--stage", action="append", choices=[s.value for s in Stage],
                         help="only traces at this stage (repeatable; default: all but rejected)")
@@ -128,7 +150,10 @@ def _settings(args: argparse.Namespace) -> Settings:
 async def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     workers = not args.no_workers
-    app = create_app(settings, engine=await open_database(settings.config), workers=workers)
+    # Rules first, then the database: a config mistake costs no migration.
+    environment = Environment.from_config(settings.config.environment)
+    engine = await open_database(settings.config)
+    app = create_app(settings, environment=environment, engine=engine, workers=workers)
     ts = settings.config.trace_server
     server = _Server(
         uvicorn.Config(
@@ -209,7 +234,7 @@ async def _export(args: argparse.Namespace) -> int:
                         tuple(args.stage) if args.stage else DEFAULT_STAGES)
     engine = await open_database(config)
     try:
-        progress = Progress(await count(engine, query))
+        progress = Progress("exported", await count(engine, query))
         if args.output == "-":
             written = await export_traces(engine, query, sys.stdout.buffer, progress)
         else:
@@ -219,7 +244,7 @@ async def _export(args: argparse.Namespace) -> int:
             with open(tmp, "wb") as f:
                 written = await export_traces(engine, query, f, progress)
             os.replace(tmp, out)
-        progress.finish()
+        progress.close()
     finally:
         await engine.dispose()
     log.info("exported %d traces as %s to %s", written, args.format, args.output)
@@ -241,6 +266,77 @@ async def _batches_retry(args: argparse.Namespace) -> int:
         await engine.dispose()
     print(f"batch {batch['batch_id']} is pending again (last error: {batch['last_error']})")
     return 0
+
+
+async def _import(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    for fmt in [args.format] if args.format != "auto" else []:
+        if fmt not in sources.formats():
+            raise ConfigError(f"--format {fmt}: unknown; one of auto, {', '.join(sources.formats())}")
+    summary = importer.Summary()
+    progress = Progress("imported")
+    batches = importer.chunks(importer.records(args.paths, args.format))
+    if args.url:
+        async with httpx.AsyncClient(base_url=args.url, timeout=120) as client:
+            for chunk in batches:
+                await importer.import_over_http(
+                    client, config.trace_server.endpoint, chunk, summary
+                )
+                progress.advance(len(chunk))
+    else:
+        engine = await open_database(config)
+        inserter = TraceInserter(engine)
+        ingestor = Ingestor(inserter, Environment.from_config(config.environment))
+        inserter.start()
+        try:
+            for chunk in batches:
+                await importer.import_into_database(ingestor, chunk, summary)
+                progress.advance(len(chunk))
+        finally:
+            await inserter.stop()
+            ingestor.close()
+            await engine.dispose()
+    progress.close()
+    for line in summary.lines():
+        print(line)
+    failed = summary.refused or (args.strict and summary.unreadable)
+    return 1 if failed else 0
+
+
+async def _rescore(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    environment = Environment.from_config(config.environment)
+    engine = await open_database(config)
+    try:
+        progress = Progress("rescored", await rescore.pending(engine, environment, args.since))
+        counts = await rescore.rescore(
+            engine, environment, since=args.since, on_batch=progress.advance
+        )
+        progress.close()
+    finally:
+        await engine.dispose()
+    print(f"rescored: {counts.pop('rescored', 0)}")
+    for move, n in sorted(counts.items()):
+        print(f"stage {move}: {n}")
+    return 0
+
+
+_AGE = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+_AGE_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+
+
+def _datetime(value: str) -> datetime:
+    """An ISO 8601 date or time (UTC unless it says otherwise), or an age: 30m, 12h, 7d."""
+    if age := _AGE.fullmatch(value.strip()):
+        amount, unit = age.groups()
+        return datetime.now(UTC) - timedelta(**{_AGE_UNITS[unit]: float(amount)})
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an ISO 8601 date or time, nor an age like 7d: {value!r}"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
 async def _db_upgrade(args: argparse.Namespace) -> int:

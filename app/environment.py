@@ -1,23 +1,49 @@
-"""The `environment` section of config.json: reward rules and invalid-trace filters,
-compiled once at start-up and applied to every ingested trace."""
+"""The `environment` section of config.json: reward rules (scoring.py) and
+invalid-trace filters (filters.py), compiled once at start-up (a bad rule stops the
+hub with one line) and applied to every trace before it is stored."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from typing import Any
+
+import orjson
 
 from app.config import EnvironmentConfig
 from app.domain import Trace
-from app.ingest import Evaluation
+from app.filters import Filters, find_reject_reasons
+from app.scoring import RewardRules, score
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    reward: float
+    breakdown: dict[str, Any]
+    reject_reasons: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
 class Environment:
-    config: EnvironmentConfig
+    rules: RewardRules
+    filters: Filters
+    fingerprint: str
 
     @classmethod
     def from_config(cls, config: EnvironmentConfig) -> Environment:
-        return cls(config)
+        canonical = orjson.dumps(config.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
+        return cls(
+            RewardRules.from_config(config.reward_rules),
+            Filters.from_config(config.invalid_trace_filters),
+            fingerprint=hashlib.sha256(canonical).hexdigest()[:16],
+        )
 
     def evaluate(self, trace: Trace) -> Evaluation:
-        # Until the reward rules land, every trace is accepted unscored.
-        return Evaluation(reward=None, breakdown=None, reject_reasons=[])
+        """Rejected traces are scored too, so users see both why and how well."""
+        result = score(trace, self.rules)
+        reasons = find_reject_reasons(trace, self.filters)
+        return Evaluation(
+            reward=result.reward,
+            breakdown=dict(result.breakdown),
+            reject_reasons=[dict(reason) for reason in reasons],
+        )

@@ -8,11 +8,8 @@ size of the database, and no transaction stays open for the whole export. Oldest
 
 from __future__ import annotations
 
-import re
-import sys
-import time
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from typing import IO, Any
 
 import orjson
@@ -22,13 +19,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app import formats
 from app.db.models import TraceRow
 from app.domain import Stage, Trace
+from app.progress import Progress
 
 TRACES = TraceRow.__table__
 PAGE = 500
 # Rejected traces are kept for inspection, not for training.
 DEFAULT_STAGES = tuple(s.value for s in Stage if s not in (Stage.RECEIVED, Stage.REJECTED))
-_RELATIVE = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
-_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
 
 @dataclass(frozen=True)
@@ -47,42 +43,6 @@ class ExportQuery:
         if self.since is not None:
             clauses.append(c.created_at >= self.since)
         return clauses
-
-
-def parse_since(value: str) -> datetime:
-    """An ISO date or datetime (UTC unless it says otherwise), or an age: 30m, 12h, 7d."""
-    if match := _RELATIVE.fullmatch(value.strip()):
-        amount, unit = match.groups()
-        return datetime.now(UTC) - timedelta(**{_UNITS[unit]: float(amount)})
-    when = datetime.fromisoformat(value.strip())
-    return when if when.tzinfo else when.replace(tzinfo=UTC)
-
-
-class Progress:
-    """A progress bar on stderr, redrawn at most ten times a second."""
-
-    def __init__(self, total: int, stream: IO[str] = sys.stderr, width: int = 30) -> None:
-        self.total, self.done = total, 0
-        self._stream, self._width = stream, width
-        self._drawn = 0.0
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        if time.monotonic() - self._drawn >= 0.1:
-            self._draw()
-
-    def finish(self) -> None:
-        self._draw()
-        self._stream.write("\n")
-        self._stream.flush()
-
-    def _draw(self) -> None:
-        self._drawn = time.monotonic()
-        share = self.done / self.total if self.total else 1.0
-        filled = int(share * self._width)
-        bar = "#" * filled + "-" * (self._width - filled)
-        self._stream.write(f"\rexport [{bar}] {self.done}/{self.total} traces {share:4.0%}")
-        self._stream.flush()
 
 
 async def count(engine: AsyncEngine, query: ExportQuery) -> int:

@@ -10,14 +10,14 @@ import asyncio
 import hashlib
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
 from app import formats
 from app.db.types import utcnow
 from app.domain import Stage, Trace
+from app.environment import Environment
 from app.errors import HubError, Invalid
 from app.inserter import Stored, TraceInserter
 from app.tokens import count_parts
@@ -25,23 +25,10 @@ from app.tokens import count_parts
 MAX_TRACE_ID_LENGTH = 200
 
 
-@dataclass(frozen=True, slots=True)
-class Evaluation:
-    reward: float | None
-    breakdown: dict[str, Any] | None
-    reject_reasons: list[dict[str, Any]]
-
-
-class Evaluator(Protocol):
-    """The environment: reward rules and invalid-trace filters (scoring.py, filters.py)."""
-
-    def evaluate(self, trace: Trace) -> Evaluation: ...
-
-
 class Ingestor:
-    def __init__(self, inserter: TraceInserter, evaluator: Evaluator) -> None:
+    def __init__(self, inserter: TraceInserter, environment: Environment) -> None:
         self._inserter = inserter
-        self._evaluator = evaluator
+        self._environment = environment
         # Parsing and tokenizing are CPU work. Two threads let tiktoken (which releases
         # the GIL) use the second core; more threads only contend for the GIL.
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ingest")
@@ -88,7 +75,7 @@ class Ingestor:
         thread (tiktoken releases the GIL), so the event loop keeps answering."""
         trace = formats.parse(item, fmt)
         trace_id = _trace_id(trace)
-        evaluation = self._evaluator.evaluate(trace)
+        evaluation = self._environment.evaluate(trace)
         now = utcnow()
         return {
             "trace_id": trace_id,
@@ -101,6 +88,7 @@ class Ingestor:
             "reward": evaluation.reward,
             "reward_breakdown": evaluation.breakdown,
             "reject_reasons": evaluation.reject_reasons,
+            "scored_with": self._environment.fingerprint,
             "source_format": trace.source_format,
             "env": trace.env,
             "model": trace.agent.model,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
@@ -12,12 +15,14 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from app.db.dialect import Dialect, dialect_of, reject_reason_counts, rule_firing_counts
 from app.db.models import BatchRow, TraceRow
-from app.domain import BatchState
+from app.domain import BatchState, Stage
 from app.errors import BadRequest, NotFound
 
 TRACES = TraceRow.__table__
 BATCHES = BatchRow.__table__
+HISTOGRAM_BUCKET = 5.0
 View = Literal["canonical", "original", "compressed"]
 
 SUMMARY_COLUMNS = (
@@ -143,6 +148,59 @@ async def stats(conn: AsyncConnection) -> dict[str, Any]:
         "compressed_tokens": int(totals[2]),
         "mean_reward": float(totals[3]) if totals[3] is not None else None,
         "batches": await batch_counts(conn),
+        "compression": await _compression_stats(conn, by_stage),
+        "rejections_by_filter": await _name_counts(conn, reject_reason_counts),
+        "rule_firings": await _name_counts(conn, rule_firing_counts),
+        "reward_histogram": await _reward_histogram(conn),
+    }
+
+
+async def _name_counts(
+    conn: AsyncConnection, query: Callable[[Dialect], sa.TextClause]
+) -> dict[str, int]:
+    rows = await conn.execute(query(dialect_of(conn)))
+    return {name: n for name, n in rows.tuples()}
+
+
+async def _reward_histogram(conn: AsyncConnection) -> list[dict[str, Any]]:
+    """Traces per reward bucket, HISTOGRAM_BUCKET points wide. Rewards are sums of a
+    few rule weights, so there are few distinct values: bucket them here, portably."""
+    rows = await conn.execute(
+        sa.select(TRACES.c.reward, sa.func.count())
+        .where(TRACES.c.reward.is_not(None))
+        .group_by(TRACES.c.reward)
+    )
+    buckets: Counter[float] = Counter()
+    for reward, n in rows.tuples():
+        buckets[math.floor(reward / HISTOGRAM_BUCKET) * HISTOGRAM_BUCKET] += n
+    return [
+        {"from": low, "to": low + HISTOGRAM_BUCKET, "traces": buckets[low]}
+        for low in sorted(buckets)
+    ]
+
+
+async def _compression_stats(conn: AsyncConnection, by_stage: dict[str, int]) -> dict[str, Any]:
+    """Counted from the columns compression writes, so traces that moved on to later
+    stages still count: compressed_tokens is set only by a compression, `compression`
+    (the record) by a compression or a skip."""
+    c = TRACES.c
+    compressed = c.compressed_tokens.is_not(None)
+    row = (
+        await conn.execute(
+            sa.select(
+                sa.func.count().filter(compressed),
+                sa.func.count().filter(c.compression.is_not(None), ~compressed),
+                sa.func.avg(sa.cast(c.compressed_tokens, sa.Float) / c.total_tokens).filter(
+                    compressed, c.total_tokens > 0
+                ),
+            )
+        )
+    ).one()
+    return {
+        "compressed": row[0],
+        "skipped": row[1],
+        "failed": by_stage.get(Stage.COMPRESSION_FAILED.value, 0),
+        "mean_ratio": round(float(row[2]), 4) if row[2] is not None else None,
     }
 
 

@@ -169,7 +169,8 @@ def test_counts_are_kept_per_step_not_retokenized(monkeypatch: pytest.MonkeyPatc
     encoded[0] = 0
     ledger = Ledger.of(trace)
     key_decision_extract(ledger, policy, _budget(target, policy))
-    assert encoded[0] < 0.75 * len("\n".join(trace.text_parts()))
+    # Once over the input (long steps partly by sample) and once over the result.
+    assert encoded[0] < 1.0 * len("\n".join(trace.text_parts()))
     assert abs(ledger.total - total(ledger.result())) < 0.02 * ledger.total
 
 

@@ -12,7 +12,6 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from app.db import migrate
 from app.db.models import BatchRow, BatchTraceRow
 from app.db.types import utcnow
 from tests.conftest import HubProcess, run_cli
@@ -135,17 +134,6 @@ async def test_schema_refuses_a_trace_in_two_batches(
             async with engine.begin() as conn:
                 await conn.execute(sa.insert(BatchTraceRow.__table__).values(
                     trace_id="only", batch_id="b2", position=0))
-
-
-async def test_batches_migration_down_and_up(trace_server: dict[str, Any]) -> None:
-    async with database(trace_server) as engine:
-        await migrate.upgrade(engine)
-        await migrate.downgrade(engine, "-1")
-        async with engine.connect() as conn:
-            tables = await conn.run_sync(lambda c: sa.inspect(c).get_table_names())
-        assert "batches" not in tables and "traces" in tables
-        await migrate.upgrade(engine)
-        assert await migrate.current_revision(engine) == migrate.head_revision()
 
 
 def test_unknown_batch_is_a_json_404(hub: HubProcess) -> None:

@@ -17,13 +17,14 @@ from app.hub import Settings, running_hub
 def create_app(
     settings: Settings,
     *,
+    environment: Environment | None = None,
     engine: AsyncEngine | None = None,
     workers: bool = True,
 ) -> FastAPI:
     """The API. Config errors (rules, filters) raise ConfigError here, before serving;
     `engine` may be opened (and migrated) by the caller, else the lifespan opens it."""
     config = settings.config
-    environment = Environment.from_config(config.environment)
+    environment = environment or Environment.from_config(config.environment)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, object]]:

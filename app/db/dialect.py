@@ -65,3 +65,38 @@ def picked_once(select: sa.Select[Any], dialect: Dialect) -> sa.CTE:
     if dialect == "sqlite":
         return picked
     assert_never(dialect)
+
+
+def reject_reason_counts(dialect: Dialect) -> sa.TextClause:
+    """(filter, traces) over traces.reject_reasons, a JSON array of {"filter", ...}."""
+    if dialect == "sqlite":
+        return sa.text(
+            "SELECT json_extract(r.value, '$.filter') AS name, count(*) AS n "
+            "FROM traces, json_each(traces.reject_reasons) AS r "
+            "WHERE traces.reject_reasons IS NOT NULL GROUP BY name"
+        )
+    if dialect == "postgresql":
+        return sa.text(
+            "SELECT r->>'filter' AS name, count(*) AS n "
+            "FROM traces, jsonb_array_elements(traces.reject_reasons) AS r "
+            "WHERE traces.reject_reasons IS NOT NULL GROUP BY name"
+        )
+    assert_never(dialect)
+
+
+def rule_firing_counts(dialect: Dialect) -> sa.TextClause:
+    """(rule, traces it fired on) over traces.reward_breakdown, a JSON object
+    rule -> {"fired", "count", "points"}."""
+    if dialect == "sqlite":
+        return sa.text(
+            "SELECT b.key AS name, count(*) AS n "
+            "FROM traces, json_each(traces.reward_breakdown) AS b "
+            "WHERE json_extract(b.value, '$.fired') = 1 GROUP BY name"
+        )
+    if dialect == "postgresql":
+        return sa.text(
+            "SELECT b.key AS name, count(*) AS n "
+            "FROM traces, jsonb_each(traces.reward_breakdown) AS b "
+            "WHERE (b.value->>'fired')::boolean GROUP BY name"
+        )
+    assert_never(dialect)

@@ -40,6 +40,9 @@ class TraceRow(Base):
     reward: Mapped[float | None] = mapped_column(sa.Float)
     reward_breakdown: Mapped[dict[str, Any] | None] = mapped_column(JSON_)
     reject_reasons: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON_)
+    # Fingerprint of the rules and filters that scored it; `atropos rescore` redoes
+    # the traces whose fingerprint differs from the current config's.
+    scored_with: Mapped[str | None] = mapped_column(sa.String(16))
     # Filters for listing, copied out of the canonical trace.
     source_format: Mapped[str] = mapped_column(sa.String(32))
     env: Mapped[str | None] = mapped_column(sa.String(200), index=True)

@@ -9,8 +9,11 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 
-# JSONB on PostgreSQL (indexable, compact); JSON text on SQLite.
-JSON_ = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
+# JSONB on PostgreSQL (indexable, compact); JSON text on SQLite. Python None is SQL
+# NULL (not the JSON text 'null'), so `IS NULL` means "not set" in both.
+JSON_ = sa.JSON(none_as_null=True).with_variant(
+    postgresql.JSONB(none_as_null=True), "postgresql"
+)
 
 
 class UtcTimeStamp(sa.TypeDecorator[datetime]):

@@ -31,6 +31,7 @@ def upgrade() -> None:
         sa.Column("reward", sa.Float, nullable=True),
         sa.Column("reward_breakdown", JSON_, nullable=True),
         sa.Column("reject_reasons", JSON_, nullable=True),
+        sa.Column("scored_with", sa.String(16), nullable=True),
         sa.Column("source_format", sa.String(32), nullable=False),
         sa.Column("env", sa.String(200), nullable=True),
         sa.Column("model", sa.String(200), nullable=True),

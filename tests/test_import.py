@@ -1,0 +1,80 @@
+"""`atropos import` over the whole real corpus (../shared/fixtures/real), checked
+against the facts SOURCES.md states."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import REAL, ROOT, write_config
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+
+
+def summary(stdout: str) -> dict[str, str]:
+    return dict(line.split(": ", 1) for line in stdout.splitlines() if not line.startswith(" "))
+
+
+def test_the_whole_corpus_is_stored_or_reported(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    config = write_config(tmp_path, {"db_path": str(db)})
+    result = run("import", "--config", str(config), str(REAL))
+    assert result.returncode == 0, result.stderr
+    counts = summary(result.stdout)
+    stored, unreadable = int(counts["stored"]), int(counts["unreadable"])
+    assert stored + unreadable == 930 and stored >= 900
+    # The unreadable ones are the failed Gemini runs with no history, each with a reason.
+    reasons = [line for line in result.stdout.splitlines() if line.startswith("  unreadable ")]
+    assert len(reasons) == unreadable
+    assert all("gemini-2.0_error.jsonl" in r and "no history" in r for r in reasons)
+    assert "imported: 930" in result.stderr
+
+    with sqlite3.connect(db) as conn:
+        def one(sql: str) -> Any:
+            return conn.execute(sql).fetchone()[0]
+
+        origin = "json_extract(trace, '$.metadata.imported_from.location')"
+        assert one(f"SELECT count(*) FROM traces WHERE {origin} LIKE '%tau-bench%' "
+                   "AND status = 'success'") == 84
+        # The KnowAgent run that repeats one action 46 times (line 4) loops.
+        assert one(f"SELECT json_extract(reward_breakdown, '$.loop_detected.fired') FROM traces "
+                   f"WHERE {origin} LIKE '%KnowAgent%:4'") == 1
+        # The OpenHands run that hit its iteration limit is a timeout.
+        assert one(f"SELECT status FROM traces WHERE {origin} LIKE '%ponyc-4588%'") == "timeout"
+        assert one(f"SELECT json_extract(reward_breakdown, '$.timeout.fired') FROM traces "
+                   f"WHERE {origin} LIKE '%ponyc-4588%'") == 1
+        rejected = one("SELECT count(*) FROM traces WHERE stage = 'rejected'")
+    assert rejected > 0 and "tool_error_streak" in counts["rejected by filter"]
+
+    again = run("import", "--config", str(config), str(REAL))
+    assert summary(again.stdout)["duplicates"] == str(stored)
+    assert summary(again.stdout)["stored"] == "0"
+    strict = run("import", "--config", str(config), "--strict", str(REAL / "agentbench-medagentbench"))
+    assert strict.returncode == 1
+
+
+def test_import_through_a_running_hub(start_hub: Any, trace_server: dict[str, Any],
+                                      tmp_path: Path) -> None:
+    hub = start_hub(trace_server, "--no-workers")
+    config = write_config(tmp_path, trace_server)
+    result = run("import", "--config", str(config), "--url", hub.url, str(REAL / "tau-bench"))
+    assert result.returncode == 0, result.stderr
+    assert summary(result.stdout)["stored"] == "200"
+    with hub.client() as client:
+        stats = client.get("/v1/stats").json()
+        assert stats["traces"] == 200 and stats["by_status"]["success"] == 84
+
+
+def test_unknown_format_name_is_one_line(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
+    result = run("import", "--config", str(config), "--format", "klingon", str(REAL))
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("error: --format klingon: unknown")
