@@ -32,4 +32,6 @@ async def get(batch_id: str, conn: ConnDep) -> JSONResponse:
 
 @router.post("/v1/batches/{batch_id}/retry")
 async def retry(batch_id: str, hub: HubDep) -> JSONResponse:
-    return JSONResponse(await retry_batch(hub.engine, batch_id))
+    batch = await retry_batch(hub.engine, batch_id)
+    hub.stages.wake()  # this process's delivery stage takes it now, not at the next flush
+    return JSONResponse(batch)
