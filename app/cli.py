@@ -13,7 +13,7 @@ import sys
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import uvicorn
@@ -45,13 +45,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     _setup_logging()
     try:
-        code = asyncio.run(args.run(args))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            code = runner.run(args.run(args))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where it is installed (it comes with uvicorn[standard]): the HTTP path
+    spends a good part of its time in the event loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def _parser() -> argparse.ArgumentParser:

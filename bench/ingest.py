@@ -30,11 +30,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_trace(trace_kb: int) -> dict[str, object]:
-    """A native trace of about `trace_kb` KB: thought / action / observation triples."""
+    """A native trace of about `trace_kb` KB: thought / action / observation triples.
+    Every thought carries the trace's id (__ID__), so no two traces share their text."""
     steps: list[dict[str, object]] = []
     size, i = 0, 0
     while size < trace_kb * 1000 - 400:
-        thought = f"Step {i}: the build failed on module {i}; look at the log and retry."
+        thought = f"Step {i} of __ID__: the build failed on module {i}; read the log, retry."
         output = " ".join(f"line {i}.{j}: compiling src/module_{j}.py ... ok" for j in range(6))
         steps += [
             {"type": "thought", "content": thought},
