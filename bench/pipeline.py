@@ -1,0 +1,187 @@
+"""Pipeline benchmark: N concurrent HTTP clients post native traces to a real
+`atropos serve` with every stage running (compression, distribution, delivery to the
+jsonl target) for a fixed time; then it waits for the pipeline to drain and reports,
+from the database, the ingest rate, the end-to-end delivered traces/s, and the lag from
+ingest (created_at) to delivery (the batch's delivered_at) per trace.
+
+The stages keep up when the delivery rate matches the ingest rate and the lag stays
+bounded: its p99 should be under 2 x flush_interval_seconds.
+
+    python bench/pipeline.py                          # 5 KB traces, 32 clients, 10 s
+    python bench/pipeline.py --trace-kb 20 --seconds 20 --flush-interval 5
+    python bench/pipeline.py --db postgresql --database-url postgresql://user@127.0.0.1/db
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import sqlalchemy as sa  # noqa: E402
+
+from app.config import TraceServerConfig  # noqa: E402
+from app.db.engine import create_engine  # noqa: E402
+from app.db.models import BatchRow, BatchTraceRow, TraceRow  # noqa: E402
+from app.stages.distribution import ELIGIBLE  # noqa: E402
+from bench.ingest import load  # noqa: E402
+
+TRACES, BATCHES, MEMBERS = TraceRow.__table__, BatchRow.__table__, BatchTraceRow.__table__
+
+
+def start(command: str, path: Path, *args: str, ready: str) -> tuple[subprocess.Popen[str], str]:
+    """An `atropos` process; returns it and the log line that says it is ready."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", command, "--config", str(path), *args],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if re.search(ready, line):
+            # Keep reading stderr so the process never blocks on a full pipe.
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            return proc, line
+    raise SystemExit(f"atropos {command} did not start")
+
+
+async def backlog(server: dict[str, Any], batch_size: int) -> tuple[int, int]:
+    """(traces not yet batched beyond the last partial batch, batches not delivered)."""
+    engine = create_engine(TraceServerConfig.model_validate(server))
+    try:
+        async with engine.connect() as conn:
+            upstream = await conn.scalar(sa.select(sa.func.count()).where(
+                TRACES.c.stage.in_(("received", "accepted"))))
+            waiting = await conn.scalar(sa.select(sa.func.count()).where(
+                TRACES.c.stage.in_(ELIGIBLE)))
+            pending = await conn.scalar(sa.select(sa.func.count()).where(
+                BATCHES.c.state != "delivered"))
+        return int(upstream or 0) + max(int(waiting or 0) - (batch_size - 1), 0), int(pending or 0)
+    finally:
+        await engine.dispose()
+
+
+async def by_stage(server: dict[str, Any]) -> dict[str, int]:
+    engine = create_engine(TraceServerConfig.model_validate(server))
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(sa.select(TRACES.c.stage, sa.func.count())
+                                      .group_by(TRACES.c.stage))
+            return {stage: n for stage, n in rows.all()}
+    finally:
+        await engine.dispose()
+
+
+async def figures(server: dict[str, Any]) -> dict[str, Any]:
+    engine = create_engine(TraceServerConfig.model_validate(server))
+    try:
+        async with engine.connect() as conn:
+            stored = await conn.execute(sa.select(
+                sa.func.count(), sa.func.min(TRACES.c.created_at), sa.func.max(TRACES.c.created_at)))
+            count, first, last = stored.one()
+            rows = (await conn.execute(
+                sa.select(TRACES.c.created_at, BATCHES.c.delivered_at)
+                .join(MEMBERS, MEMBERS.c.trace_id == TRACES.c.trace_id)
+                .join(BATCHES, BATCHES.c.batch_id == MEMBERS.c.batch_id)
+                .where(BATCHES.c.state == "delivered"))).all()
+            below = await conn.scalar(sa.select(sa.func.count()).where(
+                TRACES.c.stage == "below_threshold"))
+    finally:
+        await engine.dispose()
+    lags = sorted((d - c).total_seconds() for c, d in rows)
+    span = (max(d for _, d in rows) - first).total_seconds() if rows else 0.0
+    q = statistics.quantiles(lags, n=100) if len(lags) > 1 else [lags[0] if lags else 0.0] * 99
+    return {"stored": count, "ingest_span": (last - first).total_seconds() if count else 0.0,
+            "delivered": len(lags), "delivery_span": span, "below": below,
+            "lag_p50": q[49], "lag_p99": q[98], "lag_max": lags[-1] if lags else 0.0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=10)
+    parser.add_argument("--trace-kb", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--flush-interval", type=float, default=30)
+    parser.add_argument("--worker-process", action="store_true",
+                        help="run the stages in an `atropos worker` beside `serve --no-workers`"
+                             " (no wake-ups cross processes: the worker polls every "
+                             "flush_interval)")
+    parser.add_argument("--db", choices=["sqlite", "postgresql"], default="sqlite")
+    parser.add_argument("--database-url", default=os.environ.get("ATROPOS_TEST_DATABASE_URL"))
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        server: dict[str, Any] = {"host": "127.0.0.1", "port": 0,
+                                  "flush_interval_seconds": args.flush_interval}
+        if args.db == "sqlite":
+            server |= {"storage_backend": "sqlite", "db_path": str(workdir / "bench.db")}
+        else:
+            if not args.database_url:
+                raise SystemExit("--db postgresql needs --database-url (an empty database)")
+            server |= {"storage_backend": "postgresql", "database_url": args.database_url}
+        config = {"trace_server": server,
+                  "distributor": {"target": "jsonl", "batch_size": args.batch_size,
+                                  "output_dir": str(workdir / "batches")}}
+        path = workdir / "config.json"
+        path.write_text(json.dumps(config))
+        apart = ("--no-workers",) if args.worker_process else ()
+        hub, line = start("serve", path, *apart, ready=r"listening on [\d.]+:\d+")
+        port = int(line.rsplit(":", 1)[1])
+        procs = [hub]
+        if args.worker_process:
+            procs.append(start("worker", path, ready="pipeline ready")[0])
+        try:
+            ingest = asyncio.run(load("127.0.0.1", port, "/v1/traces", args.clients,
+                                      args.seconds, args.trace_kb))
+            stopped = time.monotonic()
+            at_stop = asyncio.run(by_stage(server))
+            # Drained: nothing upstream, no batch undelivered, fewer than batch_size waiting.
+            while asyncio.run(backlog(server, args.batch_size)) != (0, 0):
+                if time.monotonic() - stopped > 10 * args.flush_interval + 60:
+                    raise SystemExit("the pipeline did not drain")
+                time.sleep(0.2)
+            drained = time.monotonic() - stopped
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait()
+        result = asyncio.run(figures(server))
+
+    ingest_rate = result["stored"] / result["ingest_span"] if result["ingest_span"] else 0.0
+    delivered_rate = (result["delivered"] / result["delivery_span"]
+                      if result["delivery_span"] else 0.0)
+    print(f"pipeline: {args.db}, {args.clients} clients, {ingest['body_kb']:.1f} KB traces, "
+          f"{args.seconds:.0f} s, batch_size {args.batch_size}, flush_interval "
+          f"{args.flush_interval:g} s, jsonl target, stages "
+          f"{'in a worker process' if args.worker_process else 'in the serve process'}")
+    print(f"  ingest: {ingest['acked_per_s']:.0f} acked traces/s (p99 {ingest['p99_ms']:.1f} ms, "
+          f"errors {ingest['errors']:.0f}); {result['stored']} stored")
+    print(f"  delivered: {result['delivered']} traces in batches "
+          f"({result['below']} below threshold, the rest short of a full batch); "
+          f"end to end {delivered_rate:.0f} traces/s vs ingest {ingest_rate:.0f} traces/s; "
+          f"drained {drained:.1f} s after ingest stopped")
+    print(f"  traces by stage when ingest stopped: {at_stop}")
+    print(f"  lag ingest -> delivery: p50 {result['lag_p50']:.2f} s  p99 {result['lag_p99']:.2f} s"
+          f"  max {result['lag_max']:.2f} s  (bound: 2 x flush_interval = "
+          f"{2 * args.flush_interval:g} s)")
+    print("reproduce: python bench/pipeline.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
