@@ -7,15 +7,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app.db.models import BatchRow, BatchTraceRow
+from app.db.models import BATCHES, MEMBERS
 from app.db.types import utcnow
 from app.domain import BatchState
 from app.errors import Conflict, NotFound
 from app.leases import RELEASED
 from app.store import decode_cursor, encode_cursor
 
-BATCHES = BatchRow.__table__
-MEMBERS = BatchTraceRow.__table__
 COLUMNS = tuple(c for c in BATCHES.c if c.name not in ("lease_owner", "lease_expires_at"))
 
 

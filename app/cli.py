@@ -10,24 +10,23 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from collections.abc import Callable, Iterator
 
 import httpx
 import uvicorn
 
-from app import formats
+from app import formats, importer, rescore, sources
 from app.api.app import create_app
 from app.batches import retry_batch
 from app.config import load_compression, load_config, load_tinker
 from app.db import migrate
 from app.doctor import diagnose
 from app.domain import Stage
-from app.errors import ConfigError, HubError
-from app import importer, rescore, sources
 from app.environment import Environment
+from app.errors import ConfigError, HubError
 from app.export import DEFAULT_STAGES, ExportQuery, count, export_traces
 from app.hub import Settings, open_database, running_stages
 from app.ingest import Ingestor
@@ -281,9 +280,9 @@ async def _batches_retry(args: argparse.Namespace) -> int:
 
 async def _import(args: argparse.Namespace) -> int:
     config = load_config(args.config)
-    for fmt in [args.format] if args.format != "auto" else []:
-        if fmt not in sources.formats():
-            raise ConfigError(f"--format {fmt}: unknown; one of auto, {', '.join(sources.formats())}")
+    if args.format != "auto" and args.format not in sources.formats():
+        known = ", ".join(sources.formats())
+        raise ConfigError(f"--format {args.format}: unknown; one of auto, {known}")
     summary = importer.Summary()
     progress = Progress("imported")
     batches = importer.chunks(importer.records(args.paths, args.format))

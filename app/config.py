@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (
     AfterValidator,
@@ -122,31 +122,20 @@ class HubConfig(_Section):
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
 
 
+PreservedField = Literal["user_instruction", "final_action", "reward_signal", "error_context"]
+DroppedField = Literal["intermediate_thoughts", "repeated_observations", "redundant_tool_outputs"]
+
+
 class CompressionConfig(_Section):
     enabled: bool = True
     ratio: float = Field(0.3, gt=0, le=1)
     min_tokens_after: int = Field(500, ge=0)
     max_tokens_after: int = Field(8000, gt=0)
     strategy: Literal["key_decision_extract", "summarize_middle"] = "key_decision_extract"
-    preserve_fields: list[
-        Literal["user_instruction", "final_action", "reward_signal", "error_context"]
-    ] = Field(
-        default_factory=lambda: [
-            "user_instruction",
-            "final_action",
-            "reward_signal",
-            "error_context",
-        ]
+    preserve_fields: list[PreservedField] = Field(
+        default_factory=lambda: list(get_args(PreservedField))
     )
-    drop_fields: list[
-        Literal["intermediate_thoughts", "repeated_observations", "redundant_tool_outputs"]
-    ] = Field(
-        default_factory=lambda: [
-            "intermediate_thoughts",
-            "repeated_observations",
-            "redundant_tool_outputs",
-        ]
-    )
+    drop_fields: list[DroppedField] = Field(default_factory=lambda: list(get_args(DroppedField)))
     dedup_window: int = Field(5, ge=0)
     # summarize_middle: turns kept verbatim at the end, and the summary's size (Hermes'
     # trajectory_compressor defaults).

@@ -17,11 +17,10 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import formats
-from app.db.models import TraceRow
+from app.db.models import TRACES
 from app.domain import Stage, Trace
 from app.progress import Progress
 
-TRACES = TraceRow.__table__
 PAGE = 500
 # Rejected traces are kept for inspection, not for training.
 DEFAULT_STAGES = tuple(s.value for s in Stage if s not in (Stage.RECEIVED, Stage.REJECTED))
@@ -37,7 +36,7 @@ class ExportQuery:
 
     def clauses(self) -> list[sa.ColumnElement[bool]]:
         c = TRACES.c
-        clauses = [c.stage.in_(self.stages)]
+        clauses: list[sa.ColumnElement[bool]] = [c.stage.in_(self.stages)]
         if self.min_reward is not None:
             clauses.append(c.reward >= self.min_reward)
         if self.since is not None:

@@ -11,20 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.dialect import dialect_of, insert_ignoring_conflicts
-from app.db.models import TraceRow
+from app.db.models import TRACES
 from app.errors import Conflict, Invalid, Unavailable
 
 log = logging.getLogger("atropos.ingest")
 
-TRACES = TraceRow.__table__
+
 # What a resent trace is answered with: the stored result.
 RESULT_COLUMNS = (
     TRACES.c.trace_id,
@@ -186,8 +187,8 @@ async def _insert_one_by_one(conn: AsyncConnection, pending: Any) -> set[str]:
         try:
             async with conn.begin_nested():
                 new_ids |= await _insert(conn, [p.row])
-        except SQLAlchemyError as exc:
-            log.warning("trace %s refused by the database: %s", p.row["trace_id"], exc)
+        except DBAPIError as exc:
+            log.warning("trace %s refused by the database: %s", p.row["trace_id"], exc.orig)
             p.done.set_exception(Invalid(f"the database refused this trace: {exc.orig}"))
     return new_ids
 

@@ -3,8 +3,9 @@ and a dead worker's claims expire.
 
 A claim is one statement, `WITH picked AS (SELECT ... [FOR UPDATE SKIP LOCKED])
 UPDATE ... WHERE id IN picked AND <lease free> RETURNING ...`: atomic on SQLite's
-single writer and, with SKIP LOCKED, free of waiting on PostgreSQL. The final move of a claimed row checks
-`lease_owner` so that a worker whose lease expired cannot overwrite its successor.
+single writer and, with SKIP LOCKED, free of waiting on PostgreSQL. The final move
+of a claimed row checks `lease_owner` so that a worker whose lease expired cannot
+overwrite its successor.
 """
 
 from __future__ import annotations

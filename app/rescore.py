@@ -16,12 +16,11 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.db.models import TraceRow
+from app.db.models import TRACES
 from app.db.types import utcnow
 from app.domain import Stage, Trace
 from app.environment import Environment
 
-TRACES = TraceRow.__table__
 BATCH = 500
 # Traces already handed to training keep their stage; only their scores change.
 SENT = {Stage.BATCHED.value, Stage.DELIVERED.value}
@@ -41,7 +40,8 @@ def new_stage(stage: str, rejected: bool) -> str:
 
 async def pending(engine: AsyncEngine, environment: Environment, since: datetime | None) -> int:
     async with engine.connect() as conn:
-        return int(await conn.scalar(sa.select(sa.func.count()).where(*_todo(environment, since))))
+        count = await conn.scalar(sa.select(sa.func.count()).where(*_todo(environment, since)))
+        return int(count or 0)
 
 
 async def rescore(

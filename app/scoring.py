@@ -21,7 +21,7 @@ from functools import cached_property, partial
 from typing import Any, TypedDict
 
 import orjson
-import re2  # type: ignore[import-untyped]
+import re2  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
 from app.domain import Status, Step, StepType, Trace
 from app.params import BuiltIn, Param, config_error, read_params, show, unknown_name

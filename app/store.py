@@ -16,12 +16,10 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.dialect import Dialect, dialect_of, reject_reason_counts, rule_firing_counts
-from app.db.models import BatchRow, TraceRow
+from app.db.models import BATCHES, TRACES
 from app.domain import BatchState, Stage
 from app.errors import BadRequest, NotFound
 
-TRACES = TraceRow.__table__
-BATCHES = BatchRow.__table__
 HISTOGRAM_BUCKET = 5.0
 View = Literal["canonical", "original", "compressed"]
 

@@ -35,11 +35,9 @@ import sqlalchemy as sa  # noqa: E402
 
 from app.config import TraceServerConfig  # noqa: E402
 from app.db.engine import create_engine  # noqa: E402
-from app.db.models import BatchRow, BatchTraceRow, TraceRow  # noqa: E402
+from app.db.models import BATCHES, MEMBERS, TRACES  # noqa: E402
 from app.stages.distribution import ELIGIBLE  # noqa: E402
 from bench.ingest import load  # noqa: E402
-
-TRACES, BATCHES, MEMBERS = TraceRow.__table__, BatchRow.__table__, BatchTraceRow.__table__
 
 
 def start(command: str, path: Path, *args: str, ready: str) -> tuple[subprocess.Popen[str], str]:
@@ -89,8 +87,9 @@ async def figures(server: dict[str, Any]) -> dict[str, Any]:
     engine = create_engine(TraceServerConfig.model_validate(server))
     try:
         async with engine.connect() as conn:
-            stored = await conn.execute(sa.select(
-                sa.func.count(), sa.func.min(TRACES.c.created_at), sa.func.max(TRACES.c.created_at)))
+            created = TRACES.c.created_at
+            stored = await conn.execute(
+                sa.select(sa.func.count(), sa.func.min(created), sa.func.max(created)))
             count, first, last = stored.one()
             rows = (await conn.execute(
                 sa.select(TRACES.c.created_at, BATCHES.c.delivered_at)

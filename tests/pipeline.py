@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import TraceServerConfig
 from app.db.engine import create_engine
-from app.db.models import TraceRow
+from app.db.models import TRACES
 from tests.conftest import native_trace
 
 T = TypeVar("T")
@@ -32,10 +32,9 @@ async def database(trace_server: dict[str, Any]) -> AsyncIterator[AsyncEngine]:
 
 async def set_rewards(trace_server: dict[str, Any], rewards: dict[str, float]) -> None:
     async with database(trace_server) as engine, engine.begin() as conn:
-        table = TraceRow.__table__
         for trace_id, reward in rewards.items():
             await conn.execute(
-                sa.update(table).where(table.c.trace_id == trace_id).values(reward=reward)
+                sa.update(TRACES).where(TRACES.c.trace_id == trace_id).values(reward=reward)
             )
 
 

@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from app.db.models import BatchRow, BatchTraceRow
+from app.db.models import BATCHES, MEMBERS
 from app.db.types import utcnow
 from tests.conftest import HubProcess, run_cli
 from tests.pipeline import database, ingest, set_rewards
@@ -109,8 +109,8 @@ async def test_concurrent_distributors_never_share_a_trace(
     ))
     assert all(run.returncode == 0 for run in runs), [run.stderr for run in runs]
     async with database(trace_server) as engine, engine.connect() as conn:
-        members = (await conn.execute(sa.select(BatchTraceRow.__table__))).all()
-        sizes = (await conn.execute(sa.select(BatchRow.__table__.c.size))).scalars().all()
+        members = (await conn.execute(sa.select(MEMBERS))).all()
+        sizes = (await conn.execute(sa.select(BATCHES.c.size))).scalars().all()
     assert sorted(m.trace_id for m in members) == ids  # every trace once, none twice
     assert sizes == [5] * 12
 
@@ -125,14 +125,14 @@ async def test_schema_refuses_a_trace_in_two_batches(
         now = utcnow()
         async with engine.begin() as conn:
             for batch_id in ("b1", "b2"):
-                await conn.execute(sa.insert(BatchRow.__table__).values(
+                await conn.execute(sa.insert(BATCHES).values(
                     batch_id=batch_id, created_at=now, updated_at=now, size=1, target="jsonl",
                     format="openai", state="pending", attempts=0))
-            await conn.execute(sa.insert(BatchTraceRow.__table__).values(
+            await conn.execute(sa.insert(MEMBERS).values(
                 trace_id="only", batch_id="b1", position=0))
         with pytest.raises(IntegrityError):
             async with engine.begin() as conn:
-                await conn.execute(sa.insert(BatchTraceRow.__table__).values(
+                await conn.execute(sa.insert(MEMBERS).values(
                     trace_id="only", batch_id="b2", position=0))
 
 

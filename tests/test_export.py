@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 
 from app import export, formats
-from app.db.models import TraceRow
+from app.db.models import TRACES
 from app.export import ExportQuery, export_traces
 from tests.conftest import HubProcess, native_trace, run_cli
 from tests.pipeline import database, ingest, set_rewards
@@ -132,8 +132,7 @@ async def test_every_format_validates_and_filters_apply(
     await set_rewards(trace_server, {"e-0": 1.0, "e-1": 9.0, "e-openai": 9.0,
                                      "e-sharegpt": 3.0, "e-rejected": 9.0})
     async with database(trace_server) as engine, engine.begin() as conn:
-        t = TraceRow.__table__
-        await conn.execute(sa.update(t).where(t.c.trace_id == "e-rejected").values(stage="rejected"))
+        await conn.execute(sa.update(TRACES).where(TRACES.c.trace_id == "e-rejected").values(stage="rejected"))
 
     exported = {fmt: run_export(hub, tmp_path / f"{fmt}.jsonl", "--format", fmt)
                 for fmt in CHECKS}

@@ -6,10 +6,10 @@ from fastapi import APIRouter
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.responses import PlainTextResponse
 
+from app import store
 from app.api.deps import ConnDep, HubDep
 from app.api.responses import JSONResponse
 from app.db import migrate
-from app import store
 
 router = APIRouter(tags=["ops"])
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, assert_never, Literal
+from typing import Any, Literal, assert_never
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -13,8 +13,10 @@ Dialect = Literal["sqlite", "postgresql"]
 
 def dialect_of(conn: AsyncConnection | sa.Connection) -> Dialect:
     name = conn.dialect.name
-    if name == "sqlite" or name == "postgresql":
-        return name
+    if name == "sqlite":
+        return "sqlite"
+    if name == "postgresql":
+        return "postgresql"
     raise ValueError(f"unsupported database dialect {name!r}")
 
 

@@ -66,6 +66,10 @@ class TraceRow(Base):
     __table_args__ = (sa.Index("ix_traces_stage_created_at", "stage", "created_at"),)
 
 
+# The Core table, for the set-based statements (group insert, claims, stage moves).
+TRACES: sa.Table = TraceRow.__table__  # type: ignore[assignment]
+
+
 class BatchRow(Base):
     """A batch of exactly distributor.batch_size passing traces, and its delivery.
 
@@ -104,3 +108,8 @@ class BatchTraceRow(Base):
         sa.String(64), sa.ForeignKey("batches.batch_id", ondelete="CASCADE"), index=True
     )
     position: Mapped[int] = mapped_column(sa.Integer)
+
+
+# Core tables for the batch statements (formation, claims, acknowledgement).
+BATCHES: sa.Table = BatchRow.__table__  # type: ignore[assignment]
+MEMBERS: sa.Table = BatchTraceRow.__table__  # type: ignore[assignment]

@@ -28,15 +28,14 @@ class UtcTimeStamp(sa.TypeDecorator[datetime]):
     cache_ok = True
 
     def process_bind_param(self, value: Any, dialect: Dialect) -> datetime | None:
-        if value is None:
+        if not isinstance(value, datetime):
             return None
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=UTC)
-        value = value.astimezone(UTC)
-        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+        aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+        utc: datetime = aware.astimezone(UTC)
+        return utc.replace(tzinfo=None) if dialect.name == "sqlite" else utc
 
     def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
-        if value is None:
+        if not isinstance(value, datetime):
             return None
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 

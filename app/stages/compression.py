@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.compression import Compressed, Skipped, Summarizer, compress
 from app.config import CompressionConfig
-from app.db.models import TraceRow
+from app.db.models import TRACES
 from app.db.types import utcnow
 from app.domain import Stage, Trace
 from app.leases import RELEASED, Lease, claim, held_by
 
 log = logging.getLogger("atropos.compression")
-TRACES = TraceRow.__table__
+
 MAX_ATTEMPTS = 3
 RETRY_BACKOFF_SECONDS = 5
 

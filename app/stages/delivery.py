@@ -24,16 +24,13 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import DistributorConfig
-from app.db.models import BatchRow, BatchTraceRow, TraceRow
+from app.db.models import BATCHES, MEMBERS, TRACES
 from app.db.types import utcnow
 from app.domain import BatchState, Stage, Trace
 from app.leases import RELEASED, Lease, claim, held_by, renew
 from app.targets import Batch, BatchItem, Target
 
 log = logging.getLogger("atropos.delivery")
-TRACES = TraceRow.__table__
-BATCHES = BatchRow.__table__
-MEMBERS = BatchTraceRow.__table__
 
 
 def retry_delay(attempt: int, config: DistributorConfig) -> float:

@@ -23,14 +23,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import DistributorConfig
 from app.db.dialect import dialect_of, skip_locked
-from app.db.models import BatchRow, BatchTraceRow, TraceRow
+from app.db.models import BATCHES, MEMBERS, TRACES
 from app.db.types import utcnow
 from app.domain import BatchState, Stage
 
 log = logging.getLogger("atropos.distribution")
-TRACES = TraceRow.__table__
-BATCHES = BatchRow.__table__
-MEMBERS = BatchTraceRow.__table__
 # Every accepted trace passes through the compression stage (which skips it when
 # compression is off), so these two are where a trace becomes eligible.
 ELIGIBLE = (Stage.COMPRESSED.value, Stage.COMPRESSION_SKIPPED.value)

@@ -7,7 +7,7 @@ says: that is what fine-tuning takes. The trainer log is
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import httpx
 
@@ -47,9 +47,10 @@ def _example(item: BatchItem) -> Example:
     if item.compressed or not _ints(tokens):
         return Example(item.record("openai"))
     masks = meta.get("masks")
-    return Example(item.record("openai"), tokens=tokens,
-                   masks=masks if _ints(masks) and len(masks) == len(tokens) else None)
+    if not (_ints(masks) and len(masks) == len(tokens)):
+        masks = None
+    return Example(item.record("openai"), tokens=tokens, masks=masks)
 
 
-def _ints(value: Any) -> bool:
+def _ints(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and bool(value) and all(isinstance(v, int) for v in value)
