@@ -12,7 +12,7 @@ from app.db.types import utcnow
 from app.domain import BatchState
 from app.errors import Conflict, NotFound
 from app.leases import RELEASED
-from app.store import decode_cursor, encode_cursor
+from app.store import newest_first
 
 COLUMNS = tuple(c for c in BATCHES.c if c.name not in ("lease_owner", "lease_expires_at"))
 
@@ -20,23 +20,12 @@ COLUMNS = tuple(c for c in BATCHES.c if c.name not in ("lease_owner", "lease_exp
 async def list_batches(
     conn: AsyncConnection, state: BatchState | None, limit: int, cursor: str | None
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Newest first, paged like /v1/traces: the cursor is (created_at, batch_id)."""
+    """Newest first, paged like /v1/traces."""
     query = sa.select(*COLUMNS)
     if state is not None:
         query = query.where(BATCHES.c.state == state.value)
-    if cursor:
-        created_at, batch_id = decode_cursor(cursor)
-        query = query.where(
-            sa.tuple_(BATCHES.c.created_at, BATCHES.c.batch_id) < (created_at, batch_id)
-        )
-    query = query.order_by(BATCHES.c.created_at.desc(), BATCHES.c.batch_id.desc())
-    rows = (await conn.execute(query.limit(limit + 1))).all()
-    records = [_record(row._mapping) for row in rows[:limit]]
-    next_cursor = None
-    if len(rows) > limit:
-        last = rows[limit - 1]
-        next_cursor = encode_cursor(last.created_at, last.batch_id)
-    return records, next_cursor
+    rows, next_cursor = await newest_first(conn, query, BATCHES, limit, cursor)
+    return [_record(row._mapping) for row in rows], next_cursor
 
 
 async def get_batch(conn: AsyncConnection, batch_id: str) -> dict[str, Any]:

@@ -104,24 +104,30 @@ async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[st
 async def list_traces(
     conn: AsyncConnection, where: TraceFilter, limit: int, cursor: str | None
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Newest first. The cursor is opaque to clients: (created_at, trace_id) of the
-    last record, so paging is stable while new traces arrive."""
+    """Newest first, paged by `newest_first`."""
     query = sa.select(*SUMMARY_COLUMNS).where(*where.clauses())
+    rows, next_cursor = await newest_first(conn, query, TRACES, limit, cursor)
+    return [_summary(row._mapping) for row in rows], next_cursor
+
+
+async def newest_first(
+    conn: AsyncConnection, query: sa.Select[Any], table: sa.Table, limit: int, cursor: str | None
+) -> tuple[list[sa.Row[Any]], str | None]:
+    """One page of `query` over `table`, newest first, and the cursor of the next page.
+    The cursor is opaque to clients: (created_at, primary key) of the last row, so
+    paging is stable while new rows arrive."""
+    key = next(iter(table.primary_key.columns))
+    created_at = table.c.created_at
     if cursor:
-        created_at, trace_id = decode_cursor(cursor)
-        query = query.where(
-            sa.tuple_(TRACES.c.created_at, TRACES.c.trace_id) < (created_at, trace_id)
-        )
-    query = query.order_by(TRACES.c.created_at.desc(), TRACES.c.trace_id.desc()).limit(
-        limit + 1
-    )
+        after = decode_cursor(cursor)
+        query = query.where(sa.tuple_(created_at, key) < after)
+    query = query.add_columns(created_at.label("_created_at"), key.label("_key"))
+    query = query.order_by(created_at.desc(), key.desc()).limit(limit + 1)
     rows = (await conn.execute(query)).all()
-    records = [_summary(row._mapping) for row in rows[:limit]]
-    next_cursor = None
-    if len(rows) > limit:
-        last = rows[limit - 1]
-        next_cursor = encode_cursor(last.created_at, last.trace_id)
-    return records, next_cursor
+    if len(rows) <= limit:
+        return list(rows), None
+    last = rows[limit - 1]
+    return list(rows[:limit]), encode_cursor(last._created_at, last._key)
 
 
 async def stats(conn: AsyncConnection) -> dict[str, Any]:

@@ -14,7 +14,6 @@ bounded: its p99 should be under 2 x flush_interval_seconds.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -25,6 +24,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import sqlalchemy as sa  # noqa: E402
+from sqlalchemy.ext.asyncio import AsyncConnection  # noqa: E402
 
 from app.config import TraceServerConfig  # noqa: E402
 from app.db.engine import create_engine  # noqa: E402
 from app.db.models import BATCHES, MEMBERS, TRACES  # noqa: E402
 from app.stages.distribution import ELIGIBLE  # noqa: E402
-from bench.ingest import load  # noqa: E402
+from bench.ingest import load, load_arguments, trace_server  # noqa: E402
 
 
 def start(command: str, path: Path, *args: str, ready: str) -> tuple[subprocess.Popen[str], str]:
@@ -56,84 +58,69 @@ def start(command: str, path: Path, *args: str, ready: str) -> tuple[subprocess.
     raise SystemExit(f"atropos {command} did not start")
 
 
-async def backlog(server: dict[str, Any], batch_size: int) -> tuple[int, int]:
-    """(traces not yet batched beyond the last partial batch, batches not delivered)."""
+@asynccontextmanager
+async def connect(server: dict[str, Any]) -> AsyncIterator[AsyncConnection]:
     engine = create_engine(TraceServerConfig.model_validate(server))
     try:
         async with engine.connect() as conn:
-            upstream = await conn.scalar(sa.select(sa.func.count()).where(
-                TRACES.c.stage.in_(("received", "accepted"))))
-            waiting = await conn.scalar(sa.select(sa.func.count()).where(
-                TRACES.c.stage.in_(ELIGIBLE)))
-            pending = await conn.scalar(sa.select(sa.func.count()).where(
-                BATCHES.c.state != "delivered"))
-        return int(upstream or 0) + max(int(waiting or 0) - (batch_size - 1), 0), int(pending or 0)
+            yield conn
     finally:
         await engine.dispose()
+
+
+async def count(server: dict[str, Any], where: sa.ColumnElement[bool]) -> int:
+    async with connect(server) as conn:
+        return int(await conn.scalar(sa.select(sa.func.count()).where(where)) or 0)
+
+
+async def drained(server: dict[str, Any], batch_size: int) -> bool:
+    """Nothing upstream, no batch undelivered, fewer than batch_size traces waiting."""
+    upstream = await count(server, TRACES.c.stage.in_(("received", "accepted")))
+    waiting = await count(server, TRACES.c.stage.in_(ELIGIBLE))
+    undelivered = await count(server, BATCHES.c.state != "delivered")
+    return upstream == 0 and undelivered == 0 and waiting < batch_size
 
 
 async def by_stage(server: dict[str, Any]) -> dict[str, int]:
-    engine = create_engine(TraceServerConfig.model_validate(server))
-    try:
-        async with engine.connect() as conn:
-            rows = await conn.execute(sa.select(TRACES.c.stage, sa.func.count())
-                                      .group_by(TRACES.c.stage))
-            return {stage: n for stage, n in rows.all()}
-    finally:
-        await engine.dispose()
+    async with connect(server) as conn:
+        rows = await conn.execute(sa.select(TRACES.c.stage, sa.func.count())
+                                  .group_by(TRACES.c.stage))
+        return {stage: n for stage, n in rows.all()}
 
 
 async def figures(server: dict[str, Any]) -> dict[str, Any]:
-    engine = create_engine(TraceServerConfig.model_validate(server))
-    try:
-        async with engine.connect() as conn:
-            created = TRACES.c.created_at
-            stored = await conn.execute(
-                sa.select(sa.func.count(), sa.func.min(created), sa.func.max(created)))
-            count, first, last = stored.one()
-            rows = (await conn.execute(
-                sa.select(TRACES.c.created_at, BATCHES.c.delivered_at)
-                .join(MEMBERS, MEMBERS.c.trace_id == TRACES.c.trace_id)
-                .join(BATCHES, BATCHES.c.batch_id == MEMBERS.c.batch_id)
-                .where(BATCHES.c.state == "delivered"))).all()
-            below = await conn.scalar(sa.select(sa.func.count()).where(
-                TRACES.c.stage == "below_threshold"))
-    finally:
-        await engine.dispose()
+    async with connect(server) as conn:
+        created = TRACES.c.created_at
+        stored = await conn.execute(
+            sa.select(sa.func.count(), sa.func.min(created), sa.func.max(created)))
+        count_, first, last = stored.one()
+        rows = (await conn.execute(
+            sa.select(TRACES.c.created_at, BATCHES.c.delivered_at)
+            .join(MEMBERS, MEMBERS.c.trace_id == TRACES.c.trace_id)
+            .join(BATCHES, BATCHES.c.batch_id == MEMBERS.c.batch_id)
+            .where(BATCHES.c.state == "delivered"))).all()
+    below = await count(server, TRACES.c.stage == "below_threshold")
     lags = sorted((d - c).total_seconds() for c, d in rows)
     span = (max(d for _, d in rows) - first).total_seconds() if rows else 0.0
     q = statistics.quantiles(lags, n=100) if len(lags) > 1 else [lags[0] if lags else 0.0] * 99
-    return {"stored": count, "ingest_span": (last - first).total_seconds() if count else 0.0,
+    return {"stored": count_, "ingest_span": (last - first).total_seconds() if count_ else 0.0,
             "delivered": len(lags), "delivery_span": span, "below": below,
             "lag_p50": q[49], "lag_p99": q[98], "lag_max": lags[-1] if lags else 0.0}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=10)
-    parser.add_argument("--trace-kb", type=int, default=5)
+    parser = load_arguments(__doc__)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--flush-interval", type=float, default=30)
     parser.add_argument("--worker-process", action="store_true",
                         help="run the stages in an `atropos worker` beside `serve --no-workers`"
                              " (no wake-ups cross processes: the worker polls every "
                              "flush_interval)")
-    parser.add_argument("--db", choices=["sqlite", "postgresql"], default="sqlite")
-    parser.add_argument("--database-url", default=os.environ.get("ATROPOS_TEST_DATABASE_URL"))
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        server: dict[str, Any] = {"host": "127.0.0.1", "port": 0,
-                                  "flush_interval_seconds": args.flush_interval}
-        if args.db == "sqlite":
-            server |= {"storage_backend": "sqlite", "db_path": str(workdir / "bench.db")}
-        else:
-            if not args.database_url:
-                raise SystemExit("--db postgresql needs --database-url (an empty database)")
-            server |= {"storage_backend": "postgresql", "database_url": args.database_url}
+        server = trace_server(args, workdir) | {"flush_interval_seconds": args.flush_interval}
         config = {"trace_server": server,
                   "distributor": {"target": "jsonl", "batch_size": args.batch_size,
                                   "output_dir": str(workdir / "batches")}}
@@ -150,12 +137,11 @@ def main() -> None:
                                       args.seconds, args.trace_kb))
             stopped = time.monotonic()
             at_stop = asyncio.run(by_stage(server))
-            # Drained: nothing upstream, no batch undelivered, fewer than batch_size waiting.
-            while asyncio.run(backlog(server, args.batch_size)) != (0, 0):
+            while not asyncio.run(drained(server, args.batch_size)):
                 if time.monotonic() - stopped > 10 * args.flush_interval + 60:
                     raise SystemExit("the pipeline did not drain")
                 time.sleep(0.2)
-            drained = time.monotonic() - stopped
+            drain_seconds = time.monotonic() - stopped
         finally:
             for proc in procs:
                 proc.terminate()
@@ -174,7 +160,7 @@ def main() -> None:
     print(f"  delivered: {result['delivered']} traces in batches "
           f"({result['below']} below threshold, the rest short of a full batch); "
           f"end to end {delivered_rate:.0f} traces/s vs ingest {ingest_rate:.0f} traces/s; "
-          f"drained {drained:.1f} s after ingest stopped")
+          f"drained {drain_seconds:.1f} s after ingest stopped")
     print(f"  traces by stage when ingest stopped: {at_stop}")
     print(f"  lag ingest -> delivery: p50 {result['lag_p50']:.2f} s  p99 {result['lag_p99']:.2f} s"
           f"  max {result['lag_max']:.2f} s  (bound: 2 x flush_interval = "

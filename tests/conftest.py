@@ -22,6 +22,8 @@ import httpx
 import pytest
 from sqlalchemy.engine import make_url
 
+from tests.fakes.model_server import FakeModel, serve
+
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT.parent / "shared" / "fixtures" / "real"
 PG_ADMIN_URL = os.environ.get("ATROPOS_TEST_DATABASE_URL")
@@ -197,6 +199,21 @@ def run_cli(*args: str, env: dict[str, str] | None = None,
         text=True,
         timeout=timeout,
     )
+
+
+@pytest.fixture(scope="module")
+def model_server() -> Iterator[tuple[FakeModel, str]]:
+    """A fake OpenAI-compatible endpoint (key `FakeModel.key`) for a test module, and its
+    root URL; `fake_model` resets it for each test."""
+    fake = FakeModel()
+    with serve(fake) as root:
+        yield fake, root
+
+
+@pytest.fixture
+def fake_model(model_server: tuple[FakeModel, str]) -> FakeModel:
+    model_server[0].reset()
+    return model_server[0]
 
 
 @pytest.fixture

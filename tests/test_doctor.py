@@ -7,32 +7,23 @@ import importlib.util
 import json
 import os
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import run_cli
-from tests.fakes.model_server import FakeModel, serve
+from tests.fakes.model_server import FakeModel
 
-KEY = "sk-doctor-key"
+KEY = FakeModel.key
 KEY_ENV = "DOCTOR_TEST_KEY"
 PROXY_VARS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy",
               "ALL_PROXY", "no_proxy", "NO_PROXY")
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[FakeModel, str]]:
-    fake = FakeModel(key=KEY)
-    with serve(fake) as root:
-        yield fake, root
-
-
 @pytest.fixture
-def fake(served: tuple[FakeModel, str]) -> FakeModel:
-    served[0].faults.clear()
-    return served[0]
+def root(model_server: tuple[FakeModel, str], fake_model: FakeModel) -> str:
+    return model_server[1]  # of a server reset for this test
 
 
 def doctor(tmp_path: Path, base_url: str, env: dict[str, str | None],
@@ -58,8 +49,7 @@ def closed_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_all_checks_pass(fake: FakeModel, served: tuple[FakeModel, str], tmp_path: Path) -> None:
-    root = served[1]
+def test_all_checks_pass(fake_model: FakeModel, root: str, tmp_path: Path) -> None:
     code, lines = doctor(tmp_path, f"{root}/v1", {KEY_ENV: KEY})
     assert code == 0 and not marked(lines, "FAIL") and not marked(lines, "warn")
     text = "\n".join(lines)
@@ -70,79 +60,79 @@ def test_all_checks_pass(fake: FakeModel, served: tuple[FakeModel, str], tmp_pat
 
 
 def test_provider_root_url_is_explained(
-    fake: FakeModel, served: tuple[FakeModel, str], tmp_path: Path
+    fake_model: FakeModel, root: str, tmp_path: Path
 ) -> None:
-    fake.prefix = "/api/v1"
+    fake_model.prefix = "/api/v1"
     try:
-        code, lines = doctor(tmp_path, f"{served[1]}/api", {KEY_ENV: KEY})
+        code, lines = doctor(tmp_path, f"{root}/api", {KEY_ENV: KEY})
     finally:
-        fake.prefix = "/v1"
+        fake_model.prefix = "/v1"
     assert code == 0
-    assert any(f"POST {served[1]}/api/v1/chat/completions" in line and "provider root" in line
+    assert any(f"POST {root}/api/v1/chat/completions" in line and "provider root" in line
                for line in lines)
 
 
-def test_missing_key(served: tuple[FakeModel, str], tmp_path: Path) -> None:
-    code, lines = doctor(tmp_path, f"{served[1]}/v1", {})
+def test_missing_key(root: str, tmp_path: Path) -> None:
+    code, lines = doctor(tmp_path, f"{root}/v1", {})
     [key, chat] = marked(lines, "FAIL")
     assert code == 1 and KEY_ENV in key and "not set" in key and f"export {KEY_ENV}=" in key
     assert "not tried" in chat
 
 
 def test_whitespace_around_the_key_warns(
-    fake: FakeModel, served: tuple[FakeModel, str], tmp_path: Path
+    fake_model: FakeModel, root: str, tmp_path: Path
 ) -> None:
-    code, lines = doctor(tmp_path, f"{served[1]}/v1", {KEY_ENV: f" {KEY}\n"})
+    code, lines = doctor(tmp_path, f"{root}/v1", {KEY_ENV: f" {KEY}\n"})
     [warning] = marked(lines, "warn")
     assert code == 0 and KEY_ENV in warning and "whitespace" in warning
 
 
-def test_401_names_the_variable(served: tuple[FakeModel, str], tmp_path: Path) -> None:
-    code, lines = doctor(tmp_path, f"{served[1]}/v1", {KEY_ENV: "sk-wrong"})
+def test_401_names_the_variable(root: str, tmp_path: Path) -> None:
+    code, lines = doctor(tmp_path, f"{root}/v1", {KEY_ENV: "sk-wrong"})
     [fail] = marked(lines, "FAIL")
     assert code == 1 and "HTTP 401" in fail and KEY_ENV in fail and "sk-wrong" not in fail
 
 
-def test_404_names_the_url_and_model(served: tuple[FakeModel, str], tmp_path: Path) -> None:
-    code, lines = doctor(tmp_path, f"{served[1]}/wrong/v1", {KEY_ENV: KEY})
+def test_404_names_the_url_and_model(root: str, tmp_path: Path) -> None:
+    code, lines = doctor(tmp_path, f"{root}/wrong/v1", {KEY_ENV: KEY})
     [fail] = marked(lines, "FAIL")
     assert code == 1 and "HTTP 404" in fail
-    assert f"{served[1]}/wrong/v1/chat/completions" in fail and "fake/model-1" in fail
+    assert f"{root}/wrong/v1/chat/completions" in fail and "fake/model-1" in fail
     assert "tinker.base_url" in fail
 
 
-def test_a_proxy_that_does_not_answer(served: tuple[FakeModel, str], tmp_path: Path) -> None:
+def test_a_proxy_that_does_not_answer(root: str, tmp_path: Path) -> None:
     proxy = f"http://127.0.0.1:{closed_port()}"
-    code, lines = doctor(tmp_path, f"{served[1]}/v1", {KEY_ENV: KEY, "HTTP_PROXY": proxy})
+    code, lines = doctor(tmp_path, f"{root}/v1", {KEY_ENV: KEY, "HTTP_PROXY": proxy})
     [fail, chat] = marked(lines, "FAIL")
     assert code == 1 and "HTTP_PROXY" in fail and proxy in fail and "does not answer" in fail
     assert "NO_PROXY" in fail and "not tried" in chat
 
 
 def test_a_proxy_exempted_by_no_proxy_is_not_used(
-    fake: FakeModel, served: tuple[FakeModel, str], tmp_path: Path
+    fake_model: FakeModel, root: str, tmp_path: Path
 ) -> None:
     proxy = f"http://127.0.0.1:{closed_port()}"
-    code, lines = doctor(tmp_path, f"{served[1]}/v1",
+    code, lines = doctor(tmp_path, f"{root}/v1",
                          {KEY_ENV: KEY, "HTTP_PROXY": proxy, "NO_PROXY": "127.0.0.1"})
     assert code == 0
     assert any("none applies" in line and "HTTP_PROXY" in line for line in lines)
 
 
 def test_a_200_without_choices(
-    fake: FakeModel, served: tuple[FakeModel, str], tmp_path: Path
+    fake_model: FakeModel, root: str, tmp_path: Path
 ) -> None:
-    fake.faults.append("no_choices")
-    code, lines = doctor(tmp_path, f"{served[1]}/v1", {KEY_ENV: KEY})
+    fake_model.faults.append("no_choices")
+    code, lines = doctor(tmp_path, f"{root}/v1", {KEY_ENV: KEY})
     [fail] = marked(lines, "FAIL")
     assert code == 1 and "without `choices`" in fail and "fake/model-1" in fail
 
 
 def test_tinker_backend_without_the_sdk(
-    fake: FakeModel, served: tuple[FakeModel, str], tmp_path: Path
+    fake_model: FakeModel, root: str, tmp_path: Path
 ) -> None:
     if importlib.util.find_spec("tinker") is not None:
         pytest.skip("the tinker SDK is installed here")
-    code, lines = doctor(tmp_path, f"{served[1]}/v1", {KEY_ENV: KEY}, backend="tinker")
+    code, lines = doctor(tmp_path, f"{root}/v1", {KEY_ENV: KEY}, backend="tinker")
     [fail] = marked(lines, "FAIL")
     assert code == 1 and "atropos-hub[tinker]" in fail

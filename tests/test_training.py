@@ -5,7 +5,7 @@ backend at the SDK boundary, with a fake client object."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,39 +19,27 @@ from app.config import TinkerConfig
 from app.domain import Trace
 from app.targets import Batch, BatchItem
 from app.targets.tinker import TinkerTarget
-from app.training import Example, TrainerLog, TrainingFailed
+from app.training import Example, TrainerLog, TrainingFailed, TrainingRun
 from app.training.openai_api import OpenAIFineTuning
 from app.training.tinker_sdk import TinkerSDK
 from tests.conftest import HubProcess, native_trace, run_cli, write_config
-from tests.fakes.model_server import FakeModel, serve
+from tests.fakes.model_server import FakeModel
 from tests.pipeline import set_rewards
 
-KEY = "sk-train-key"
+KEY = FakeModel.key
 KEY_ENV = "FAKE_TRAINING_KEY"
 SMOKE_LINE = "Model request completed: status=200, tokens=120"
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[FakeModel, str]]:
-    fake = FakeModel(key=KEY)
-    with serve(fake) as root:
-        yield fake, root
+@pytest.fixture
+def fake(fake_model: FakeModel, monkeypatch: pytest.MonkeyPatch) -> FakeModel:
+    monkeypatch.setenv(KEY_ENV, fake_model.key)
+    return fake_model
 
 
 @pytest.fixture
-def fake(served: tuple[FakeModel, str], monkeypatch: pytest.MonkeyPatch) -> FakeModel:
-    model = served[0]
-    model.received.clear()
-    model.files.clear()
-    model.jobs.clear()
-    model.job_outcome = "succeeded"
-    monkeypatch.setenv(KEY_ENV, KEY)
-    return model
-
-
-@pytest.fixture
-def root(served: tuple[FakeModel, str]) -> str:
-    return served[1]
+def root(model_server: tuple[FakeModel, str]) -> str:
+    return model_server[1]
 
 
 @pytest.fixture
@@ -143,12 +131,10 @@ async def test_a_redelivery_resumes_the_job_instead_of_training_twice(
 
     with TrainerLog(tmp_path, "r1") as log:
         with pytest.raises(ConnectionError):
-            await backend.train(EXAMPLES, key="b-1", receipt={}, save=crash_once_the_job_exists,
-                                log=log)
-        job = await backend.train(EXAMPLES, key="b-1", receipt=dict(receipts.saved),
-                                  save=receipts, log=log)
+            await backend.train(TrainingRun(EXAMPLES, "b-1", {}, crash_once_the_job_exists, log))
+        job = await backend.train(TrainingRun(EXAMPLES, "b-1", receipts.saved, receipts, log))
         # Even with the receipt lost, the job is found by its idempotency key.
-        again = await backend.train(EXAMPLES, key="b-1", receipt={}, save=receipts, log=log)
+        again = await backend.train(TrainingRun(EXAMPLES, "b-1", {}, receipts, log))
     assert len(fake.jobs) == 1 and len(fake.files) == 1
     assert job["state"] == again["state"] == "succeeded" and job["id"] == again["id"]
 
@@ -161,10 +147,9 @@ async def test_a_failed_job_fails_the_attempt_and_the_next_starts_a_new_job(
     receipts = Receipts()
     with TrainerLog(tmp_path, "r2") as log:
         with pytest.raises(TrainingFailed, match="ended failed: scripted failure"):
-            await backend.train(EXAMPLES, key="b-2", receipt={}, save=receipts, log=log)
+            await backend.train(TrainingRun(EXAMPLES, "b-2", {}, receipts, log))
         fake.job_outcome = "succeeded"
-        job = await backend.train(EXAMPLES, key="b-2", receipt=dict(receipts.saved),
-                                  save=receipts, log=log)
+        job = await backend.train(TrainingRun(EXAMPLES, "b-2", receipts.saved, receipts, log))
     assert job["state"] == "succeeded" and len(fake.jobs) == 2
     assert [j["metadata"]["idempotency_key"] for j in fake.jobs.values()] == ["b-2", "b-2.1"]
     assert receipts.saved["failed_jobs"][0]["state"] == "failed"
@@ -307,4 +292,4 @@ async def test_tinker_sdk_without_token_ids_or_tokenizer_says_what_to_set(
     backend = TinkerSDK(tinker(root, tmp_path, backend="tinker"), sdk=FAKE_SDK,
                         service=FakeService())
     with TrainerLog(tmp_path, "r3") as log, pytest.raises(TrainingFailed, match="tinker.tokenizer"):
-        await backend.train(EXAMPLES, key="k", receipt={}, save=Receipts(), log=log)
+        await backend.train(TrainingRun(EXAMPLES, "k", {}, Receipts(), log))

@@ -13,7 +13,7 @@ import httpx
 
 from app.config import TinkerConfig
 from app.targets import Batch, BatchItem, SaveReceipt
-from app.training import Backend, Example, TrainerLog, backend_for, run
+from app.training import Backend, Example, TrainerLog, TrainingRun, backend_for, run
 
 
 class TinkerTarget:
@@ -29,16 +29,8 @@ class TinkerTarget:
     async def deliver(self, batch: Batch, save: SaveReceipt) -> dict[str, Any]:
         examples = [_example(item) for item in batch.items]
         with TrainerLog(self._tinker.logs_dir, batch.batch_id) as log:
-            return await run(
-                self._backend,
-                examples,
-                key=batch.batch_id,
-                receipt=batch.receipt,
-                save=save,
-                http=self._http,
-                tinker=self._tinker,
-                log=log,
-            )
+            job = TrainingRun(examples, batch.batch_id, dict(batch.receipt), save, log)
+            return await run(self._backend, job, http=self._http, tinker=self._tinker)
 
 
 def _example(item: BatchItem) -> Example:

@@ -1,7 +1,7 @@
 """Training: one job over a set of chat examples on the backend that tinker.backend
 chooses, then one smoke request to the model it produced.
 
-    run(backend, examples, key=..., receipt=..., save=..., http=..., tinker=..., log=...)
+    run(backend, TrainingRun(examples, key, receipt, persist, log), http=..., tinker=...)
 
 Backends (each in its own module):
     openai   an OpenAI-compatible fine-tuning API at tinker.base_url: upload the
@@ -39,6 +39,7 @@ __all__ = [
     "SaveReceipt",
     "TrainerLog",
     "TrainingFailed",
+    "TrainingRun",
     "backend_for",
     "hyperparameters",
     "run",
@@ -89,19 +90,27 @@ class TrainerLog:
         self.close()
 
 
+@dataclass
+class TrainingRun:
+    """One run as a backend sees it: the examples, the idempotency key, the receipt
+    (what earlier attempts recorded; a backend updates it in place and `save()`s it as
+    it goes) and the trainer log."""
+
+    examples: list[Example]
+    key: str
+    receipt: dict[str, Any]
+    persist: SaveReceipt
+    log: TrainerLog
+
+    async def save(self) -> None:
+        await self.persist(self.receipt)
+
+
 class Backend(Protocol):
     name: str
 
-    async def train(
-        self,
-        examples: list[Example],
-        *,
-        key: str,
-        receipt: dict[str, Any],
-        save: SaveReceipt,
-        log: TrainerLog,
-    ) -> dict[str, Any]:
-        """Run (or resume, from `receipt`) one job to its end; return its record
+    async def train(self, run: TrainingRun) -> dict[str, Any]:
+        """Run (or resume, from `run.receipt`) one job to its end; return its record
         `{"id", "state", "model", ...}` with `model` the resulting model's id. Raises
         TrainingFailed when the job ends failed."""
         ...
@@ -132,28 +141,18 @@ def backend_for(tinker: TinkerConfig, http: httpx.AsyncClient) -> Backend:
 
 
 async def run(
-    backend: Backend,
-    examples: list[Example],
-    *,
-    key: str,
-    receipt: dict[str, Any],
-    save: SaveReceipt,
-    http: httpx.AsyncClient,
-    tinker: TinkerConfig,
-    log: TrainerLog,
+    backend: Backend, job: TrainingRun, *, http: httpx.AsyncClient, tinker: TinkerConfig
 ) -> dict[str, Any]:
-    """Train on `examples`, then smoke-test the resulting model. Returns the receipt:
-    `{"job": {...}, "smoke": {...}, ...}`."""
-    log.line(
-        f"training run {key}: {len(examples)} examples, backend {backend.name}, base model "
-        f"{tinker.model_id}, hyperparameters {hyperparameters(tinker)}"
+    """Train on the run's examples, then smoke-test the resulting model. Returns the
+    receipt: `{"job": {...}, "smoke": {...}, ...}`."""
+    job.log.line(
+        f"training run {job.key}: {len(job.examples)} examples, backend {backend.name}, "
+        f"base model {tinker.model_id}, hyperparameters {hyperparameters(tinker)}"
     )
-    receipt = dict(receipt)
-    job = await backend.train(examples, key=key, receipt=receipt, save=save, log=log)
-    receipt["job"] = job
-    await save(receipt)
-    receipt["smoke"] = await smoke_request(http, tinker, job["model"], log)
-    return receipt
+    job.receipt["job"] = await backend.train(job)
+    await job.save()
+    job.receipt["smoke"] = await smoke_request(http, tinker, job.receipt["job"]["model"], job.log)
+    return job.receipt
 
 
 async def smoke_request(

@@ -24,7 +24,7 @@ import orjson
 from app import formats
 from app.config import TinkerConfig
 from app.errors import ConfigError, HubError
-from app.training import Example, TrainerLog, backend_for, hyperparameters, run
+from app.training import Example, TrainerLog, TrainingRun, backend_for, hyperparameters, run
 
 JOB_FILE = "job.json"
 
@@ -72,10 +72,8 @@ async def train_dataset(tinker: TinkerConfig, dataset: Path, output: Path) -> di
     await save(record["receipt"])
     async with httpx.AsyncClient() as http:
         with TrainerLog(output, run_id) as log:
-            receipt = await run(
-                backend_for(tinker, http), examples, key=f"train-{run_id}",
-                receipt=record["receipt"], save=save, http=http, tinker=tinker, log=log,
-            )
+            job = TrainingRun(examples, f"train-{run_id}", record["receipt"], save, log)
+            receipt = await run(backend_for(tinker, http), job, http=http, tinker=tinker)
     await save(receipt)
     return record
 

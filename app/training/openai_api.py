@@ -27,7 +27,7 @@ import orjson
 
 from app.config import TinkerConfig
 from app.llm import request
-from app.training import Example, SaveReceipt, TrainerLog, TrainingFailed, hyperparameters
+from app.training import Example, TrainingFailed, TrainingRun, hyperparameters
 
 FINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
 
@@ -44,35 +44,29 @@ class OpenAIFineTuning:
         self._tinker = tinker
         self._http = http
 
-    async def train(
-        self,
-        examples: list[Example],
-        *,
-        key: str,
-        receipt: dict[str, Any],
-        save: SaveReceipt,
-        log: TrainerLog,
-    ) -> dict[str, Any]:
+    async def train(self, run: TrainingRun) -> dict[str, Any]:
+        receipt, log = run.receipt, run.log
         job = receipt.get("job")
         if job is not None and job.get("state") in ("failed", "cancelled"):
-            receipt.setdefault("failed_jobs", []).append(job)
-            receipt.pop("job")
+            receipt.setdefault("failed_jobs", []).append(receipt.pop("job"))
             job = None
-        job_key = key if not receipt.get("failed_jobs") else f"{key}.{len(receipt['failed_jobs'])}"
+        failed = len(receipt.get("failed_jobs", []))
+        job_key = f"{run.key}.{failed}" if failed else run.key
         if job is None:
             job = await self._find(job_key)
             if job is not None:
                 log.line(f"found job {job['id']} created by an earlier attempt ({job_key})")
         if job is None:
             if "file_id" not in receipt:
-                receipt["file_id"] = await self._upload(examples, key)
-                log.line(f"uploaded training file {receipt['file_id']} ({len(examples)} examples)")
-                await save(receipt)
+                receipt["file_id"] = await self._upload(run.examples, run.key)
+                log.line(f"uploaded training file {receipt['file_id']} "
+                         f"({len(run.examples)} examples)")
+                await run.save()
             job = await self._create(receipt["file_id"], job_key)
             log.line(f"created fine-tuning job {job['id']} for {self._tinker.model_id}")
         receipt["job"] = job
-        await save(receipt)
-        job = await self._poll(job, receipt, save, log)
+        await run.save()
+        job = await self._poll(job, run)
         if job["state"] != "succeeded":
             raise TrainingFailed(f"fine-tuning job {job['id']} ended {job['state']}: "
                                  f"{job.get('error') or 'no error given'}")
@@ -115,9 +109,7 @@ class OpenAIFineTuning:
                  if (j.get("metadata") or {}).get("idempotency_key") == job_key]
         return _record(found[0]) if found else None
 
-    async def _poll(
-        self, job: dict[str, Any], receipt: dict[str, Any], save: SaveReceipt, log: TrainerLog
-    ) -> dict[str, Any]:
+    async def _poll(self, job: dict[str, Any], run: TrainingRun) -> dict[str, Any]:
         t = self._tinker
         deadline = time.monotonic() + t.job_timeout_seconds
         while job["state"] not in FINAL_STATES:
@@ -130,12 +122,12 @@ class OpenAIFineTuning:
             answer = await request(self._http, t, "GET", f"fine_tuning/jobs/{job['id']}")
             polled = _record(answer)
             if polled["state"] != job["state"]:
-                log.line(f"job {job['id']}: {job['state']} -> {polled['state']}")
-                receipt["job"] = polled
-                await save(receipt)
+                run.log.line(f"job {job['id']}: {job['state']} -> {polled['state']}")
+                run.receipt["job"] = polled
+                await run.save()
             job = polled
         if job["state"] == "succeeded":
-            log.line(f"job {job['id']} succeeded: fine-tuned model {job['model']}")
+            run.log.line(f"job {job['id']} succeeded: fine-tuned model {job['model']}")
         return job
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from app.config import TinkerConfig
-from app.training import Example, SaveReceipt, TrainerLog, TrainingFailed
+from app.training import Example, TrainerLog, TrainingFailed, TrainingRun
 
 EXTRA_HINT = "pip install 'atropos-hub[tinker]'"
 
@@ -52,19 +52,11 @@ class TinkerSDK:
         self._service = service
         self._tokenizer = tokenizer
 
-    async def train(
-        self,
-        examples: list[Example],
-        *,
-        key: str,
-        receipt: dict[str, Any],
-        save: SaveReceipt,
-        log: TrainerLog,
-    ) -> dict[str, Any]:
-        t = self._tinker
+    async def train(self, run: TrainingRun) -> dict[str, Any]:
+        t, log, key = self._tinker, run.log, run.key
         sdk = self._load_sdk()
         service = self._service or sdk.ServiceClient(api_key=t.api_key())
-        state = receipt.get("state_path")
+        state = run.receipt.get("state_path")
         if state:
             log.line(f"resuming from the state saved by an earlier attempt: {state}")
             client = await service.create_training_client_from_state_async(state)
@@ -72,10 +64,10 @@ class TinkerSDK:
             client = await service.create_lora_training_client_async(
                 base_model=t.model_id, rank=t.lora_rank
             )
-            await self._steps(sdk, client, examples, log)
+            await self._steps(sdk, client, run.examples, log)
             state = await _result_path(await client.save_state_async(name=key))
-            receipt["state_path"] = state
-            await save(receipt)
+            run.receipt["state_path"] = state
+            await run.save()
         path = await _result_path(await client.save_weights_for_sampler_async(name=key))
         log.line(f"weights saved for sampling: {path}")
         return {"id": key, "state": "succeeded", "model": path, "base_model": t.model_id,

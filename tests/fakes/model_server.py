@@ -66,6 +66,13 @@ class FakeModel:
     def app(self) -> Starlette:
         return Starlette(routes=[Route("/{path:path}", self._handle, methods=["POST", "GET"])])
 
+    def reset(self) -> None:
+        """Back to a fresh server's state (one server serves a whole test module)."""
+        fresh = FakeModel(key=self.key)
+        for name in ("prefix", "faults", "received", "files", "jobs", "job_polls",
+                     "job_outcome", "_polls", "_keys"):
+            setattr(self, name, getattr(fresh, name))
+
     async def _handle(self, request: Request) -> Response:
         raw = await request.body()
         media = request.headers.get("content-type", "")
