@@ -113,6 +113,16 @@ async def test_concurrent_distributors_never_share_a_trace(
         sizes = (await conn.execute(sa.select(BATCHES.c.size))).scalars().all()
     assert sorted(m.trace_id for m in members) == ids  # every trace once, none twice
     assert sizes == [5] * 12
+    seen: list[str] = []
+    cursor: str | None = None
+    with hub.client() as client:
+        while True:
+            params = {"limit": 5, **({"cursor": cursor} if cursor else {})}
+            page = client.get("/v1/batches", params=params).json()
+            seen += [b["batch_id"] for b in page["batches"]]
+            if not (cursor := page["next_cursor"]):
+                break
+    assert len(seen) == len(set(seen)) == 12
 
 
 async def test_schema_refuses_a_trace_in_two_batches(

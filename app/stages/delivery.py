@@ -75,12 +75,12 @@ class DeliveryStage:
         if not rows:
             return 0
         row = rows[0]
-        batch = await self._load(row)
-        heartbeat = asyncio.create_task(self._keep_lease(batch.batch_id))
+        heartbeat = asyncio.create_task(self._keep_lease(row.batch_id))
         try:
+            batch = await self._load(row)
             receipt = await self._target.deliver(batch, lambda r: self._save(batch.batch_id, r))
         except Exception as exc:  # any failure sinks this attempt only; it is on the row
-            await self._failed(batch, exc)
+            await self._failed(row.batch_id, row.attempts, exc)
             return 1
         finally:
             heartbeat.cancel()
@@ -150,20 +150,20 @@ class DeliveryStage:
                  self._target.name, len(batch.items), batch.attempts)
         return True
 
-    async def _failed(self, batch: Batch, exc: Exception) -> None:
+    async def _failed(self, batch_id: str, attempts: int, exc: Exception) -> None:
         error = f"{type(exc).__name__}: {exc}"
-        attempts, limit = batch.attempts, self._config.max_attempts
-        where = sa.and_(BATCHES.c.batch_id == batch.batch_id,
+        limit = self._config.max_attempts
+        where = sa.and_(BATCHES.c.batch_id == batch_id,
                         BATCHES.c.state == BatchState.PENDING.value, held_by(BATCHES, self._lease))
         if attempts >= limit:
             log.error("batch %s: delivery to %s failed %d times, giving up: %s; "
-                      "`atropos batches retry %s` re-queues it", batch.batch_id,
-                      self._target.name, attempts, error, batch.batch_id)
+                      "`atropos batches retry %s` re-queues it", batch_id,
+                      self._target.name, attempts, error, batch_id)
             values: dict[str, Any] = {"state": BatchState.FAILED.value, **RELEASED}
         else:
             delay = retry_delay(attempts, self._config)
             log.warning("batch %s: delivery to %s failed (attempt %d of %d), retrying in "
-                        "%.1f s: %s", batch.batch_id, self._target.name, attempts, limit,
+                        "%.1f s: %s", batch_id, self._target.name, attempts, limit,
                         delay, error)
             # Keep the lease, shortened to the backoff: claimable again once it runs out.
             values = {"lease_expires_at": utcnow() + timedelta(seconds=delay)}
