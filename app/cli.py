@@ -33,6 +33,7 @@ from app.ingest import Ingestor
 from app.inserter import TraceInserter
 from app.llm import LLMError
 from app.progress import Progress
+from app.runs import client as run_client
 from app.training import TrainingFailed
 from app.training.dataset import train_dataset
 
@@ -124,6 +125,15 @@ def _parser() -> argparse.ArgumentParser:
     retry.add_argument("batch_id")
     retry.add_argument("--config", required=True, help="config.json")
     retry.set_defaults(run=_batches_retry)
+
+    run = commands.add_parser(
+        "run",
+        help="start a training run on a hub and follow it",
+        description=run_client.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    run_client.add_arguments(run)
+    run.set_defaults(run=run_client.main)
 
     db = commands.add_parser("db", help="database operations")
     db_commands = db.add_subparsers(dest="db_command", required=True)

@@ -112,6 +112,30 @@ class WorkersConfig(_Section):
     lease_seconds: float = Field(30, gt=0)
 
 
+class RunsConfig(_Section):
+    """Training runs (app/runs): the hub starts and watches trainer and environment
+    processes. Off by default, because the endpoint spawns processes."""
+
+    enabled: bool = False
+    # Each process writes {logs_dir}/{trainer|env_N}_{run_id}.log.
+    logs_dir: str = "~/.atropos/logs"
+    # ATROPOS_HUB_URL as the run's processes get it; null: the address the request
+    # that started the run came in on (an address of this machine that reaches the hub).
+    hub_url: str | None = None
+
+    @field_validator("logs_dir")
+    @classmethod
+    def _expand_home(cls, value: str) -> str:
+        return str(Path(value).expanduser())
+
+    @field_validator("hub_url")
+    @classmethod
+    def _hub_url_is_http(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL, e.g. http://10.0.0.5:8000")
+        return value.rstrip("/") if value else value
+
+
 class HubConfig(_Section):
     """config.json"""
 
@@ -120,6 +144,7 @@ class HubConfig(_Section):
     distributor: DistributorConfig = Field(default_factory=DistributorConfig)
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
+    runs: RunsConfig = Field(default_factory=RunsConfig)
 
 
 PreservedField = Literal["user_instruction", "final_action", "reward_signal", "error_context"]

@@ -20,6 +20,7 @@ from app.environment import Environment
 from app.ingest import Ingestor
 from app.inserter import TraceInserter
 from app.leases import Lease
+from app.runs import RunSupervisor
 from app.stages.compression import CompressionStage
 from app.stages.delivery import DeliveryStage
 from app.stages.distribution import DistributionStage
@@ -45,6 +46,8 @@ class Hub:
     inserter: TraceInserter
     ingestor: Ingestor
     stages: StageRunner
+    # Training runs (app/runs); None unless config.json's runs.enabled is true.
+    runs: RunSupervisor | None = None
 
     @property
     def config(self) -> HubConfig:
@@ -109,8 +112,13 @@ async def running_hub(
             if workers:
                 stages.start()
             try:
+                if settings.config.runs.enabled:
+                    hub.runs = RunSupervisor(engine, settings.config.runs, settings.tinker.tinker)
+                    await hub.runs.start()  # re-attaches to the runs a previous hub left
                 yield hub
             finally:
+                if hub.runs is not None:
+                    await hub.runs.close()  # the runs' processes keep running
                 await inserter.stop()  # answers what is queued before the engine goes
                 hub.ingestor.close()
     finally:

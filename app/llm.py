@@ -44,6 +44,7 @@ __all__ = [
     "ProxyFailed",
     "RequestRejected",
     "WrongURL",
+    "api_base_url",
     "api_url",
     "chat",
     "chat_url",
@@ -115,26 +116,31 @@ class ChatResult:
         return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
 
 
-def api_url(base_url: str, resource: str) -> str:
-    """The URL of `resource` (`chat/completions`, `files`, `fine_tuning/jobs/ID`) for
-    `base_url`.
+def api_base_url(base_url: str) -> str:
+    """The OpenAI-style base URL for `base_url`: what an OpenAI SDK client takes as
+    OPENAI_BASE_URL, and what every resource (`chat/completions`, `files`, ...) hangs
+    from.
 
-    A base ending at a version segment (`.../v1`, `.../v4`) gets `/<resource>`, as the
-    OpenAI SDK does; a provider root (`https://taotoken.net/api`) gets `/v1/<resource>`.
+    A base ending at a version segment (`.../v1`, `.../v4`) is used as it is, as the
+    OpenAI SDK does; a provider root (`https://taotoken.net/api`) gets `/v1`. A URL
+    that already ends in `/chat/completions` is its base plus that, for providers whose
+    path fits neither shape.
     """
     base = base_url.strip().rstrip("/")
+    if base.endswith("/chat/completions"):
+        return base.removesuffix("/chat/completions")
     last = urlsplit(base).path.rsplit("/", 1)[-1]
-    return f"{base}/{resource}" if _VERSION.fullmatch(last) else f"{base}/v1/{resource}"
+    return base if _VERSION.fullmatch(last) else f"{base}/v1"
+
+
+def api_url(base_url: str, resource: str) -> str:
+    """The URL of `resource` (`chat/completions`, `files`, `fine_tuning/jobs/ID`)."""
+    return f"{api_base_url(base_url)}/{resource}"
 
 
 def chat_url(base_url: str) -> str:
-    """The chat completions URL for `base_url` (see `api_url`). A URL that already
-    ends in `/chat/completions` is used as it is, for providers whose path fits
-    neither shape."""
-    base = base_url.strip().rstrip("/")
-    if base.endswith("/chat/completions"):
-        return base
-    return api_url(base, "chat/completions")
+    """The chat completions URL for `base_url` (see `api_base_url`)."""
+    return api_url(base_url, "chat/completions")
 
 
 async def chat(

@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.api import batches, ops, traces
+from app.api import batches, ops, runs, traces
 from app.api.errors import install_error_handlers
 from app.environment import Environment
 from app.hub import Settings, running_hub
@@ -41,4 +41,5 @@ def create_app(
     app.include_router(traces.router(config.trace_server.endpoint))
     app.include_router(batches.router)
     app.include_router(ops.router)
+    app.include_router(runs.router)
     return app

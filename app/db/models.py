@@ -113,3 +113,50 @@ class BatchTraceRow(Base):
 # Core tables for the batch statements (formation, claims, acknowledgement).
 BATCHES: sa.Table = BatchRow.__table__  # type: ignore[assignment]
 MEMBERS: sa.Table = BatchTraceRow.__table__  # type: ignore[assignment]
+
+
+class RunRow(Base):
+    """One training run (app/runs): a trainer and its environments, started, watched
+    and stopped by the hub. The injected model channel (keys, URLs) is never stored."""
+
+    __tablename__ = "runs"
+
+    run_id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    status: Mapped[str] = mapped_column(sa.String(16), index=True)
+    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp, index=True)
+    updated_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    started_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+    finished_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+    error_message: Mapped[str | None] = mapped_column(sa.Text)
+    # The run spec as accepted (commands, cwd, env, health checks, intervals).
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON_)
+    # Process ids mean something on one machine only: the host whose hub started the run.
+    host: Mapped[str] = mapped_column(sa.String(255))
+    # The hub process watching the run ("host:pid:start_ticks"); NULL when none is.
+    supervisor: Mapped[str | None] = mapped_column(sa.String(255))
+
+
+class RunProcessRow(Base):
+    """One process of a run: position 0 is the trainer, 1.. the environments."""
+
+    __tablename__ = "run_processes"
+
+    run_id: Mapped[str] = mapped_column(
+        sa.String(32), sa.ForeignKey("runs.run_id", ondelete="CASCADE"), primary_key=True
+    )
+    position: Mapped[int] = mapped_column(sa.Integer, primary_key=True)
+    role: Mapped[str] = mapped_column(sa.String(16))
+    command: Mapped[list[str]] = mapped_column(JSON_)
+    log_path: Mapped[str] = mapped_column(sa.Text)
+    # pid and start time (clock ticks after boot, /proc/<pid>/stat) together name the
+    # process: a pid alone may have been reused by the time a restarted hub looks.
+    pid: Mapped[int | None] = mapped_column(sa.Integer)
+    start_ticks: Mapped[int | None] = mapped_column(sa.BigInteger)
+    started_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+    healthy_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+    exited_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+    exit_code: Mapped[int | None] = mapped_column(sa.Integer)
+
+
+RUNS: sa.Table = RunRow.__table__  # type: ignore[assignment]
+RUN_PROCESSES: sa.Table = RunProcessRow.__table__  # type: ignore[assignment]

@@ -1,0 +1,62 @@
+"""/v1/runs: start, watch and stop training runs (app/runs, docs/runs.md)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+
+from app.api.deps import HubDep, RunsDep
+from app.api.responses import JSONResponse
+from app.runs import RunSpec, RunStatus
+
+router = APIRouter(prefix="/v1/runs", tags=["runs"])
+
+
+@router.post("", status_code=201)
+async def start_run(spec: RunSpec, request: Request, hub: HubDep, runs: RunsDep) -> JSONResponse:
+    """Record the run and start its processes in the background: trainer first, then
+    each environment once the one before is healthy."""
+    record = await runs.create(spec, hub.config.runs.hub_url or _hub_url(request))
+    return JSONResponse(
+        {"run_id": record.run_id, "status": record.status.value},
+        status_code=201,
+        headers={"Location": f"/v1/runs/{record.run_id}"},
+    )
+
+
+@router.get("")
+async def list_runs(
+    runs: RunsDep,
+    status: RunStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+) -> JSONResponse:
+    return JSONResponse({"runs": await runs.list(status, limit)})
+
+
+@router.get("/{run_id}")
+async def get_run(
+    run_id: str, runs: RunsDep, tail: Annotated[int, Query(ge=0, le=10_000)] = 0
+) -> JSONResponse:
+    """The run, its processes, and with `tail=N` the last N lines of each log."""
+    return JSONResponse(await runs.describe(run_id, tail))
+
+
+@router.delete("/{run_id}", status_code=202)
+async def stop_run(run_id: str, runs: RunsDep) -> JSONResponse:
+    """Stop the run: environments first, then the trainer (SIGTERM, stop_timeout,
+    SIGKILL). Answers at once with status `stopping`; GET shows when it is `stopped`."""
+    record = await runs.stop(run_id)
+    return JSONResponse(record.to_json(), status_code=202)
+
+
+def _hub_url(request: Request) -> str:
+    """The address the request came in on: an address of this machine on which the
+    hub answers, so the run's processes reach it there too."""
+    server = request.scope.get("server")
+    if not server:
+        return str(request.base_url).rstrip("/")
+    host, port = server[0], server[1]
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{request.url.scheme}://{host}:{port}"

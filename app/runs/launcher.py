@@ -1,0 +1,55 @@
+"""Runs one command of a training run and records how it ended.
+
+    python -I launcher.py EXIT_FILE -- COMMAND [ARGS...]
+
+A process's exit status reaches only its parent, and a restarted hub is not the
+parent of the runs it re-attaches to. So the hub starts every command under this
+launcher, which waits for it and writes its return code to EXIT_FILE (`-N`: killed by
+signal N); any later hub reads the file. Standard library only, run by path: it must
+not depend on how the hub was installed.
+
+The hub stops a process by signalling its whole process group (the launcher leads
+it). The launcher keeps running through SIGTERM and SIGINT so that it can record the
+code of a command that handles them; SIGKILL ends both, and leaves no file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or argv[1] != "--":
+        print("usage: launcher.py EXIT_FILE -- COMMAND [ARGS...]", file=sys.stderr)
+        return 2
+    exit_file, command = argv[0], argv[2:]
+    # A handler, not SIG_IGN: an ignored signal would stay ignored in the command too.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        proc = subprocess.Popen(command)
+    except OSError as exc:
+        # As a shell reports it: 127 not found, 126 found but not runnable.
+        print(f"cannot start {command[0]!r}: {exc.strerror}", file=sys.stderr, flush=True)
+        code = 127 if isinstance(exc, FileNotFoundError) else 126
+    else:
+        code = proc.wait()
+    _record(exit_file, code)
+    return code if code >= 0 else 128 - code
+
+
+def _record(path: str, code: int) -> None:
+    # Written whole, then renamed: a reader never sees half a number.
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        f.write(f"{code}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
