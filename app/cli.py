@@ -7,7 +7,6 @@ import argparse
 import asyncio
 import logging
 import os
-import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -18,13 +17,14 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from app import formats, importer, rescore, sources
+from app import formats, importer, keys, rescore, retention, sources
 from app.api.app import create_app
 from app.batches import retry_batch
 from app.config import load_compression, load_config, load_tinker
 from app.db import migrate
 from app.doctor import diagnose
 from app.domain import Stage
+from app.durations import parse_duration
 from app.environment import Environment
 from app.errors import ConfigError, HubError
 from app.export import DEFAULT_STAGES, ExportQuery, count, export_traces
@@ -86,6 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("paths", nargs="+", type=Path, help="files or folders of trajectories")
     imp.add_argument("--format", default="auto", help="an adapter name, or auto (default)")
     imp.add_argument("--url", help="POST to this running hub instead of the database")
+    imp.add_argument(
+        "--api-key-env",
+        default="ATROPOS_API_KEY",
+        help="with --url: the environment variable holding the hub's API key "
+        "(default ATROPOS_API_KEY; unset: none is sent)",
+    )
     imp.add_argument("--strict", action="store_true", help="an unreadable record fails the run")
     imp.set_defaults(run=_import)
 
@@ -125,6 +131,51 @@ def _parser() -> argparse.ArgumentParser:
     retry.add_argument("batch_id")
     retry.add_argument("--config", required=True, help="config.json")
     retry.set_defaults(run=_batches_retry)
+
+    prune = commands.add_parser(
+        "prune", help="delete old traces (never one still on its way to training)"
+    )
+    prune.add_argument("--config", required=True, help="config.json")
+    prune.add_argument(
+        "--older-than", required=True, type=_duration, help="e.g. 30d, 12h, 2w (created before)"
+    )
+    prune.add_argument(
+        "--max-reward", type=float, help="only traces whose reward is below this (reward < R)"
+    )
+    prune.add_argument(
+        "--stage",
+        action="append",
+        type=_prunable_stage,
+        default=[],
+        help="only traces in this stage (repeatable)",
+    )
+    prune.add_argument("--dry-run", action="store_true", help="count, delete nothing")
+    prune.add_argument("--batch-size", type=int, default=1000, help="traces per transaction")
+    prune.add_argument(
+        "--no-vacuum", action="store_true", help="SQLite: skip VACUUM (it locks writers out)"
+    )
+    prune.set_defaults(run=_prune)
+
+    key_cmd = commands.add_parser("keys", help="API keys (auth.enabled)")
+    key_commands = key_cmd.add_subparsers(dest="keys_command", required=True)
+    create = key_commands.add_parser("create", help="make a key; prints it once, last line")
+    create.add_argument("--config", required=True, help="config.json")
+    create.add_argument(
+        "--scope",
+        action="append",
+        required=True,
+        choices=[s.value for s in keys.Scope],
+        help="ingest, read or admin (admin includes both; repeatable)",
+    )
+    create.add_argument("--name", required=True, help="who or what the key is for")
+    create.set_defaults(run=_keys_create)
+    listing = key_commands.add_parser("list", help="every key, revoked ones too")
+    listing.add_argument("--config", required=True, help="config.json")
+    listing.set_defaults(run=_keys_list)
+    revoke = key_commands.add_parser("revoke", help="stops the key (within auth.key_cache_seconds)")
+    revoke.add_argument("--config", required=True, help="config.json")
+    revoke.add_argument("key_id", help="the id shown by `atropos keys list`")
+    revoke.set_defaults(run=_keys_revoke)
 
     run = commands.add_parser(
         "run",
@@ -297,7 +348,8 @@ async def _import(args: argparse.Namespace) -> int:
     progress = Progress("imported")
     batches = importer.chunks(importer.records(args.paths, args.format))
     if args.url:
-        async with httpx.AsyncClient(base_url=args.url, timeout=120) as client:
+        headers = keys.bearer_from_env(args.api_key_env)
+        async with httpx.AsyncClient(base_url=args.url, timeout=120, headers=headers) as client:
             for chunk in batches:
                 await importer.import_over_http(
                     client, config.trace_server.endpoint, chunk, summary
@@ -306,7 +358,7 @@ async def _import(args: argparse.Namespace) -> int:
     else:
         engine = await open_database(config)
         inserter = TraceInserter(engine)
-        ingestor = Ingestor(inserter, Environment.from_config(config.environment))
+        ingestor = Ingestor(inserter, Environment.from_config(config.environment), config.limits)
         inserter.start()
         try:
             for chunk in batches:
@@ -341,15 +393,12 @@ async def _rescore(args: argparse.Namespace) -> int:
     return 0
 
 
-_AGE = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
-_AGE_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
-
-
 def _datetime(value: str) -> datetime:
     """An ISO 8601 date or time (UTC unless it says otherwise), or an age: 30m, 12h, 7d."""
-    if age := _AGE.fullmatch(value.strip()):
-        amount, unit = age.groups()
-        return datetime.now(UTC) - timedelta(**{_AGE_UNITS[unit]: float(amount)})
+    try:
+        return datetime.now(UTC) - parse_duration(value)
+    except ValueError:
+        pass
     try:
         parsed = datetime.fromisoformat(value)
     except ValueError:
@@ -357,6 +406,98 @@ def _datetime(value: str) -> datetime:
             f"not an ISO 8601 date or time, nor an age like 7d: {value!r}"
         ) from None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _duration(value: str) -> timedelta:
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _prunable_stage(value: str) -> Stage:
+    try:
+        stage = Stage(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"unknown stage {value!r}; one of {', '.join(Stage)}"
+        ) from None
+    if stage is Stage.BATCHED:
+        raise argparse.ArgumentTypeError("batched traces wait for delivery; never pruned")
+    return stage
+
+
+async def _prune(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size: must be at least 1")
+    config = load_config(args.config)
+    criteria = retention.Criteria(args.older_than, args.max_reward, tuple(args.stage))
+    engine = await open_database(config)
+    try:
+        result = await retention.prune(
+            engine,
+            criteria,
+            batch_size=args.batch_size,
+            dry_run=args.dry_run,
+            vacuum=not args.no_vacuum,
+        )
+    finally:
+        await engine.dispose()
+    print(f"matching: {result.matched} traces {criteria.describe()}")
+    if args.dry_run:
+        print("dry run: nothing deleted")
+        return 0
+    print(f"deleted: {result.deleted} in {result.batches} batches")
+    if result.maintenance:
+        print(f"then: {', '.join(result.maintenance)}")
+    return 0
+
+
+async def _keys_create(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if not config.auth.enabled:
+        log.warning("auth.enabled is false in %s: keys are not checked until it is true",
+                    args.config)
+    engine = await open_database(config)
+    try:
+        key, secret = await keys.create_key(engine, args.name, {keys.Scope(s) for s in args.scope})
+    finally:
+        await engine.dispose()
+    print(f"created API key {key.describe()}, scopes: {', '.join(sorted(key.scopes))}")
+    print("it is shown only now; the hub keeps a hash of it:")
+    print(secret)
+    return 0
+
+
+async def _keys_list(args: argparse.Namespace) -> int:
+    engine = await open_database(load_config(args.config))
+    try:
+        found = await keys.list_keys(engine)
+    finally:
+        await engine.dispose()
+    print(f"{'KEY_ID':<14}{'NAME':<24}{'SCOPES':<20}{'CREATED':<22}STATUS")
+    for key in found:
+        status = f"revoked {_when(key.revoked_at)}" if key.revoked_at else "active"
+        scopes = ",".join(sorted(key.scopes))
+        print(f"{key.key_id:<14}{key.name[:23]:<24}{scopes:<20}{_when(key.created_at):<22}{status}")
+    return 0
+
+
+async def _keys_revoke(args: argparse.Namespace) -> int:
+    engine = await open_database(load_config(args.config))
+    try:
+        key = await keys.revoke_key(engine, args.key_id)
+    except HubError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        await engine.dispose()
+    print(f"revoked API key {key.describe()} at {_when(key.revoked_at)}")
+    return 0
+
+
+def _when(moment: datetime | None) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%SZ") if moment else "-"
 
 
 async def _db_upgrade(args: argparse.Namespace) -> int:

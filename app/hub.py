@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.access import Access
+from app.admission import Admission
 from app.compression import ModelSummarizer
 from app.config import CompressionFile, HubConfig, TinkerFile
 from app.db import migrate
@@ -20,6 +22,7 @@ from app.environment import Environment
 from app.ingest import Ingestor
 from app.inserter import TraceInserter
 from app.leases import Lease
+from app.retention import RetentionStage
 from app.runs import RunSupervisor
 from app.stages.compression import CompressionStage
 from app.stages.delivery import DeliveryStage
@@ -46,6 +49,7 @@ class Hub:
     inserter: TraceInserter
     ingestor: Ingestor
     stages: StageRunner
+    access: Access
     # Training runs (app/runs); None unless config.json's runs.enabled is true.
     runs: RunSupervisor | None = None
 
@@ -89,6 +93,8 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
                 on_advance=runner.wake,
             ),
         )
+        if config.retention is not None:
+            runner.add(RetentionStage(engine, config.retention))
         try:
             yield runner
         finally:
@@ -106,8 +112,14 @@ async def running_hub(
     engine = engine or await open_database(settings.config)
     try:
         async with running_stages(settings, engine) as stages:
-            inserter = TraceInserter(engine, on_commit=stages.wake)
-            hub = Hub(settings, engine, inserter, Ingestor(inserter, environment), stages)
+            config = settings.config
+            inserter = TraceInserter(
+                engine, max_queue=config.limits.max_queued_traces, on_commit=stages.wake
+            )
+            admission = Admission(config.limits, inserter.write_wait)
+            ingestor = Ingestor(inserter, environment, config.limits, admission=admission)
+            access = Access(config.auth, engine)
+            hub = Hub(settings, engine, inserter, ingestor, stages, access)
             inserter.start()
             if workers:
                 stages.start()

@@ -10,25 +10,40 @@ import asyncio
 import hashlib
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import orjson
 
 from app import formats
+from app.admission import Admission
+from app.config import LimitsConfig
 from app.db.types import utcnow
 from app.domain import Stage, Trace
 from app.environment import Environment
 from app.errors import HubError, Invalid
 from app.inserter import Stored, TraceInserter
+from app.limits import check_item, check_trace
 from app.tokens import count_parts
 
 MAX_TRACE_ID_LENGTH = 200
 
 
 class Ingestor:
-    def __init__(self, inserter: TraceInserter, environment: Environment) -> None:
+    def __init__(
+        self,
+        inserter: TraceInserter,
+        environment: Environment,
+        limits: LimitsConfig | None = None,
+        *,
+        admission: Admission | None = None,
+    ) -> None:
+        """`admission` bounds the work in flight (the HTTP API); without it (`atropos
+        import`), callers wait for each chunk and are their own back-pressure."""
         self._inserter = inserter
         self._environment = environment
+        self._limits = limits or LimitsConfig()
+        self._admission = admission
         # Parsing and tokenizing are CPU work. Two threads let tiktoken (which releases
         # the GIL) use the second core; more threads only contend for the GIL.
         self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ingest")
@@ -43,8 +58,9 @@ class Ingestor:
 
     async def ingest(self, item: Any, fmt: str | None = None) -> Stored:
         """Store one trace (any accepted format) and answer its stored result."""
-        row = await self._in_thread(item, fmt)
-        return await self._inserter.insert(row)
+        with self._admit(1):
+            row = await self._in_thread(item, fmt)
+            return await self._inserter.insert(row)
 
     async def ingest_many(
         self, items: list[Any], fmt: str | None = None
@@ -52,9 +68,13 @@ class Ingestor:
         """Per-item results, in order; a bad item does not stop the good ones. Rows are
         queued in request order, so the first of two items with one trace_id is the
         one stored."""
-        rows = await asyncio.gather(*(self._prepare_or_error(item, fmt) for item in items))
-        waiting = [row if isinstance(row, HubError) else self._submit(row) for row in rows]
-        return [w if isinstance(w, HubError) else await _result(w) for w in waiting]
+        with self._admit(len(items)):
+            rows = await asyncio.gather(*(self._prepare_or_error(item, fmt) for item in items))
+            waiting = [row if isinstance(row, HubError) else self._submit(row) for row in rows]
+            return [w if isinstance(w, HubError) else await _result(w) for w in waiting]
+
+    def _admit(self, traces: int) -> AbstractContextManager[None]:
+        return self._admission.admit(traces) if self._admission else nullcontext()
 
     async def _prepare_or_error(self, item: Any, fmt: str | None) -> dict[str, Any] | HubError:
         if isinstance(item, HubError):  # refused while reading the body (a bad NDJSON line)
@@ -72,8 +92,12 @@ class Ingestor:
 
     def prepare(self, item: Any, fmt: str | None = None) -> dict[str, Any]:
         """The row for one item: parse, count tokens, score and filter. Runs in a worker
-        thread (tiktoken releases the GIL), so the event loop keeps answering."""
+        thread (tiktoken releases the GIL), so the event loop keeps answering. The limits
+        are checked first, so that a trace over one costs no tokenizing."""
+        check_item(item, self._limits)
+        digest = content_hash(item)  # also: refuses what the `original` column cannot hold
         trace = formats.parse(item, fmt)
+        check_trace(trace, self._limits)
         trace_id = _trace_id(trace)
         evaluation = self._environment.evaluate(trace)
         now = utcnow()
@@ -94,7 +118,7 @@ class Ingestor:
             "model": trace.agent.model,
             "agent_name": trace.agent.name,
             "policy_version": trace.policy_version,
-            "content_hash": content_hash(item),
+            "content_hash": digest,
             "original": item,
             "trace": trace.model_copy(update={"trace_id": trace_id}).model_dump(
                 mode="json", exclude_none=True
@@ -111,8 +135,14 @@ async def _result(waiting: asyncio.Future[Stored]) -> Stored | HubError:
 
 
 def content_hash(item: Any) -> str:
-    """The same content hashes the same whatever the key order or whitespace."""
-    return hashlib.sha256(orjson.dumps(item, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    """The same content hashes the same whatever the key order or whitespace. Raises
+    Invalid for what cannot be stored as JSON: lone surrogates and integers past 64
+    bits, which JSON read by the standard library (`atropos import`) can hold."""
+    try:
+        encoded = orjson.dumps(item, option=orjson.OPT_SORT_KEYS)
+    except (orjson.JSONEncodeError, TypeError) as exc:
+        raise Invalid(f"the trace cannot be stored as JSON: {exc}") from None
+    return hashlib.sha256(encoded).hexdigest()
 
 
 def _trace_id(trace: Trace) -> str:

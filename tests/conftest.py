@@ -20,6 +20,7 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
 from tests.fakes.model_server import FakeModel, serve
@@ -87,6 +88,62 @@ def _pg_admin(sql: str) -> None:
             await conn.close()
 
     asyncio.run(run())
+
+
+def db_execute(trace_server: dict[str, Any], statement: str | sa.Executable,
+               **params: Any) -> list[dict[str, Any]]:
+    """Run one statement on the test database (either dialect) from a sync test, as a
+    user with sqlite3/psql would; returns the rows, if any."""
+    import asyncio
+
+    from app.config import TraceServerConfig
+    from app.db.engine import create_engine
+
+    if isinstance(statement, str):
+        statement = sa.text(statement)
+
+    async def run() -> list[dict[str, Any]]:
+        engine = create_engine(TraceServerConfig(**trace_server))
+        try:
+            async with engine.begin() as conn:
+                result = await conn.execute(statement, params)
+                return [dict(row._mapping) for row in result] if result.returns_rows else []
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
+
+
+def make_api_key(trace_server: dict[str, Any], *scopes: str, name: str = "test") -> str:
+    """An API key made directly in the database a hub uses (`atropos keys create` has
+    its own test); returns the key to send as `Authorization: Bearer <key>`."""
+    import asyncio
+
+    from app.config import TraceServerConfig
+    from app.db.engine import create_engine
+    from app.keys import Scope, create_key
+
+    async def make() -> str:
+        engine = create_engine(TraceServerConfig(**trace_server))
+        try:
+            return (await create_key(engine, name, {Scope(s) for s in scopes}))[1]
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(make())
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`atropos ARGS` in its own process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 # --- hub processes ---------------------------------------------------------------
@@ -186,19 +243,6 @@ class WorkerProcess(HubProcess):
 
     def _ready(self, line: str) -> bool:
         return "pipeline ready" in line
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None,
-            timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """One `atropos ...` command to its end (e.g. `worker --burst`, `export`)."""
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,13 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from app.api.responses import JSONResponse
-from app.errors import HubError, Unavailable
+from app.errors import HubError
 
 log = logging.getLogger("atropos.api")
 
 
 def error_response(exc: HubError) -> JSONResponse:
-    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Unavailable) else None
-    return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
+    return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.headers() or None)
 
 
 def install_error_handlers(app: FastAPI) -> None:

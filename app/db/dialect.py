@@ -102,3 +102,17 @@ def rule_firing_counts(dialect: Dialect) -> sa.TextClause:
             "WHERE (b.value->>'fired')::boolean GROUP BY name"
         )
     assert_never(dialect)
+
+
+def after_bulk_delete(dialect: Dialect, *, vacuum: bool) -> list[str]:
+    """Statements to run (outside a transaction) after deleting many traces.
+
+    SQLite: VACUUM gives the freed pages back to the file system (it rewrites the file
+    and holds the write lock meanwhile, hence optional); ANALYZE refreshes the planner's
+    statistics. PostgreSQL: autovacuum reclaims the space without locking the table
+    (VACUUM FULL would lock it), so only ANALYZE."""
+    if dialect == "sqlite":
+        return (["VACUUM"] if vacuum else []) + ["ANALYZE"]
+    if dialect == "postgresql":
+        return ["ANALYZE traces"]
+    assert_never(dialect)

@@ -160,3 +160,35 @@ class RunProcessRow(Base):
 
 RUNS: sa.Table = RunRow.__table__  # type: ignore[assignment]
 RUN_PROCESSES: sa.Table = RunProcessRow.__table__  # type: ignore[assignment]
+
+
+class ApiKeyRow(Base):
+    """An API key (app/keys.py). Only the sha256 of its secret is kept: the key itself
+    is shown once, by `atropos keys create`."""
+
+    __tablename__ = "api_keys"
+
+    key_id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(200))
+    scopes: Mapped[list[str]] = mapped_column(JSON_)
+    secret_hash: Mapped[str] = mapped_column(sa.String(64))
+    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+
+
+API_KEYS: sa.Table = ApiKeyRow.__table__  # type: ignore[assignment]
+
+
+class ScheduledTaskRow(Base):
+    """When a periodic task (retention) last ran, so that several hub processes run it
+    once per period between them, and a restart does not run it again early."""
+
+    __tablename__ = "scheduled_tasks"
+
+    name: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    last_started_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    last_finished_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+    last_result: Mapped[dict[str, Any] | None] = mapped_column(JSON_)
+
+
+SCHEDULED_TASKS: sa.Table = ScheduledTaskRow.__table__  # type: ignore[assignment]
