@@ -1,8 +1,9 @@
 """The background stages (compression, distribution, delivery) and the loops that
 run them: claim -> work -> advance, until there is nothing left, then sleep until
 woken or until flush_interval_seconds has passed (the longest a missed wake-up can
-delay a trace). Each stage has a loop of its own, so a long delivery (a training job
-polls for minutes) never holds up compression or batching.
+delay a trace). The stages take turns in one loop, except those added `apart`
+(delivery: a training job polls for minutes), which get a loop of their own so that
+they never hold up compression or batching.
 
 Every stage keeps its state in the database, so any process may die at any moment
 and the next one picks the work up.
@@ -28,12 +29,16 @@ class PipelineStage(Protocol):
 class StageRunner:
     def __init__(self, flush_interval: float) -> None:
         self.stages: list[PipelineStage] = []
+        self._apart: list[PipelineStage] = []
         self._flush_interval = flush_interval
         self._wakes: list[asyncio.Event] = []
         self._tasks: list[asyncio.Task[None]] = []
 
-    def add(self, *stages: PipelineStage) -> None:
+    def add(self, *stages: PipelineStage, apart: bool = False) -> None:
+        """Stages in pipeline order; `apart`: in a loop of its own when started."""
         self.stages.extend(stages)
+        if apart:
+            self._apart.extend(stages)
 
     def wake(self) -> None:
         """Called after each ingest commit and stage move: the next stage starts now."""
@@ -42,22 +47,17 @@ class StageRunner:
 
     async def drain(self) -> int:
         """Run every stage until none has work left (`--burst`). Returns items advanced."""
-        total = 0
-        while True:
-            advanced = 0
-            for stage in self.stages:
-                advanced += await self._run_stage(stage)
-            total += advanced
-            if advanced == 0:
-                return total
+        return await self._drain(self.stages)
 
     def start(self) -> None:
-        for stage in self.stages:
+        together = [stage for stage in self.stages if stage not in self._apart]
+        for group in [together, *([stage] for stage in self._apart)]:
+            if not group:
+                continue
             event = asyncio.Event()
             self._wakes.append(event)
-            self._tasks.append(
-                asyncio.create_task(self._loop(stage, event), name=f"stage-{stage.name}")
-            )
+            name = "stages-" + "-".join(stage.name for stage in group)
+            self._tasks.append(asyncio.create_task(self._loop(group, event), name=name))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -66,11 +66,20 @@ class StageRunner:
         self._tasks.clear()
         self._wakes.clear()
 
-    async def _loop(self, stage: PipelineStage, wake: asyncio.Event) -> None:
+    async def _drain(self, stages: list[PipelineStage]) -> int:
+        total = 0
+        while True:
+            advanced = 0
+            for stage in stages:
+                advanced += await self._run_stage(stage)
+            total += advanced
+            if advanced == 0:
+                return total
+
+    async def _loop(self, stages: list[PipelineStage], wake: asyncio.Event) -> None:
         while True:
             wake.clear()
-            while await self._run_stage(stage):
-                pass
+            await self._drain(stages)
             try:
                 await asyncio.wait_for(wake.wait(), self._flush_interval)
             except TimeoutError:
