@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -16,19 +17,25 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from app import importer, keys, rescore, retention, sources
+from app import formats, importer, keys, rescore, retention, sources
 from app.api.app import create_app
+from app.batches import retry_batch
 from app.config import load_compression, load_config, load_tinker
 from app.db import migrate
+from app.doctor import diagnose
 from app.domain import Stage
 from app.durations import parse_duration
 from app.environment import Environment
 from app.errors import ConfigError, HubError
+from app.export import DEFAULT_STAGES, ExportQuery, count, export_traces
 from app.hub import Settings, open_database, running_stages
 from app.ingest import Ingestor
 from app.inserter import TraceInserter
+from app.llm import LLMError
 from app.progress import Progress
 from app.runs import client as run_client
+from app.training import TrainingFailed
+from app.training.dataset import train_dataset
 
 log = logging.getLogger("atropos")
 
@@ -90,8 +97,40 @@ def _parser() -> argparse.ArgumentParser:
 
     rescore = commands.add_parser("rescore", help="score stored traces with the current rules")
     rescore.add_argument("--config", required=True, help="config.json")
-    rescore.add_argument("--since", type=_datetime, help="only traces created since (ISO 8601)")
+    rescore.add_argument("--since", type=_datetime,
+                         help="only traces created since: an ISO date/time or an age (7d, 12h)")
     rescore.set_defaults(run=_rescore)
+
+    train = commands.add_parser("train", help="one training job from a dataset file")
+    train.add_argument("--config", required=True, help="tinker.json")
+    train.add_argument("--dataset", required=True, type=Path, help="a JSONL training file")
+    train.add_argument("--output", required=True, type=Path,
+                       help="where the job record, the log and the hyperparameters go")
+    train.set_defaults(run=_train)
+
+    export = commands.add_parser("export", help="stored traces to a JSONL training file")
+    export.add_argument("--config", required=True, help="config.json")
+    export.add_argument("--format", required=True, choices=sorted(formats.EXPORTS))
+    export.add_argument("--compressed", action="store_true",
+                        help="the compressed view of each trace that has one")
+    export.add_argument("--min-reward", type=float, help="only traces with reward >= R")
+    export.add_argument("--since", type=_datetime,
+                        help="only traces created since: an ISO date/time or an age (7d, 12h)")
+    export.add_argument("--stage", action="append", choices=[s.value for s in Stage],
+                        help="only traces at this stage (repeatable; default: all but rejected)")
+    export.add_argument("-o", "--output", required=True, help="the file to write ('-': stdout)")
+    export.set_defaults(run=_export)
+
+    doctor = commands.add_parser("doctor", help="check the model endpoint set-up")
+    doctor.add_argument("--tinker", required=True, help="tinker.json")
+    doctor.set_defaults(run=_doctor)
+
+    batches = commands.add_parser("batches", help="training batches")
+    batch_commands = batches.add_subparsers(dest="batches_command", required=True)
+    retry = batch_commands.add_parser("retry", help="re-queue a failed batch")
+    retry.add_argument("batch_id")
+    retry.add_argument("--config", required=True, help="config.json")
+    retry.set_defaults(run=_batches_retry)
 
     prune = commands.add_parser(
         "prune", help="delete old traces (never one still on its way to training)"
@@ -247,6 +286,59 @@ async def _worker(args: argparse.Namespace) -> int:
         await engine.dispose()
 
 
+async def _train(args: argparse.Namespace) -> int:
+    tinker = load_tinker(args.config).tinker
+    try:
+        record = await train_dataset(tinker, args.dataset, args.output)
+    except (LLMError, TrainingFailed) as exc:
+        print(f"error: training failed: {exc} (details in {args.output})", file=sys.stderr)
+        return 1
+    job = record["receipt"]["job"]
+    print(f"job {job['id']} {job['state']}: fine-tuned model {job['model']} "
+          f"(record in {args.output / 'job.json'})")
+    return 0
+
+
+async def _export(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    query = ExportQuery(args.format, args.compressed, args.min_reward, args.since,
+                        tuple(args.stage) if args.stage else DEFAULT_STAGES)
+    engine = await open_database(config)
+    try:
+        progress = Progress("exported", await count(engine, query))
+        if args.output == "-":
+            written = await export_traces(engine, query, sys.stdout.buffer, progress)
+        else:
+            # Written beside the target and renamed: a reader never sees half an export.
+            out = Path(args.output)
+            tmp = out.with_name(f".{out.name}.tmp")
+            with open(tmp, "wb") as f:
+                written = await export_traces(engine, query, f, progress)
+            os.replace(tmp, out)
+        progress.close()
+    finally:
+        await engine.dispose()
+    log.info("exported %d traces as %s to %s", written, args.format, args.output)
+    return 0
+
+
+async def _doctor(args: argparse.Namespace) -> int:
+    return await diagnose(load_tinker(args.tinker).tinker, sys.stdout)
+
+
+async def _batches_retry(args: argparse.Namespace) -> int:
+    engine = await open_database(load_config(args.config))
+    try:
+        batch = await retry_batch(engine, args.batch_id)
+    except HubError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        await engine.dispose()
+    print(f"batch {batch['batch_id']} is pending again (last error: {batch['last_error']})")
+    return 0
+
+
 async def _import(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.format != "auto" and args.format not in sources.formats():
@@ -302,10 +394,17 @@ async def _rescore(args: argparse.Namespace) -> int:
 
 
 def _datetime(value: str) -> datetime:
+    """An ISO 8601 date or time (UTC unless it says otherwise), or an age: 30m, 12h, 7d."""
+    try:
+        return datetime.now(UTC) - parse_duration(value)
+    except ValueError:
+        pass
     try:
         parsed = datetime.fromisoformat(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an ISO 8601 date or time: {value!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"not an ISO 8601 date or time, nor an age like 7d: {value!r}"
+        ) from None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -33,6 +34,9 @@ from app.durations import format_duration, parse_duration
 from app.errors import ConfigError
 
 ENV_PREFIX = "ATROPOS_"
+
+# A path whose leading ~ is expanded once, when the file is loaded.
+HomePath = Annotated[str, AfterValidator(lambda value: str(Path(value).expanduser()))]
 
 
 class _Section(BaseModel):
@@ -54,7 +58,7 @@ class TraceServerConfig(_Section):
     port: int = Field(8000, ge=0, le=65535)
     endpoint: str = "/v1/traces"
     storage_backend: Literal["sqlite", "postgresql"] = "sqlite"
-    db_path: str = "~/.atropos/traces.db"
+    db_path: HomePath = "~/.atropos/traces.db"
     # postgresql://user:pass@host:port/db; used when storage_backend is postgresql.
     database_url: str | None = None
     max_trace_tokens: int = Field(50000, gt=0)
@@ -67,10 +71,6 @@ class TraceServerConfig(_Section):
             raise ValueError("must start with '/', e.g. /v1/traces")
         return value.rstrip("/") or "/"
 
-    @field_validator("db_path")
-    @classmethod
-    def _expand_home(cls, value: str) -> str:
-        return str(Path(value).expanduser())
 
 
 class EnvironmentConfig(_Section):
@@ -93,6 +93,27 @@ class DistributorConfig(_Section):
     target: Literal["tinker", "jsonl", "http"] = "tinker"
     batch_size: int = Field(32, gt=0)
     min_reward_threshold: float = 5
+    # The record each trace becomes in a batch (jsonl and http targets; the tinker
+    # target always sends OpenAI chat records, which is what fine-tuning APIs take).
+    format: Literal["openai", "sharegpt", "hermes", "atif"] = "openai"
+    # Send a trace's compressed view where it has one (SFT); false: always the whole trace.
+    use_compressed: bool = True
+    # jsonl target: one training file per batch, plus manifest.jsonl.
+    output_dir: HomePath = "~/.atropos/batches"
+    # http target: where batches are POSTed.
+    url: str | None = None
+    http_timeout_seconds: float = Field(60, gt=0)
+    # Failed deliveries are retried after min(base * 2^(attempt-1), max) seconds, then
+    # the batch is `failed` after max_attempts attempts (`atropos batches retry ID`).
+    max_attempts: int = Field(6, gt=0)
+    retry_base_seconds: float = Field(5, ge=0, le=5)
+    retry_max_seconds: float = Field(60, ge=0, le=60)
+
+    @model_validator(mode="after")
+    def _url_for_http(self) -> DistributorConfig:
+        if self.target == "http" and not self.url:
+            raise ValueError("url is required when target is http (e.g. https://trainer/batches)")
+        return self
 
 
 class LimitsConfig(_Section):
@@ -266,6 +287,14 @@ class TinkerConfig(_Section):
     max_retries: int = Field(3, ge=0)
     retry_base_delay_seconds: float = Field(1.0, ge=0)
     retry_max_delay_seconds: float = Field(30.0, ge=0)
+    # Training (the tinker target and `atropos train`): `openai` is an OpenAI-compatible
+    # fine-tuning API at base_url; `tinker` is Thinking Machines' SDK (pip extra).
+    backend: Literal["openai", "tinker"] = "openai"
+    logs_dir: HomePath = "~/.atropos/logs"
+    poll_interval_seconds: float = Field(10, gt=0)
+    job_timeout_seconds: float = Field(86400, gt=0)
+    # The tinker backend: a Hugging Face tokenizer for traces that carry no token ids.
+    tokenizer: str | None = None
 
     def api_key(self) -> str | None:
         value = os.environ.get(self.api_key_env)

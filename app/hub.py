@@ -25,6 +25,9 @@ from app.leases import Lease
 from app.retention import RetentionStage
 from app.runs import RunSupervisor
 from app.stages.compression import CompressionStage
+from app.stages.delivery import DeliveryStage
+from app.stages.distribution import DistributionStage
+from app.targets import build_target
 from app.worker import StageRunner
 
 log = logging.getLogger("atropos")
@@ -80,7 +83,18 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
                 lease=lease,
                 summarizer=ModelSummarizer(http, settings.tinker.tinker),
                 on_advance=runner.wake,
-            )
+            ),
+            DistributionStage(engine, config.distributor, on_advance=runner.wake),
+        )
+        runner.add(
+            DeliveryStage(
+                engine,
+                build_target(config.distributor, settings.tinker.tinker, http),
+                config.distributor,
+                lease=lease,
+                on_advance=runner.wake,
+            ),
+            apart=True,  # a training job takes minutes: the other stages go on meanwhile
         )
         if config.retention is not None:
             runner.add(RetentionStage(engine, config.retention))

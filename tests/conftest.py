@@ -23,6 +23,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
+from tests.fakes.model_server import FakeModel, serve
+
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT.parent / "shared" / "fixtures" / "real"
 PG_ADMIN_URL = os.environ.get("ATROPOS_TEST_DATABASE_URL")
@@ -160,6 +162,8 @@ def write_config(directory: Path, trace_server: dict[str, Any], **sections: Any)
 class HubProcess:
     """`atropos serve` as a user runs it, in its own process."""
 
+    command = "serve"
+
     def __init__(self, config: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.config = config
         self.args = args
@@ -171,7 +175,8 @@ class HubProcess:
     def start(self, timeout: float = 30) -> HubProcess:
         self.lines = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--config", str(self.config), *self.args],
+            [sys.executable, "-m", "app.cli", self.command, "--config", str(self.config),
+             *self.args],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT), **self.env},
             stderr=subprocess.PIPE,
@@ -191,10 +196,15 @@ class HubProcess:
         with proc.stderr:
             for line in proc.stderr:
                 self.lines.append(line)
-                if match := LISTENING.search(line):
-                    self.url = f"http://{match[1]}:{match[2]}"
+                if self._ready(line):
                     ready.set()
         ready.set()
+
+    def _ready(self, line: str) -> bool:
+        if match := LISTENING.search(line):
+            self.url = f"http://{match[1]}:{match[2]}"
+            return True
+        return False
 
     @property
     def log(self) -> str:
@@ -224,6 +234,30 @@ class HubProcess:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{text!r} not in the log:\n{self.log}")
             time.sleep(0.05)
+
+
+class WorkerProcess(HubProcess):
+    """`atropos worker`: the background stages alone, ready once they say so."""
+
+    command = "worker"
+
+    def _ready(self, line: str) -> bool:
+        return "pipeline ready" in line
+
+
+@pytest.fixture(scope="module")
+def model_server() -> Iterator[tuple[FakeModel, str]]:
+    """A fake OpenAI-compatible endpoint (key `FakeModel.key`) for a test module, and its
+    root URL; `fake_model` resets it for each test."""
+    fake = FakeModel()
+    with serve(fake) as root:
+        yield fake, root
+
+
+@pytest.fixture
+def fake_model(model_server: tuple[FakeModel, str]) -> FakeModel:
+    model_server[0].reset()
+    return model_server[0]
 
 
 @pytest.fixture

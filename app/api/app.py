@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.middleware.cors import CORSMiddleware
 
-from app.api import ops, runs, traces
+from app.api import batches, ops, runs, traces
 from app.api.errors import install_error_handlers
 from app.api.openapi import install_openapi
 from app.environment import Environment
@@ -45,6 +45,7 @@ def create_app(
     )
     install_error_handlers(app)
     app.include_router(traces.router(config.trace_server.endpoint))
+    app.include_router(batches.router)
     app.include_router(ops.router)
     app.include_router(runs.router)
     install_openapi(app, config.auth)  # after every router: it refuses an unguarded /v1 route

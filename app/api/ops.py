@@ -55,5 +55,9 @@ async def metrics(conn: ConnDep) -> PlainTextResponse:
         "# HELP atropos_trace_tokens_total Tokens of stored traces (cl100k_base).",
         "# TYPE atropos_trace_tokens_total gauge",
         f"atropos_trace_tokens_total {figures['total_tokens']}",
+        "# HELP atropos_batches Training batches, by delivery state.",
+        "# TYPE atropos_batches gauge",
+        *(f'atropos_batches{{state="{k}"}} {v}'
+          for k, v in sorted(figures["batches"].items()) if k != "total"),
     ]
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")

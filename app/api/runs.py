@@ -17,7 +17,7 @@ from app.runs import RunSpec, RunStatus
 router = APIRouter(prefix="/v1/runs", tags=["runs"], dependencies=[requires(Scope.ADMIN)])
 
 
-@router.post("", status_code=201, responses=errors(403, 422))
+@router.post("", status_code=201, responses=errors(400, 403, 422))
 async def start_run(spec: RunSpec, request: Request, hub: HubDep, runs: RunsDep) -> JSONResponse:
     """Record the run and start its processes in the background: trainer first, then
     each environment once the one before is healthy."""

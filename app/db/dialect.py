@@ -55,6 +55,20 @@ def skip_locked(select: sa.Select[Any], dialect: Dialect) -> sa.Select[Any]:
     assert_never(dialect)
 
 
+def picked_once(select: sa.Select[Any], dialect: Dialect) -> sa.CTE:
+    """The rows a claim picks, as a CTE that the database evaluates exactly once.
+
+    PostgreSQL may re-run `IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)` while it
+    updates, and each re-run skips the rows the previous one locked, so a claim of n
+    rows could take more; a MATERIALIZED CTE runs once. SQLite runs it once anyway."""
+    picked = skip_locked(select, dialect).cte("picked")
+    if dialect == "postgresql":
+        return picked.prefix_with("MATERIALIZED")
+    if dialect == "sqlite":
+        return picked
+    assert_never(dialect)
+
+
 def reject_reason_counts(dialect: Dialect) -> sa.TextClause:
     """(filter, traces) over traces.reject_reasons, a JSON array of {"filter", ...}."""
     if dialect == "sqlite":
