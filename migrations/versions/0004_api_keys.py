@@ -1,7 +1,7 @@
 """api keys; scheduled tasks (retention)
 
 Revision ID: 0004
-Revises: 0001
+Revises: 0003
 Create Date: 2026-12-01
 """
 
@@ -13,7 +13,7 @@ from alembic import op
 from migrations.types import JSON_, TIMESTAMP
 
 revision = "0004"
-down_revision = "0001"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 
