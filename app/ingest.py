@@ -44,9 +44,10 @@ class Ingestor:
         self._environment = environment
         self._limits = limits or LimitsConfig()
         self._admission = admission
-        # Parsing and tokenizing are CPU work. Two threads let tiktoken (which releases
-        # the GIL) use the second core; more threads only contend for the GIL.
-        self._cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ingest")
+        # Parsing and tokenizing are CPU work, kept off the event loop. One thread:
+        # tiktoken releases the GIL, so it overlaps with the loop, but a second thread
+        # only contends for the GIL (bench/ingest.py: ~550/s with one, ~410/s with two).
+        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest")
 
     def close(self) -> None:
         self._cpu.shutdown(wait=True)
