@@ -44,18 +44,22 @@ class Ingestor:
         self._environment = environment
         self._limits = limits or LimitsConfig()
         self._admission = admission
-        # Parsing and tokenizing are CPU work, kept off the event loop. One thread:
-        # tiktoken releases the GIL, so it overlaps with the loop, but a second thread
-        # only contends for the GIL (bench/ingest.py: ~550/s with one, ~410/s with two).
+        # CPU work is kept off the event loop. Parsing and scoring hold the GIL: one
+        # thread, since a second only contends with the loop for it. Tokenizing
+        # releases the GIL, so it gets threads of its own and uses the second core
+        # (bench/ingest.py: one thread for everything ~550/s, two ~410/s).
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest")
+        self._tokenizer = ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokens")
 
     def close(self) -> None:
         self._cpu.shutdown(wait=True)
+        self._tokenizer.shutdown(wait=True)
 
     async def _in_thread(self, item: Any, fmt: str | None) -> dict[str, Any]:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._cpu, self.prepare, item, fmt
-        )
+        loop = asyncio.get_running_loop()
+        row, parts = await loop.run_in_executor(self._cpu, self._row, item, fmt)
+        row["total_tokens"] = await loop.run_in_executor(self._tokenizer, count_parts, parts)
+        return row
 
     async def ingest(self, item: Any, fmt: str | None = None) -> Stored:
         """Store one trace (any accepted format) and answer its stored result."""
@@ -92,9 +96,13 @@ class Ingestor:
             return exc
 
     def prepare(self, item: Any, fmt: str | None = None) -> dict[str, Any]:
-        """The row for one item: parse, count tokens, score and filter. Runs in a worker
-        thread (tiktoken releases the GIL), so the event loop keeps answering. The limits
-        are checked first, so that a trace over one costs no tokenizing."""
+        """The row for one item: parse, count tokens, score and filter."""
+        row, parts = self._row(item, fmt)
+        return row | {"total_tokens": count_parts(parts)}
+
+    def _row(self, item: Any, fmt: str | None) -> tuple[dict[str, Any], list[str]]:
+        """The row without its token count, and the text parts to count. The limits are
+        checked first, so that a trace over one costs no parsing or tokenizing."""
         check_item(item, self._limits)
         digest = content_hash(item)  # also: refuses what the `original` column cannot hold
         trace = formats.parse(item, fmt)
@@ -102,13 +110,12 @@ class Ingestor:
         trace_id = _trace_id(trace)
         evaluation = self._environment.evaluate(trace)
         now = utcnow()
-        return {
+        row = {
             "trace_id": trace_id,
             "created_at": now,
             "updated_at": now,
             "status": trace.outcome.status.value,
             "stage": (Stage.REJECTED if evaluation.reject_reasons else Stage.ACCEPTED).value,
-            "total_tokens": count_parts(trace.text_parts()),
             "compressed_tokens": None,
             "reward": evaluation.reward,
             "reward_breakdown": evaluation.breakdown,
@@ -126,6 +133,7 @@ class Ingestor:
             ),
             "attempts": 0,
         }
+        return row, trace.text_parts()
 
 
 async def _result(waiting: asyncio.Future[Stored]) -> Stored | HubError:

@@ -151,6 +151,8 @@ def trace_server(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
 def main() -> None:
     parser = load_arguments(__doc__)
     parser.add_argument("--hubs", type=int, default=1, help="hub processes sharing the load")
+    parser.add_argument("--no-rules", action="store_true",
+                        help="no reward rules or filters: the cost of scoring, by difference")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -159,7 +161,10 @@ def main() -> None:
         hubs = []
         for n in range(args.hubs):
             (workdir / str(n)).mkdir()
-            hubs.append(start_hub({"trace_server": server}, workdir / str(n)))
+            config: dict[str, object] = {"trace_server": server}
+            if args.no_rules:
+                config["environment"] = {"reward_rules": {}, "invalid_trace_filters": []}
+            hubs.append(start_hub(config, workdir / str(n)))
         try:
             per_hub = args.clients // len(hubs)
 
