@@ -6,27 +6,36 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
 import uvicorn
 
-from app import importer, rescore, sources
+from app import formats, importer, keys, rescore, retention, sources
 from app.api.app import create_app
+from app.batches import retry_batch
 from app.config import load_compression, load_config, load_tinker
 from app.db import migrate
+from app.doctor import diagnose
+from app.domain import Stage
+from app.durations import parse_duration
 from app.environment import Environment
-from app.errors import ConfigError
+from app.errors import ConfigError, HubError
+from app.export import DEFAULT_STAGES, ExportQuery, count, export_traces
 from app.hub import Settings, open_database, running_stages
 from app.ingest import Ingestor
 from app.inserter import TraceInserter
+from app.llm import LLMError
 from app.progress import Progress
 from app.runs import client as run_client
+from app.training import TrainingFailed
+from app.training.dataset import train_dataset
 
 log = logging.getLogger("atropos")
 
@@ -77,13 +86,96 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("paths", nargs="+", type=Path, help="files or folders of trajectories")
     imp.add_argument("--format", default="auto", help="an adapter name, or auto (default)")
     imp.add_argument("--url", help="POST to this running hub instead of the database")
+    imp.add_argument(
+        "--api-key-env",
+        default="ATROPOS_API_KEY",
+        help="with --url: the environment variable holding the hub's API key "
+        "(default ATROPOS_API_KEY; unset: none is sent)",
+    )
     imp.add_argument("--strict", action="store_true", help="an unreadable record fails the run")
     imp.set_defaults(run=_import)
 
     rescore = commands.add_parser("rescore", help="score stored traces with the current rules")
     rescore.add_argument("--config", required=True, help="config.json")
-    rescore.add_argument("--since", type=_datetime, help="only traces created since (ISO 8601)")
+    rescore.add_argument("--since", type=_datetime,
+                         help="only traces created since: an ISO date/time or an age (7d, 12h)")
     rescore.set_defaults(run=_rescore)
+
+    train = commands.add_parser("train", help="one training job from a dataset file")
+    train.add_argument("--config", required=True, help="tinker.json")
+    train.add_argument("--dataset", required=True, type=Path, help="a JSONL training file")
+    train.add_argument("--output", required=True, type=Path,
+                       help="where the job record, the log and the hyperparameters go")
+    train.set_defaults(run=_train)
+
+    export = commands.add_parser("export", help="stored traces to a JSONL training file")
+    export.add_argument("--config", required=True, help="config.json")
+    export.add_argument("--format", required=True, choices=sorted(formats.EXPORTS))
+    export.add_argument("--compressed", action="store_true",
+                        help="the compressed view of each trace that has one")
+    export.add_argument("--min-reward", type=float, help="only traces with reward >= R")
+    export.add_argument("--since", type=_datetime,
+                        help="only traces created since: an ISO date/time or an age (7d, 12h)")
+    export.add_argument("--stage", action="append", choices=[s.value for s in Stage],
+                        help="only traces at this stage (repeatable; default: all but rejected)")
+    export.add_argument("-o", "--output", required=True, help="the file to write ('-': stdout)")
+    export.set_defaults(run=_export)
+
+    doctor = commands.add_parser("doctor", help="check the model endpoint set-up")
+    doctor.add_argument("--tinker", required=True, help="tinker.json")
+    doctor.set_defaults(run=_doctor)
+
+    batches = commands.add_parser("batches", help="training batches")
+    batch_commands = batches.add_subparsers(dest="batches_command", required=True)
+    retry = batch_commands.add_parser("retry", help="re-queue a failed batch")
+    retry.add_argument("batch_id")
+    retry.add_argument("--config", required=True, help="config.json")
+    retry.set_defaults(run=_batches_retry)
+
+    prune = commands.add_parser(
+        "prune", help="delete old traces (never one still on its way to training)"
+    )
+    prune.add_argument("--config", required=True, help="config.json")
+    prune.add_argument(
+        "--older-than", required=True, type=_duration, help="e.g. 30d, 12h, 2w (created before)"
+    )
+    prune.add_argument(
+        "--max-reward", type=float, help="only traces whose reward is below this (reward < R)"
+    )
+    prune.add_argument(
+        "--stage",
+        action="append",
+        type=_prunable_stage,
+        default=[],
+        help="only traces in this stage (repeatable)",
+    )
+    prune.add_argument("--dry-run", action="store_true", help="count, delete nothing")
+    prune.add_argument("--batch-size", type=int, default=1000, help="traces per transaction")
+    prune.add_argument(
+        "--no-vacuum", action="store_true", help="SQLite: skip VACUUM (it locks writers out)"
+    )
+    prune.set_defaults(run=_prune)
+
+    key_cmd = commands.add_parser("keys", help="API keys (auth.enabled)")
+    key_commands = key_cmd.add_subparsers(dest="keys_command", required=True)
+    create = key_commands.add_parser("create", help="make a key; prints it once, last line")
+    create.add_argument("--config", required=True, help="config.json")
+    create.add_argument(
+        "--scope",
+        action="append",
+        required=True,
+        choices=[s.value for s in keys.Scope],
+        help="ingest, read or admin (admin includes both; repeatable)",
+    )
+    create.add_argument("--name", required=True, help="who or what the key is for")
+    create.set_defaults(run=_keys_create)
+    listing = key_commands.add_parser("list", help="every key, revoked ones too")
+    listing.add_argument("--config", required=True, help="config.json")
+    listing.set_defaults(run=_keys_list)
+    revoke = key_commands.add_parser("revoke", help="stops the key (within auth.key_cache_seconds)")
+    revoke.add_argument("--config", required=True, help="config.json")
+    revoke.add_argument("key_id", help="the id shown by `atropos keys list`")
+    revoke.set_defaults(run=_keys_revoke)
 
     run = commands.add_parser(
         "run",
@@ -194,6 +286,59 @@ async def _worker(args: argparse.Namespace) -> int:
         await engine.dispose()
 
 
+async def _train(args: argparse.Namespace) -> int:
+    tinker = load_tinker(args.config).tinker
+    try:
+        record = await train_dataset(tinker, args.dataset, args.output)
+    except (LLMError, TrainingFailed) as exc:
+        print(f"error: training failed: {exc} (details in {args.output})", file=sys.stderr)
+        return 1
+    job = record["receipt"]["job"]
+    print(f"job {job['id']} {job['state']}: fine-tuned model {job['model']} "
+          f"(record in {args.output / 'job.json'})")
+    return 0
+
+
+async def _export(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    query = ExportQuery(args.format, args.compressed, args.min_reward, args.since,
+                        tuple(args.stage) if args.stage else DEFAULT_STAGES)
+    engine = await open_database(config)
+    try:
+        progress = Progress("exported", await count(engine, query))
+        if args.output == "-":
+            written = await export_traces(engine, query, sys.stdout.buffer, progress)
+        else:
+            # Written beside the target and renamed: a reader never sees half an export.
+            out = Path(args.output)
+            tmp = out.with_name(f".{out.name}.tmp")
+            with open(tmp, "wb") as f:
+                written = await export_traces(engine, query, f, progress)
+            os.replace(tmp, out)
+        progress.close()
+    finally:
+        await engine.dispose()
+    log.info("exported %d traces as %s to %s", written, args.format, args.output)
+    return 0
+
+
+async def _doctor(args: argparse.Namespace) -> int:
+    return await diagnose(load_tinker(args.tinker).tinker, sys.stdout)
+
+
+async def _batches_retry(args: argparse.Namespace) -> int:
+    engine = await open_database(load_config(args.config))
+    try:
+        batch = await retry_batch(engine, args.batch_id)
+    except HubError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        await engine.dispose()
+    print(f"batch {batch['batch_id']} is pending again (last error: {batch['last_error']})")
+    return 0
+
+
 async def _import(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.format != "auto" and args.format not in sources.formats():
@@ -203,7 +348,8 @@ async def _import(args: argparse.Namespace) -> int:
     progress = Progress("imported")
     batches = importer.chunks(importer.records(args.paths, args.format))
     if args.url:
-        async with httpx.AsyncClient(base_url=args.url, timeout=120) as client:
+        headers = keys.bearer_from_env(args.api_key_env)
+        async with httpx.AsyncClient(base_url=args.url, timeout=120, headers=headers) as client:
             for chunk in batches:
                 await importer.import_over_http(
                     client, config.trace_server.endpoint, chunk, summary
@@ -212,7 +358,7 @@ async def _import(args: argparse.Namespace) -> int:
     else:
         engine = await open_database(config)
         inserter = TraceInserter(engine)
-        ingestor = Ingestor(inserter, Environment.from_config(config.environment))
+        ingestor = Ingestor(inserter, Environment.from_config(config.environment), config.limits)
         inserter.start()
         try:
             for chunk in batches:
@@ -248,11 +394,110 @@ async def _rescore(args: argparse.Namespace) -> int:
 
 
 def _datetime(value: str) -> datetime:
+    """An ISO 8601 date or time (UTC unless it says otherwise), or an age: 30m, 12h, 7d."""
+    try:
+        return datetime.now(UTC) - parse_duration(value)
+    except ValueError:
+        pass
     try:
         parsed = datetime.fromisoformat(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an ISO 8601 date or time: {value!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"not an ISO 8601 date or time, nor an age like 7d: {value!r}"
+        ) from None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _duration(value: str) -> timedelta:
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _prunable_stage(value: str) -> Stage:
+    try:
+        stage = Stage(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"unknown stage {value!r}; one of {', '.join(Stage)}"
+        ) from None
+    if stage is Stage.BATCHED:
+        raise argparse.ArgumentTypeError("batched traces wait for delivery; never pruned")
+    return stage
+
+
+async def _prune(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size: must be at least 1")
+    config = load_config(args.config)
+    criteria = retention.Criteria(args.older_than, args.max_reward, tuple(args.stage))
+    engine = await open_database(config)
+    try:
+        result = await retention.prune(
+            engine,
+            criteria,
+            batch_size=args.batch_size,
+            dry_run=args.dry_run,
+            vacuum=not args.no_vacuum,
+        )
+    finally:
+        await engine.dispose()
+    print(f"matching: {result.matched} traces {criteria.describe()}")
+    if args.dry_run:
+        print("dry run: nothing deleted")
+        return 0
+    print(f"deleted: {result.deleted} in {result.batches} batches")
+    if result.maintenance:
+        print(f"then: {', '.join(result.maintenance)}")
+    return 0
+
+
+async def _keys_create(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if not config.auth.enabled:
+        log.warning("auth.enabled is false in %s: keys are not checked until it is true",
+                    args.config)
+    engine = await open_database(config)
+    try:
+        key, secret = await keys.create_key(engine, args.name, {keys.Scope(s) for s in args.scope})
+    finally:
+        await engine.dispose()
+    print(f"created API key {key.describe()}, scopes: {', '.join(sorted(key.scopes))}")
+    print("it is shown only now; the hub keeps a hash of it:")
+    print(secret)
+    return 0
+
+
+async def _keys_list(args: argparse.Namespace) -> int:
+    engine = await open_database(load_config(args.config))
+    try:
+        found = await keys.list_keys(engine)
+    finally:
+        await engine.dispose()
+    print(f"{'KEY_ID':<14}{'NAME':<24}{'SCOPES':<20}{'CREATED':<22}STATUS")
+    for key in found:
+        status = f"revoked {_when(key.revoked_at)}" if key.revoked_at else "active"
+        scopes = ",".join(sorted(key.scopes))
+        print(f"{key.key_id:<14}{key.name[:23]:<24}{scopes:<20}{_when(key.created_at):<22}{status}")
+    return 0
+
+
+async def _keys_revoke(args: argparse.Namespace) -> int:
+    engine = await open_database(load_config(args.config))
+    try:
+        key = await keys.revoke_key(engine, args.key_id)
+    except HubError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        await engine.dispose()
+    print(f"revoked API key {key.describe()} at {_when(key.revoked_at)}")
+    return 0
+
+
+def _when(moment: datetime | None) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%SZ") if moment else "-"
 
 
 async def _db_upgrade(args: argparse.Namespace) -> int:

@@ -13,25 +13,44 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     ValidationError,
     field_validator,
     model_validator,
 )
 
+from app.domain import Stage
+from app.durations import format_duration, parse_duration
 from app.errors import ConfigError
 
 ENV_PREFIX = "ATROPOS_"
 
+# A path whose leading ~ is expanded once, when the file is loaded.
+HomePath = Annotated[str, AfterValidator(lambda value: str(Path(value).expanduser()))]
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+def _duration(value: Any) -> Any:
+    return parse_duration(value) if isinstance(value, str) else value
+
+
+# "30d", "12h", "90m": written as the CLI's --older-than is.
+Duration = Annotated[
+    timedelta, BeforeValidator(_duration), PlainSerializer(format_duration, return_type=str)
+]
 
 
 class TraceServerConfig(_Section):
@@ -39,7 +58,7 @@ class TraceServerConfig(_Section):
     port: int = Field(8000, ge=0, le=65535)
     endpoint: str = "/v1/traces"
     storage_backend: Literal["sqlite", "postgresql"] = "sqlite"
-    db_path: str = "~/.atropos/traces.db"
+    db_path: HomePath = "~/.atropos/traces.db"
     # postgresql://user:pass@host:port/db; used when storage_backend is postgresql.
     database_url: str | None = None
     max_trace_tokens: int = Field(50000, gt=0)
@@ -52,10 +71,6 @@ class TraceServerConfig(_Section):
             raise ValueError("must start with '/', e.g. /v1/traces")
         return value.rstrip("/") or "/"
 
-    @field_validator("db_path")
-    @classmethod
-    def _expand_home(cls, value: str) -> str:
-        return str(Path(value).expanduser())
 
 
 class EnvironmentConfig(_Section):
@@ -78,11 +93,102 @@ class DistributorConfig(_Section):
     target: Literal["tinker", "jsonl", "http"] = "tinker"
     batch_size: int = Field(32, gt=0)
     min_reward_threshold: float = 5
+    # The record each trace becomes in a batch (jsonl and http targets; the tinker
+    # target always sends OpenAI chat records, which is what fine-tuning APIs take).
+    format: Literal["openai", "sharegpt", "hermes", "atif"] = "openai"
+    # Send a trace's compressed view where it has one (SFT); false: always the whole trace.
+    use_compressed: bool = True
+    # jsonl target: one training file per batch, plus manifest.jsonl.
+    output_dir: HomePath = "~/.atropos/batches"
+    # http target: where batches are POSTed.
+    url: str | None = None
+    http_timeout_seconds: float = Field(60, gt=0)
+    # Failed deliveries are retried after min(base * 2^(attempt-1), max) seconds, then
+    # the batch is `failed` after max_attempts attempts (`atropos batches retry ID`).
+    max_attempts: int = Field(6, gt=0)
+    retry_base_seconds: float = Field(5, ge=0, le=5)
+    retry_max_seconds: float = Field(60, ge=0, le=60)
+
+    @model_validator(mode="after")
+    def _url_for_http(self) -> DistributorConfig:
+        if self.target == "http" and not self.url:
+            raise ValueError("url is required when target is http (e.g. https://trainer/batches)")
+        return self
 
 
 class LimitsConfig(_Section):
+    """What one request may carry, and how much unwritten work the hub holds before it
+    answers 503 (docs/access.md)."""
+
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
     max_traces_per_request: int = Field(1000, gt=0)
+    # Steps in one trace, as sent (messages, conversation turns) and once normalised.
+    max_steps_per_trace: int = Field(10_000, gt=0)
+    # Characters of one step's text (content, arguments, error).
+    max_step_chars: int = Field(1_000_000, gt=0)
+    # Nesting of one trace's JSON. orjson cannot store more than 254 levels.
+    max_json_depth: int = Field(64, gt=1, le=250)
+    # The write path: traces admitted but not yet committed. Past it, and while one
+    # write transaction has waited longer than max_write_wait_seconds (a lock held by
+    # another process, a slow disk), new traces get 503 + Retry-After.
+    max_queued_traces: int = Field(10_000, gt=0)
+    max_write_wait_seconds: float = Field(5, gt=0)
+    retry_after_seconds: int = Field(2, ge=1)
+
+    @model_validator(mode="after")
+    def _one_request_fits_the_queue(self) -> LimitsConfig:
+        if self.max_traces_per_request > self.max_queued_traces:
+            raise ValueError(
+                f"max_traces_per_request ({self.max_traces_per_request}) must not exceed "
+                f"max_queued_traces ({self.max_queued_traces}): such a request could "
+                "never be admitted"
+            )
+        return self
+
+
+class AuthConfig(_Section):
+    """API keys on /v1/* (docs/access.md). Off by default, so that local use and
+    Atropos clients work unchanged."""
+
+    enabled: bool = False
+    # Requests per second per key (per client address while auth is off); null: no
+    # limit. burst: how many may come at once; null: one second's worth.
+    rate_limit_per_second: float | None = Field(None, gt=0)
+    rate_limit_burst: int | None = Field(None, gt=0)
+    # A verified key is trusted this long before it is looked up again; a revoked
+    # key stops working within this time on every hub process.
+    key_cache_seconds: float = Field(5, ge=0)
+    # /docs, /redoc and /openapi.json.
+    docs_enabled: bool = True
+    # Browser origins allowed to call the API (CORS); empty: no CORS headers at all.
+    cors_origins: list[str] = Field(default_factory=list)
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: list[str]) -> list[str]:
+        for origin in value:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise ValueError(f"{origin!r}: an origin is scheme://host[:port], or *")
+        return [origin.rstrip("/") for origin in value]
+
+
+class RetentionConfig(_Section):
+    """What the worker prunes, once every `every` (`atropos prune` with these options)."""
+
+    older_than: Duration
+    # Only traces whose reward is below this (the seed's `reward < 5`); null: any.
+    max_reward: float | None = None
+    # Only traces in these stages; empty: any stage (never `batched`).
+    stages: list[Stage] = Field(default_factory=list)
+    every: Duration = Field(default_factory=lambda: timedelta(days=1))
+    batch_size: int = Field(1000, gt=0)
+
+    @field_validator("stages")
+    @classmethod
+    def _not_batched(cls, value: list[Stage]) -> list[Stage]:
+        if Stage.BATCHED in value:
+            raise ValueError("batched traces wait for delivery and are never pruned")
+        return value
 
 
 class WorkersConfig(_Section):
@@ -156,6 +262,9 @@ class HubConfig(_Section):
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
     atropos: AtroposConfig = Field(default_factory=AtroposConfig)
     runs: RunsConfig = Field(default_factory=RunsConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    # Absent: nothing is pruned but by `atropos prune`.
+    retention: RetentionConfig | None = None
 
 
 PreservedField = Literal["user_instruction", "final_action", "reward_signal", "error_context"]
@@ -210,6 +319,14 @@ class TinkerConfig(_Section):
     max_retries: int = Field(3, ge=0)
     retry_base_delay_seconds: float = Field(1.0, ge=0)
     retry_max_delay_seconds: float = Field(30.0, ge=0)
+    # Training (the tinker target and `atropos train`): `openai` is an OpenAI-compatible
+    # fine-tuning API at base_url; `tinker` is Thinking Machines' SDK (pip extra).
+    backend: Literal["openai", "tinker"] = "openai"
+    logs_dir: HomePath = "~/.atropos/logs"
+    poll_interval_seconds: float = Field(10, gt=0)
+    job_timeout_seconds: float = Field(86400, gt=0)
+    # The tinker backend: a Hugging Face tokenizer for traces that carry no token ids.
+    tokenizer: str | None = None
 
     def api_key(self) -> str | None:
         value = os.environ.get(self.api_key_env)

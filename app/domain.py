@@ -76,6 +76,28 @@ def can_move(current: Stage, target: Stage) -> bool:
     return target in TRANSITIONS[current]
 
 
+class BatchState(StrEnum):
+    """Where a batch is in its delivery.
+
+    pending: formed, waiting for (or in) delivery; `attempts` counts the tries and a
+      lease names the worker delivering it.
+    delivered: the target acknowledged it (once; `delivered_at` says when).
+    failed: every attempt failed; `last_error` says why. `atropos batches retry ID`
+      makes it pending again.
+    """
+
+    PENDING = "pending"
+    DELIVERED = "delivered"
+    FAILED = "failed"
+
+
+BATCH_TRANSITIONS: dict[BatchState, frozenset[BatchState]] = {
+    BatchState.PENDING: frozenset({BatchState.DELIVERED, BatchState.FAILED}),
+    BatchState.FAILED: frozenset({BatchState.PENDING}),
+    BatchState.DELIVERED: frozenset(),
+}
+
+
 class Step(BaseModel):
     """One step of a trajectory.
 

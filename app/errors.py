@@ -9,8 +9,10 @@ HubError
  ├── Invalid (422)                well-formed, but wrong types or values
  ├── NotFound (404)
  ├── Conflict (409)               a trace_id resent with other content
- ├── PayloadTooLarge (413)
- ├── Unauthorized (401) / Forbidden (403)
+ ├── PayloadTooLarge (413)        a size limit; `field` names it (limits.max_...)
+ ├── Unauthorized (401)           no key, or not a valid one; WWW-Authenticate: Bearer
+ ├── Forbidden (403)              a valid key without the scope the route needs
+ ├── RateLimited (429)            over auth.rate_limit_per_second; carries Retry-After
  └── Unavailable (503)            overload; carries Retry-After
 ConfigError                       a bad config file; stops start-up with one line
 """
@@ -30,6 +32,10 @@ class HubError(Exception):
         self.field = field
         if code is not None:
             self.code = code
+
+    def headers(self) -> dict[str, str]:
+        """Response headers that belong to this error (Retry-After, WWW-Authenticate)."""
+        return {}
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"code": self.code, "message": self.message}
@@ -76,19 +82,35 @@ class Unauthorized(HubError):
     status = 401
     code = "unauthorized"
 
+    def headers(self) -> dict[str, str]:
+        # RFC 6750: a 401 names the scheme the client should use.
+        return {"WWW-Authenticate": 'Bearer realm="atropos-hub"'}
+
 
 class Forbidden(HubError):
     status = 403
     code = "forbidden"
 
 
-class Unavailable(HubError):
-    status = 503
-    code = "unavailable"
+class _RetryLater(HubError):
+    """A refusal that is not the client's fault: it may retry after `retry_after` s."""
 
     def __init__(self, message: str, *, retry_after: int = 1, **kwargs: Any):
         super().__init__(message, **kwargs)
-        self.retry_after = retry_after
+        self.retry_after = max(1, retry_after)
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
+class RateLimited(_RetryLater):
+    status = 429
+    code = "rate_limited"
+
+
+class Unavailable(_RetryLater):
+    status = 503
+    code = "unavailable"
 
 
 class ConfigError(Exception):

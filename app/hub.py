@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.access import Access
+from app.admission import Admission
 from app.atropos import Atropos
 from app.compression import ModelSummarizer
 from app.config import CompressionFile, HubConfig, TinkerFile
@@ -22,8 +24,12 @@ from app.environment import Environment
 from app.ingest import Ingestor
 from app.inserter import TraceInserter
 from app.leases import Lease
+from app.retention import RetentionStage
 from app.runs import RunSupervisor
 from app.stages.compression import CompressionStage
+from app.stages.delivery import DeliveryStage
+from app.stages.distribution import DistributionStage
+from app.targets import build_target
 from app.worker import StageRunner
 
 log = logging.getLogger("atropos")
@@ -45,6 +51,7 @@ class Hub:
     inserter: TraceInserter
     ingestor: Ingestor
     stages: StageRunner
+    access: Access
     atropos: Atropos
     # Training runs (app/runs); None unless config.json's runs.enabled is true.
     runs: RunSupervisor | None = None
@@ -79,8 +86,21 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
                 lease=lease,
                 summarizer=ModelSummarizer(http, settings.tinker.tinker),
                 on_advance=runner.wake,
-            )
+            ),
+            DistributionStage(engine, config.distributor, on_advance=runner.wake),
         )
+        runner.add(
+            DeliveryStage(
+                engine,
+                build_target(config.distributor, settings.tinker.tinker, http),
+                config.distributor,
+                lease=lease,
+                on_advance=runner.wake,
+            ),
+            apart=True,  # a training job takes minutes: the other stages go on meanwhile
+        )
+        if config.retention is not None:
+            runner.add(RetentionStage(engine, config.retention))
         try:
             yield runner
         finally:
@@ -98,9 +118,15 @@ async def running_hub(
     engine = engine or await open_database(settings.config)
     try:
         async with running_stages(settings, engine) as stages:
-            inserter = TraceInserter(engine, on_commit=stages.wake)
-            atropos = Atropos(engine, settings.config.atropos)
-            hub = Hub(settings, engine, inserter, Ingestor(inserter, environment), stages, atropos)
+            config = settings.config
+            inserter = TraceInserter(
+                engine, max_queue=config.limits.max_queued_traces, on_commit=stages.wake
+            )
+            admission = Admission(config.limits, inserter.write_wait)
+            ingestor = Ingestor(inserter, environment, config.limits, admission=admission)
+            access = Access(config.auth, engine)
+            atropos = Atropos(engine, config.atropos)
+            hub = Hub(settings, engine, inserter, ingestor, stages, access, atropos)
             inserter.start()
             atropos.start()
             if workers:

@@ -4,6 +4,7 @@ into the configured database or by POSTing to a running hub."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from app.inserter import Stored
 from app.sources import Parsed, Record, Unreadable, read_path
 
 CHUNK = 64  # traces per database group or per HTTP request
+RETRIES_WHEN_BUSY = 20
 
 
 @dataclass
@@ -91,7 +93,14 @@ async def import_over_http(
     parsed = _split(chunk, summary)
     if not parsed:
         return
-    response = await client.post(endpoint, json={"traces": [body(p) for p in parsed]})
+    payload = {"traces": [body(p) for p in parsed]}
+    response = await client.post(endpoint, json=payload)
+    for _ in range(RETRIES_WHEN_BUSY):
+        # 429 (rate limit) and 503 (write path full) say when to come back.
+        if response.status_code not in (429, 503) or "retry-after" not in response.headers:
+            break
+        await asyncio.sleep(float(response.headers["retry-after"]))
+        response = await client.post(endpoint, json=payload)
     if response.status_code != 207:
         raise RuntimeError(f"the hub answered {response.status_code}: {response.text[:300]}")
     for record, result in zip(parsed, response.json()["results"]):

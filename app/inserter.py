@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,13 @@ class TraceInserter:
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=max_queue)
         self._on_commit = on_commit
         self._task: asyncio.Task[None] | None = None
+        self._writing_since: float | None = None
+
+    def write_wait(self) -> float:
+        """How long the write in progress has run (0.0 when idle): long means the
+        database is locked by another process or the disk is stalled."""
+        since = self._writing_since
+        return 0.0 if since is None else time.monotonic() - since
 
     async def insert(self, row: dict[str, Any]) -> Stored:
         """Store one trace row; returns once it is committed (or found already stored).
@@ -125,6 +133,7 @@ class TraceInserter:
             batch = [await self._queue.get()]
             while len(batch) < self._max_batch and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
+            self._writing_since = time.monotonic()
             try:
                 await self._write(batch)
             except Exception as exc:  # the batch failed as a whole: nobody was acknowledged
@@ -135,6 +144,7 @@ class TraceInserter:
                             Unavailable("the database did not accept the write; retry")
                         )
             finally:
+                self._writing_since = None
                 for _ in batch:
                     self._queue.task_done()
 

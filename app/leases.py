@@ -1,10 +1,11 @@
 """Row leases: how a stage claims work so that no two workers process the same row,
 and a dead worker's claims expire.
 
-A claim is one statement, `UPDATE ... WHERE id IN (SELECT ... [FOR UPDATE SKIP
-LOCKED]) AND <lease free> RETURNING ...`: atomic on SQLite's single writer and, with
-SKIP LOCKED, free of waiting on PostgreSQL. The final move of a claimed row checks
-`lease_owner` so that a worker whose lease expired cannot overwrite its successor.
+A claim is one statement, `WITH picked AS (SELECT ... [FOR UPDATE SKIP LOCKED])
+UPDATE ... WHERE id IN picked AND <lease free> RETURNING ...`: atomic on SQLite's
+single writer and, with SKIP LOCKED, free of waiting on PostgreSQL. The final move
+of a claimed row checks `lease_owner` so that a worker whose lease expired cannot
+overwrite its successor.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.dialect import dialect_of, skip_locked
+from app.db.dialect import dialect_of, picked_once
 from app.db.types import utcnow
 
 
@@ -52,10 +53,10 @@ async def claim(
     lease is free or expired; returns them with `attempts` already counted."""
     key = next(iter(table.primary_key.columns))
     pick = sa.select(key).where(where, lease_is_free(table)).order_by(order_by).limit(limit)
-    pick = skip_locked(pick, dialect_of(conn))
+    picked = picked_once(pick, dialect_of(conn))
     stmt = (
         sa.update(table)
-        .where(key.in_(pick.scalar_subquery()), where, lease_is_free(table))
+        .where(key.in_(sa.select(picked.c[key.name])), where, lease_is_free(table))
         .values(
             lease_owner=lease.owner,
             lease_expires_at=utcnow() + timedelta(seconds=lease.seconds),
@@ -68,6 +69,18 @@ async def claim(
 
 def held_by(table: sa.Table, lease: Lease) -> sa.ColumnElement[bool]:
     return table.c.lease_owner == lease.owner
+
+
+async def renew(conn: AsyncConnection, table: sa.Table, key_value: Any, lease: Lease) -> bool:
+    """Extend a held lease by its full length (work that outlasts one lease, such as a
+    training job, renews it as it goes). False when the lease was lost to another worker."""
+    key = next(iter(table.primary_key.columns))
+    result = await conn.execute(
+        sa.update(table)
+        .where(key == key_value, held_by(table, lease))
+        .values(lease_expires_at=utcnow() + timedelta(seconds=lease.seconds))
+    )
+    return result.rowcount == 1
 
 
 RELEASED = {"lease_owner": None, "lease_expires_at": None}

@@ -1,5 +1,7 @@
-"""The one client for the model endpoint: an OpenAI-compatible chat completions API
-named by tinker.json. Every model call in the hub goes through `chat()`.
+"""The one client for the model endpoint: an OpenAI-compatible API named by
+tinker.json. Every model call in the hub goes through `chat()`; the other resources of
+the same API (files, fine-tuning jobs) through `request()`, with the same key handling,
+retries and errors.
 
 Errors, translated from httpx and HTTP statuses here and nowhere else. Each message
 says what to do about it; none carries the key (the variable is named, its value never).
@@ -9,7 +11,7 @@ LLMError
  ├── KeyRejected          401/403: the endpoint refused the key
  ├── WrongURL             404: nothing answers at the URL used (or not for that model)
  ├── ProxyFailed          the proxy that HTTP(S)_PROXY / ALL_PROXY routes through failed
- ├── BadResponse          a 200 whose body has no `choices`
+ ├── BadResponse          a 200 whose body has no `choices` (or is not JSON)
  ├── RequestRejected      another 4xx: the endpoint refused this request
  └── EndpointUnavailable  429, 5xx, timeouts, connection failures: after the retries
 """
@@ -43,8 +45,12 @@ __all__ = [
     "RequestRejected",
     "WrongURL",
     "api_base_url",
+    "api_url",
     "chat",
     "chat_url",
+    "proxy_var",
+    "request",
+    "shown",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,7 +69,7 @@ class LLMError(Exception):
 
     def __init__(self, message: str, *, url: str, status: int | None = None):
         super().__init__(message)
-        self.url = _shown(url)
+        self.url = shown(url)
         self.status = status
 
 
@@ -105,26 +111,36 @@ class ChatResult:
     model: str
     attempts: int
 
-
-def chat_url(base_url: str) -> str:
-    """The chat completions URL for `base_url`.
-
-    A base ending at a version segment (`.../v1`, `.../v4`) gets `/chat/completions`,
-    as the OpenAI SDK does; a provider root (`https://taotoken.net/api`) gets
-    `/v1/chat/completions`. A URL that already ends in `/chat/completions` is used as
-    it is, for providers whose path fits neither shape.
-    """
-    base = base_url.strip().rstrip("/")
-    if base.endswith("/chat/completions"):
-        return base
-    last = urlsplit(base).path.rsplit("/", 1)[-1]
-    return f"{base}/chat/completions" if _VERSION.fullmatch(last) else f"{base}/v1/chat/completions"
+    @property
+    def total_tokens(self) -> int:
+        return (self.prompt_tokens or 0) + (self.completion_tokens or 0)
 
 
 def api_base_url(base_url: str) -> str:
-    """The OpenAI-style base URL (`.../v1`) for `base_url`, normalised as `chat_url`
-    does: what an OpenAI SDK client takes as OPENAI_BASE_URL."""
-    return chat_url(base_url).removesuffix("/chat/completions")
+    """The OpenAI-style base URL for `base_url`: what an OpenAI SDK client takes as
+    OPENAI_BASE_URL, and what every resource (`chat/completions`, `files`, ...) hangs
+    from.
+
+    A base ending at a version segment (`.../v1`, `.../v4`) is used as it is, as the
+    OpenAI SDK does; a provider root (`https://taotoken.net/api`) gets `/v1`. A URL
+    that already ends in `/chat/completions` is its base plus that, for providers whose
+    path fits neither shape.
+    """
+    base = base_url.strip().rstrip("/")
+    if base.endswith("/chat/completions"):
+        return base.removesuffix("/chat/completions")
+    last = urlsplit(base).path.rsplit("/", 1)[-1]
+    return base if _VERSION.fullmatch(last) else f"{base}/v1"
+
+
+def api_url(base_url: str, resource: str) -> str:
+    """The URL of `resource` (`chat/completions`, `files`, `fine_tuning/jobs/ID`)."""
+    return f"{api_base_url(base_url)}/{resource}"
+
+
+def chat_url(base_url: str) -> str:
+    """The chat completions URL for `base_url` (see `api_base_url`)."""
+    return api_url(base_url, "chat/completions")
 
 
 async def chat(
@@ -134,54 +150,52 @@ async def chat(
     *,
     max_tokens: int = 1024,
     temperature: float = 0.3,
+    model: str | None = None,
 ) -> ChatResult:
-    """One chat completion from the endpoint tinker.json names, with tinker.model_id.
+    """One chat completion from the endpoint tinker.json names, with tinker.model_id
+    (or `model`: a model fine-tuned there).
 
     Retries 429, 5xx, 408, timeouts and connection failures up to `max_retries` times,
     waiting a jittered exponential backoff, or longer when the endpoint says so with
     Retry-After. Anything else fails at once with an `LLMError` that says what to fix.
     """
-    url = chat_url(tinker.base_url)
-    key = tinker.api_key()
-    if not key:
-        raise KeyMissing(
-            f"the environment variable {tinker.api_key_env} (named by tinker.api_key_env) "
-            f"is not set or empty: export it with the key for {_shown(url)}",
-            url=url,
-        )
-    call = _Call(client, tinker, url, key)
+    call = _Call(client, tinker, chat_url(tinker.base_url), model or tinker.model_id)
     body = {
-        "model": tinker.model_id,
+        "model": call.model,
         "messages": messages,
         "max_tokens": max_tokens,
         "temperature": temperature,
     }
-    attempts = tinker.max_retries + 1
-    for attempt in range(1, attempts + 1):
-        outcome = await call.attempt(body, attempt)
-        if isinstance(outcome, ChatResult):
-            return outcome
-        retry = outcome
-        if attempt == attempts:
-            break
-        delay = _delay(attempt, retry.after, tinker)
-        if delay is None:
-            raise call.unavailable(
-                f"{retry.reason}, and it asks to wait {retry.after or 0:.0f} s, longer than "
-                f"tinker.retry_max_delay_seconds ({tinker.retry_max_delay_seconds:g} s)",
-                attempt,
-                retry.status,
-            )
-        log.warning(
-            "model endpoint %s: %s; retry %d/%d in %.2f s",
-            _shown(url),
-            retry.reason,
-            attempt,
-            tinker.max_retries,
-            delay,
+    response, attempt = await call.send("POST", {"json": body})
+    return call.chat_result(response, attempt)
+
+
+async def request(
+    client: httpx.AsyncClient,
+    tinker: TinkerConfig,
+    method: str,
+    resource: str,
+    *,
+    model: str | None = None,
+    **send: Any,
+) -> dict[str, Any]:
+    """One call to another resource of the same API (`files`, `fine_tuning/jobs`),
+    with chat()'s key, retries and errors; `send` goes to httpx (json, files, data,
+    params, headers). Returns the JSON body of a 2xx answer."""
+    call = _Call(client, tinker, api_url(tinker.base_url, resource), model or tinker.model_id)
+    response, _ = await call.send(method, send)
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise BadResponse(
+            f"{method} {shown(call.url)} answered HTTP {response.status_code} without a "
+            f"JSON object; the body starts: {call.start(response)}",
+            url=call.url,
+            status=response.status_code,
         )
-        await asyncio.sleep(delay)
-    raise call.unavailable(retry.reason, attempts, retry.status)
+    return body
 
 
 @dataclass(frozen=True)
@@ -194,21 +208,62 @@ class _Retry:
 
 
 class _Call:
-    """One chat() call: sends attempts and turns each failure into an LLMError or _Retry."""
+    """One chat() or request() call: sends attempts and turns each failure into an
+    LLMError or a _Retry."""
 
-    def __init__(self, client: httpx.AsyncClient, tinker: TinkerConfig, url: str, key: str):
+    def __init__(self, client: httpx.AsyncClient, tinker: TinkerConfig, url: str, model: str):
+        key = tinker.api_key()
+        if not key:
+            raise KeyMissing(
+                f"the environment variable {tinker.api_key_env} (named by tinker.api_key_env) "
+                f"is not set or empty: export it with the key for {shown(url)}",
+                url=url,
+            )
         self.client = client
         self.tinker = tinker
         self.url = url
+        self.model = model
         self.key = key
         self.proxy_var = _proxy_var(client, url)
 
-    async def attempt(self, body: dict[str, Any], attempt: int) -> ChatResult | _Retry:
+    async def send(self, method: str, send: dict[str, Any]) -> tuple[httpx.Response, int]:
+        """The 2xx response and the attempt that got it, after the retries."""
+        tinker = self.tinker
+        attempts = tinker.max_retries + 1
+        for attempt in range(1, attempts + 1):
+            outcome = await self.attempt(method, send)
+            if isinstance(outcome, httpx.Response):
+                return outcome, attempt
+            retry = outcome
+            if attempt == attempts:
+                break
+            delay = _delay(attempt, retry.after, tinker)
+            if delay is None:
+                raise self.unavailable(
+                    f"{retry.reason}, and it asks to wait {retry.after or 0:.0f} s, longer "
+                    f"than tinker.retry_max_delay_seconds "
+                    f"({tinker.retry_max_delay_seconds:g} s)",
+                    attempt,
+                    retry.status,
+                )
+            log.warning(
+                "model endpoint %s: %s; retry %d/%d in %.2f s",
+                shown(self.url),
+                retry.reason,
+                attempt,
+                tinker.max_retries,
+                delay,
+            )
+            await asyncio.sleep(delay)
+        raise self.unavailable(retry.reason, attempts, retry.status)
+
+    async def attempt(self, method: str, send: dict[str, Any]) -> httpx.Response | _Retry:
+        headers = {**send.get("headers", {}), "Authorization": f"Bearer {self.key}"}
         try:
-            response = await self.client.post(
+            response = await self.client.request(
+                method,
                 self.url,
-                json=body,
-                headers={"Authorization": f"Bearer {self.key}"},
+                **{**send, "headers": headers},
                 timeout=self.tinker.timeout_seconds,
             )
         except httpx.ProxyError as exc:
@@ -220,15 +275,15 @@ class _Call:
             if self.proxy_var and isinstance(exc, httpx.ConnectError):
                 raise self._proxy_failed(_transport_detail(exc)) from None
             return _Retry(f"cannot reach it ({_transport_detail(exc)})")
-        return self._answer(response, attempt)
+        return self._answer(response)
 
-    def _answer(self, response: httpx.Response, attempt: int) -> ChatResult | _Retry:
+    def _answer(self, response: httpx.Response) -> httpx.Response | _Retry:
         status = response.status_code
-        if status == 200:
-            return self._result(response, attempt)
+        if 200 <= status < 300:
+            return response
         if status in (401, 403):
             raise KeyRejected(
-                f"the model endpoint rejected the key (HTTP {status}) at {_shown(self.url)}: "
+                f"the model endpoint rejected the key (HTTP {status}) at {shown(self.url)}: "
                 f"check that the environment variable {self.tinker.api_key_env} (named by "
                 f"tinker.api_key_env) holds a valid key for this endpoint",
                 url=self.url,
@@ -236,11 +291,11 @@ class _Call:
             )
         if status == 404:
             raise WrongURL(
-                f"nothing answers at {_shown(self.url)} (HTTP 404) for model "
-                f"{self.tinker.model_id}: the URL is wrong; check tinker.base_url "
-                f"({_shown(self.tinker.base_url.strip())}), which may end at the provider "
+                f"nothing answers at {shown(self.url)} (HTTP 404) for model "
+                f"{self.model}: the URL is wrong; check tinker.base_url "
+                f"({shown(self.tinker.base_url.strip())}), which may end at the provider "
                 f"root (.../api) or at a version (.../v1), or the model id. "
-                f"Body: {self._start(response)}",
+                f"Body: {self.start(response)}",
                 url=self.url,
                 status=status,
             )
@@ -252,52 +307,52 @@ class _Call:
                 reason += f" (through the proxy named by {self.proxy_var})"
             return _Retry(reason, status, _retry_after(response))
         raise RequestRejected(
-            f"the model endpoint refused the request (HTTP {status}) at {_shown(self.url)} "
-            f"for model {self.tinker.model_id}: {self._start(response)}",
+            f"the model endpoint refused the request (HTTP {status}) at {shown(self.url)} "
+            f"for model {self.model}: {self.start(response)}",
             url=self.url,
             status=status,
         )
 
-    def _result(self, response: httpx.Response, attempt: int) -> ChatResult:
+    def chat_result(self, response: httpx.Response, attempt: int) -> ChatResult:
         try:
             data = response.json()
             text = data["choices"][0]["message"].get("content") or ""
             usage = data.get("usage") or {}
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             raise BadResponse(
-                f"the model endpoint answered HTTP 200 without `choices` for model "
-                f"{self.tinker.model_id} at {_shown(self.url)}; the body starts: "
-                f"{self._start(response)}",
+                f"the model endpoint answered HTTP {response.status_code} without `choices` "
+                f"for model {self.model} at {shown(self.url)}; the body starts: "
+                f"{self.start(response)}",
                 url=self.url,
-                status=200,
+                status=response.status_code,
             ) from None
         return ChatResult(
             text=text,
             prompt_tokens=usage.get("prompt_tokens"),
             completion_tokens=usage.get("completion_tokens"),
-            status=200,
+            status=response.status_code,
             url=self.url,
-            model=data.get("model") or self.tinker.model_id,
+            model=data.get("model") or self.model,
             attempts=attempt,
         )
 
     def _proxy_failed(self, detail: str) -> ProxyFailed:
         var = self.proxy_var or "HTTPS_PROXY/HTTP_PROXY/ALL_PROXY"
         return ProxyFailed(
-            f"the request to {_shown(self.url)} went through the proxy named by {var}, "
+            f"the request to {shown(self.url)} went through the proxy named by {var}, "
             f"and the proxy failed ({detail}): fix or unset {var}, or add the host to NO_PROXY",
             url=self.url,
         )
 
     def unavailable(self, reason: str, attempts: int, status: int | None) -> EndpointUnavailable:
         return EndpointUnavailable(
-            f"the model endpoint at {_shown(self.url)} is unavailable after {attempts} "
+            f"the model endpoint at {shown(self.url)} is unavailable after {attempts} "
             f"attempt(s): {reason}; try again later or raise tinker.max_retries",
             url=self.url,
             status=status,
         )
 
-    def _start(self, response: httpx.Response) -> str:
+    def start(self, response: httpx.Response) -> str:
         # Some providers echo the key they refused; it must not reach a log.
         return repr(response.text.replace(self.key, "***")[:_BODY_SHOWN])
 
@@ -330,12 +385,14 @@ def _retry_after(response: httpx.Response) -> float | None:
 
 
 def _proxy_var(client: httpx.AsyncClient, url: str) -> str | None:
+    return proxy_var(url) if client.trust_env else None
+
+
+def proxy_var(url: str) -> str | None:
     """The environment variable (as spelled there) whose proxy a request to `url` uses.
 
     Mirrors httpx: with trust_env it reads the *_proxy variables through urllib, where
     the lowercase spelling wins, ALL_PROXY covers every scheme, and NO_PROXY exempts."""
-    if not client.trust_env:
-        return None
     parts = urlsplit(url)
     if urllib.request.proxy_bypass(parts.hostname or ""):
         return None
@@ -352,7 +409,7 @@ def _transport_detail(exc: httpx.TransportError) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _shown(url: str) -> str:
+def shown(url: str) -> str:
     """The URL without user info or query, where a credential could hide."""
     parts = urlsplit(url)
     host = parts.hostname or ""

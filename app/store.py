@@ -16,8 +16,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.dialect import Dialect, dialect_of, reject_reason_counts, rule_firing_counts
-from app.db.models import TRACES
-from app.domain import Stage
+from app.db.models import BATCHES, TRACES
+from app.domain import BatchState, Stage
 from app.errors import BadRequest, NotFound
 
 HISTOGRAM_BUCKET = 5.0
@@ -104,24 +104,30 @@ async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[st
 async def list_traces(
     conn: AsyncConnection, where: TraceFilter, limit: int, cursor: str | None
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Newest first. The cursor is opaque to clients: (created_at, trace_id) of the
-    last record, so paging is stable while new traces arrive."""
+    """Newest first, paged by `newest_first`."""
     query = sa.select(*SUMMARY_COLUMNS).where(*where.clauses())
+    rows, next_cursor = await newest_first(conn, query, TRACES, limit, cursor)
+    return [_summary(row._mapping) for row in rows], next_cursor
+
+
+async def newest_first(
+    conn: AsyncConnection, query: sa.Select[Any], table: sa.Table, limit: int, cursor: str | None
+) -> tuple[list[sa.Row[Any]], str | None]:
+    """One page of `query` over `table`, newest first, and the cursor of the next page.
+    The cursor is opaque to clients: (created_at, primary key) of the last row, so
+    paging is stable while new rows arrive."""
+    key = next(iter(table.primary_key.columns))
+    created_at = table.c.created_at
     if cursor:
-        created_at, trace_id = _decode_cursor(cursor)
-        query = query.where(
-            sa.tuple_(TRACES.c.created_at, TRACES.c.trace_id) < (created_at, trace_id)
-        )
-    query = query.order_by(TRACES.c.created_at.desc(), TRACES.c.trace_id.desc()).limit(
-        limit + 1
-    )
+        after = decode_cursor(cursor)
+        query = query.where(sa.tuple_(created_at, key) < after)
+    query = query.add_columns(created_at.label("_created_at"), key.label("_key"))
+    query = query.order_by(created_at.desc(), key.desc()).limit(limit + 1)
     rows = (await conn.execute(query)).all()
-    records = [_summary(row._mapping) for row in rows[:limit]]
-    next_cursor = None
-    if len(rows) > limit:
-        last = rows[limit - 1]
-        next_cursor = _encode_cursor(last.created_at, last.trace_id)
-    return records, next_cursor
+    if len(rows) <= limit:
+        return list(rows), None
+    last = rows[limit - 1]
+    return list(rows[:limit]), encode_cursor(last._created_at, last._key)
 
 
 async def stats(conn: AsyncConnection) -> dict[str, Any]:
@@ -145,6 +151,7 @@ async def stats(conn: AsyncConnection) -> dict[str, Any]:
         "total_tokens": int(totals[1]),
         "compressed_tokens": int(totals[2]),
         "mean_reward": float(totals[3]) if totals[3] is not None else None,
+        "batches": await batch_counts(conn),
         "compression": await _compression_stats(conn, by_stage),
         "rejections_by_filter": await _name_counts(conn, reject_reason_counts),
         "rule_firings": await _name_counts(conn, rule_firing_counts),
@@ -201,6 +208,13 @@ async def _compression_stats(conn: AsyncConnection, by_stage: dict[str, int]) ->
     }
 
 
+async def batch_counts(conn: AsyncConnection) -> dict[str, int]:
+    """Batches by state (every state, 0 when none) and the total."""
+    counted = await _count_by(conn, BATCHES.c.state)
+    by_state = {state.value: counted.get(state.value, 0) for state in BatchState}
+    return {**by_state, "total": sum(counted.values())}
+
+
 async def _count_by(conn: AsyncConnection, column: sa.Column[Any]) -> dict[str, int]:
     rows = await conn.execute(sa.select(column, sa.func.count()).group_by(column))
     return {key: count for key, count in rows.tuples()}
@@ -224,12 +238,12 @@ def _summary(row: Any) -> dict[str, Any]:
     }
 
 
-def _encode_cursor(created_at: datetime, trace_id: str) -> str:
+def encode_cursor(created_at: datetime, trace_id: str) -> str:
     raw = orjson.dumps([created_at.isoformat(), trace_id])
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+def decode_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
         created_at, trace_id = orjson.loads(raw)

@@ -1,7 +1,9 @@
-"""The background stages (compression, distribution, delivery) and the loop that
-runs them: claim -> work -> advance, until there is nothing left, then sleep until
+"""The background stages (compression, distribution, delivery) and the loops that
+run them: claim -> work -> advance, until there is nothing left, then sleep until
 woken or until flush_interval_seconds has passed (the longest a missed wake-up can
-delay a trace).
+delay a trace). The stages take turns in one loop, except those added `apart`
+(delivery: a training job polls for minutes), which get a loop of their own so that
+they never hold up compression or batching.
 
 Every stage keeps its state in the database, so any process may die at any moment
 and the next one picks the work up.
@@ -27,46 +29,59 @@ class PipelineStage(Protocol):
 class StageRunner:
     def __init__(self, flush_interval: float) -> None:
         self.stages: list[PipelineStage] = []
+        self._apart: list[PipelineStage] = []
         self._flush_interval = flush_interval
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._wakes: list[asyncio.Event] = []
+        self._tasks: list[asyncio.Task[None]] = []
 
-    def add(self, *stages: PipelineStage) -> None:
+    def add(self, *stages: PipelineStage, apart: bool = False) -> None:
+        """Stages in pipeline order; `apart`: in a loop of its own when started."""
         self.stages.extend(stages)
+        if apart:
+            self._apart.extend(stages)
 
     def wake(self) -> None:
         """Called after each ingest commit and stage move: the next stage starts now."""
-        self._wake.set()
+        for event in self._wakes:
+            event.set()
 
     async def drain(self) -> int:
         """Run every stage until none has work left (`--burst`). Returns items advanced."""
+        return await self._drain(self.stages)
+
+    def start(self) -> None:
+        together = [stage for stage in self.stages if stage not in self._apart]
+        for group in [together, *([stage] for stage in self._apart)]:
+            if not group:
+                continue
+            event = asyncio.Event()
+            self._wakes.append(event)
+            name = "stages-" + "-".join(stage.name for stage in group)
+            self._tasks.append(asyncio.create_task(self._loop(group, event), name=name))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        self._wakes.clear()
+
+    async def _drain(self, stages: list[PipelineStage]) -> int:
         total = 0
         while True:
             advanced = 0
-            for stage in self.stages:
+            for stage in stages:
                 advanced += await self._run_stage(stage)
             total += advanced
             if advanced == 0:
                 return total
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="stage-runner")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
-
-    async def _loop(self) -> None:
+    async def _loop(self, stages: list[PipelineStage], wake: asyncio.Event) -> None:
         while True:
-            self._wake.clear()
-            await self.drain()
+            wake.clear()
+            await self._drain(stages)
             try:
-                await asyncio.wait_for(self._wake.wait(), self._flush_interval)
+                await asyncio.wait_for(wake.wait(), self._flush_interval)
             except TimeoutError:
                 pass
 

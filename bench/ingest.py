@@ -125,30 +125,46 @@ def start_hub(config: dict[str, object], workdir: Path) -> tuple[subprocess.Pope
     raise SystemExit("the hub did not start")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
+def load_arguments(doc: str | None) -> argparse.ArgumentParser:
+    """The options every benchmark that drives load shares."""
+    parser = argparse.ArgumentParser(description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--trace-kb", type=int, default=5)
     parser.add_argument("--db", choices=["sqlite", "postgresql"], default="sqlite")
     parser.add_argument("--database-url", default=os.environ.get("ATROPOS_TEST_DATABASE_URL"))
+    return parser
+
+
+def trace_server(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
+    """config.json's trace_server section for --db: a SQLite file in `workdir`, or the
+    PostgreSQL database --database-url names."""
+    server: dict[str, object] = {"host": "127.0.0.1", "port": 0}
+    if args.db == "sqlite":
+        return server | {"storage_backend": "sqlite", "db_path": str(workdir / "bench.db")}
+    if not args.database_url:
+        raise SystemExit("--db postgresql needs --database-url")
+    return server | {"storage_backend": "postgresql", "database_url": args.database_url}
+
+
+def main() -> None:
+    parser = load_arguments(__doc__)
     parser.add_argument("--hubs", type=int, default=1, help="hub processes sharing the load")
+    parser.add_argument("--no-rules", action="store_true",
+                        help="no reward rules or filters: the cost of scoring, by difference")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        server: dict[str, object] = {"host": "127.0.0.1", "port": 0}
-        if args.db == "sqlite":
-            server |= {"storage_backend": "sqlite", "db_path": str(workdir / "bench.db")}
-        else:
-            if not args.database_url:
-                raise SystemExit("--db postgresql needs --database-url")
-            server |= {"storage_backend": "postgresql", "database_url": args.database_url}
+        server = trace_server(args, workdir)
         hubs = []
         for n in range(args.hubs):
             (workdir / str(n)).mkdir()
-            hubs.append(start_hub({"trace_server": server}, workdir / str(n)))
+            config: dict[str, object] = {"trace_server": server}
+            if args.no_rules:
+                config["environment"] = {"reward_rules": {}, "invalid_trace_filters": []}
+            hubs.append(start_hub(config, workdir / str(n)))
         try:
             per_hub = args.clients // len(hubs)
 

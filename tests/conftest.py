@@ -20,7 +20,10 @@ from typing import Any
 import asyncpg
 import httpx
 import pytest
+import sqlalchemy as sa
 from sqlalchemy.engine import make_url
+
+from tests.fakes.model_server import FakeModel, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL = ROOT.parent / "shared" / "fixtures" / "real"
@@ -87,6 +90,62 @@ def _pg_admin(sql: str) -> None:
     asyncio.run(run())
 
 
+def db_execute(trace_server: dict[str, Any], statement: str | sa.Executable,
+               **params: Any) -> list[dict[str, Any]]:
+    """Run one statement on the test database (either dialect) from a sync test, as a
+    user with sqlite3/psql would; returns the rows, if any."""
+    import asyncio
+
+    from app.config import TraceServerConfig
+    from app.db.engine import create_engine
+
+    if isinstance(statement, str):
+        statement = sa.text(statement)
+
+    async def run() -> list[dict[str, Any]]:
+        engine = create_engine(TraceServerConfig(**trace_server))
+        try:
+            async with engine.begin() as conn:
+                result = await conn.execute(statement, params)
+                return [dict(row._mapping) for row in result] if result.returns_rows else []
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(run())
+
+
+def make_api_key(trace_server: dict[str, Any], *scopes: str, name: str = "test") -> str:
+    """An API key made directly in the database a hub uses (`atropos keys create` has
+    its own test); returns the key to send as `Authorization: Bearer <key>`."""
+    import asyncio
+
+    from app.config import TraceServerConfig
+    from app.db.engine import create_engine
+    from app.keys import Scope, create_key
+
+    async def make() -> str:
+        engine = create_engine(TraceServerConfig(**trace_server))
+        try:
+            return (await create_key(engine, name, {Scope(s) for s in scopes}))[1]
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(make())
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`atropos ARGS` in its own process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 # --- hub processes ---------------------------------------------------------------
 
 
@@ -103,6 +162,8 @@ def write_config(directory: Path, trace_server: dict[str, Any], **sections: Any)
 class HubProcess:
     """`atropos serve` as a user runs it, in its own process."""
 
+    command = "serve"
+
     def __init__(self, config: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.config = config
         self.args = args
@@ -114,7 +175,8 @@ class HubProcess:
     def start(self, timeout: float = 30) -> HubProcess:
         self.lines = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--config", str(self.config), *self.args],
+            [sys.executable, "-m", "app.cli", self.command, "--config", str(self.config),
+             *self.args],
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT), **self.env},
             stderr=subprocess.PIPE,
@@ -134,10 +196,15 @@ class HubProcess:
         with proc.stderr:
             for line in proc.stderr:
                 self.lines.append(line)
-                if match := LISTENING.search(line):
-                    self.url = f"http://{match[1]}:{match[2]}"
+                if self._ready(line):
                     ready.set()
         ready.set()
+
+    def _ready(self, line: str) -> bool:
+        if match := LISTENING.search(line):
+            self.url = f"http://{match[1]}:{match[2]}"
+            return True
+        return False
 
     @property
     def log(self) -> str:
@@ -167,6 +234,30 @@ class HubProcess:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{text!r} not in the log:\n{self.log}")
             time.sleep(0.05)
+
+
+class WorkerProcess(HubProcess):
+    """`atropos worker`: the background stages alone, ready once they say so."""
+
+    command = "worker"
+
+    def _ready(self, line: str) -> bool:
+        return "pipeline ready" in line
+
+
+@pytest.fixture(scope="module")
+def model_server() -> Iterator[tuple[FakeModel, str]]:
+    """A fake OpenAI-compatible endpoint (key `FakeModel.key`) for a test module, and its
+    root URL; `fake_model` resets it for each test."""
+    fake = FakeModel()
+    with serve(fake) as root:
+        yield fake, root
+
+
+@pytest.fixture
+def fake_model(model_server: tuple[FakeModel, str]) -> FakeModel:
+    model_server[0].reset()
+    return model_server[0]
 
 
 @pytest.fixture

@@ -19,6 +19,9 @@ DONE = {"compressed", "compression_skipped", "compression_failed"}
 # Some real runs are rejected by the default filters (error streaks); these tests are
 # about compression, so every trace is let through.
 ACCEPT_ALL = {"invalid_trace_filters": []}
+# The distribution stage moves traces on (below_threshold, batched); these tests look
+# at compression, so no trace is ever below the threshold or in a full batch.
+NO_BATCHES = {"min_reward_threshold": -1e9, "batch_size": 100_000}
 
 
 def as_native(path: Path, trace_id: str) -> dict[str, Any]:
@@ -47,7 +50,7 @@ def test_long_real_traces_are_compressed_and_short_ones_skipped(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:
     hub = start_hub(trace_server, "--compression", compression_file(tmp_path),
-                    environment=ACCEPT_ALL)
+                    environment=ACCEPT_ALL, distributor=NO_BATCHES)
     with hub.client() as client:
         long_ids = []
         for n, path in enumerate([*OPENHANDS, SWE_AGENT[3]]):
@@ -87,7 +90,7 @@ def test_traces_over_max_tokens_are_compressed_even_when_disabled(
 ) -> None:
     policy = compression_file(tmp_path, enabled=False)
     hub = start_hub({**trace_server, "max_trace_tokens": 20_000}, "--compression", policy,
-                    environment=ACCEPT_ALL)
+                    environment=ACCEPT_ALL, distributor=NO_BATCHES)
     with hub.client() as client:
         client.post("/v1/traces", json=as_native(OPENHANDS[0], "big"))
         client.post("/v1/traces", json=native_trace(trace_id="small"))
@@ -104,14 +107,15 @@ def test_kill_9_during_the_stage_compresses_every_trace_once(
     """An API without workers takes the traces; a worker is killed -9 mid-stage; a
     second worker (burst) finishes. Every trace ends compressed, none left leased."""
     hub = start_hub(trace_server, "--no-workers", workers={"lease_seconds": 1},
-                    environment=ACCEPT_ALL)
+                    environment=ACCEPT_ALL, distributor=NO_BATCHES)
     ids = []
     with hub.client() as client:
         for n in range(40):
             path = [*OPENHANDS, *SWE_AGENT][n % 9]
             client.post("/v1/traces", json=as_native(path, f"k-{n}") | {"task": f"task {n}"})
             ids.append(f"k-{n}")
-    config = write_config(tmp_path, trace_server, workers={"lease_seconds": 1})
+    config = write_config(tmp_path, trace_server, workers={"lease_seconds": 1},
+                          distributor=NO_BATCHES)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "app.cli", "worker", "--config", str(config)]
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)

@@ -3,27 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from app.config import load_compression, load_config, load_tinker
 from app.errors import ConfigError
-from tests.conftest import ROOT
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+from tests.conftest import ROOT, run_cli
 
 
 @pytest.mark.parametrize(

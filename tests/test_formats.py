@@ -3,15 +3,20 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from app import formats
+from app.config import EnvironmentConfig, LimitsConfig
 from app.domain import Status, StepType, Trace
+from app.environment import Environment
 from app.errors import HubError, Invalid, UnknownFormat
+from app.ingest import Ingestor
+from app.inserter import TraceInserter
 
 REAL = Path(__file__).resolve().parents[1].parent / "shared/fixtures/real"
 HERMES_LINE = REAL / "hermes-agent/lucifexia_trajectory_samples.jsonl"
@@ -991,6 +996,99 @@ _NEAR_ATIF = st.fixed_dictionaries(
 @given(_NEAR_NATIVE | _NEAR_OPENAI | _NEAR_SHAREGPT | _NEAR_ATIF)
 def test_near_valid_bodies_fail_only_with_hub_errors(body: dict[str, Any]) -> None:
     _parse_fails_only_with_hub_errors(body, None)
+
+
+# What JSON from elsewhere than an HTTP body can hold (`atropos import` reads files
+# with the standard library): lone surrogates, integers past 64 bits, nesting past what
+# orjson writes; and long text.
+_ODD = st.sampled_from(["\ud800", "a\udfffb", 2**64, -(2**63) - 1, "x" * 5000])
+_NASTY = _SCALARS | _ODD
+
+
+def _nested(levels: int) -> Any:
+    value: Any = []
+    for _ in range(levels):
+        value = {"a": value}
+    return value
+
+
+_NASTY_JSON = st.recursive(
+    _NASTY | st.integers(min_value=240, max_value=300).map(_nested),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(_KEYS | st.text(max_size=5), inner, max_size=6)
+    ),
+    max_leaves=30,
+)
+
+
+def _leaf_paths(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    if isinstance(value, dict):
+        children = value.items()
+    elif isinstance(value, list):
+        children = enumerate(value)
+    else:
+        return [path]
+    return [path, *(p for key, child in children for p in _leaf_paths(child, (*path, key)))]
+
+
+@st.composite
+def _example_with_one_value_swapped(draw: st.DrawFn) -> dict[str, Any]:
+    """A valid trace of each format (and a batch_runner line) with one value, anywhere
+    in it, replaced by something odd: the parsers see every field go wrong in turn."""
+    example = copy.deepcopy(draw(st.sampled_from([*EXAMPLES.values(), BATCH_RUNNER])))
+    *parents, last = draw(st.sampled_from(_leaf_paths(example)[1:]))
+    target = example
+    for key in parents:
+        target = target[key]
+    target[last] = draw(_ODD | _NASTY_JSON)
+    return example
+
+
+_LIMITS = st.builds(
+    LimitsConfig,
+    max_steps_per_trace=st.integers(min_value=1, max_value=8),
+    max_step_chars=st.integers(min_value=1, max_value=200),
+    max_json_depth=st.integers(min_value=2, max_value=12),
+) | st.just(LimitsConfig())
+_ENVIRONMENT = Environment.from_config(EnvironmentConfig())
+
+
+def _prepare_fails_only_with_hub_errors(body: Any, fmt: str | None, limits: LimitsConfig) -> None:
+    """Beyond the parsers: the limits, scoring, filters and token count that ingest runs
+    on every item refuse bad input only with a HubError, and what they accept is a row
+    the database can store (JSON that orjson writes)."""
+    ingestor = Ingestor(cast(TraceInserter, None), _ENVIRONMENT, limits)
+    try:
+        row = ingestor.prepare(body, fmt)
+    except HubError as exc:
+        event(f"refused: {type(exc).__name__}")
+        return
+    finally:
+        ingestor.close()
+    event("prepared")
+    for column in ("original", "trace", "reward_breakdown", "reject_reasons"):
+        orjson.dumps(row[column])
+    assert len(row["trace"]["steps"]) <= limits.max_steps_per_trace
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    _NASTY_JSON | _NEAR_NATIVE | _NEAR_OPENAI | _NEAR_SHAREGPT | _NEAR_ATIF,
+    st.sampled_from([None, "native", "openai", "sharegpt", "atif"]),
+    _LIMITS,
+)
+def test_random_bodies_through_the_whole_preparation(
+    body: Any, fmt: str | None, limits: LimitsConfig
+) -> None:
+    _prepare_fails_only_with_hub_errors(body, fmt, limits)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(_example_with_one_value_swapped())
+@example({**NATIVE, "task": "a\ud800"})  # found by it: once a TypeError, now a 422
+def test_valid_traces_with_one_odd_value(body: dict[str, Any]) -> None:
+    _prepare_fails_only_with_hub_errors(body, None, LimitsConfig())
 
 
 def test_native_parse_is_fast() -> None:

@@ -51,9 +51,9 @@ async def test_each_revision_steps_up_and_down(engine: Any) -> None:
         assert await migrate.current_revision(engine) == revision
 
 
-async def test_upgrade_keeps_the_rows(engine: Any) -> None:
-    first = revisions()[0]
-    await migrate.upgrade(engine, first)
+@pytest.mark.parametrize("start", revisions())
+async def test_upgrade_from_every_revision_keeps_the_rows(engine: Any, start: str) -> None:
+    await migrate.upgrade(engine, start)
     async with engine.begin() as conn:
         await conn.execute(sa.text(
             "INSERT INTO traces (trace_id, created_at, updated_at, status, stage, total_tokens,"

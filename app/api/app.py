@@ -7,9 +7,11 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.middleware.cors import CORSMiddleware
 
-from app.api import atropos, ops, runs, traces
+from app.api import atropos, batches, ops, runs, traces
 from app.api.errors import install_error_handlers
+from app.api.openapi import install_openapi
 from app.environment import Environment
 from app.hub import Settings, running_hub
 
@@ -31,15 +33,29 @@ def create_app(
         async with running_hub(settings, environment, engine=engine, workers=workers) as hub:
             yield {"hub": hub}
 
+    docs = config.auth.docs_enabled
     app = FastAPI(
         title="atropos-hub",
         summary="A durable trajectory hub for agent reinforcement learning",
         version="0.1.0",
         lifespan=lifespan,
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
     )
     install_error_handlers(app)
     app.include_router(atropos.router(config.atropos))
     app.include_router(traces.router(config.trace_server.endpoint))
+    app.include_router(batches.router)
     app.include_router(ops.router)
     app.include_router(runs.router)
+    install_openapi(app, config.auth)  # after every router: it refuses an unguarded /v1 route
+    if config.auth.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.auth.cors_origins,
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "Content-Encoding"],
+            expose_headers=["Retry-After"],
+        )
     return app

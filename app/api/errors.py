@@ -9,14 +9,13 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from app.api.responses import JSONResponse
-from app.errors import HubError, Unavailable
+from app.errors import HubError
 
 log = logging.getLogger("atropos.api")
 
 
 def error_response(exc: HubError) -> JSONResponse:
-    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, Unavailable) else None
-    return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
+    return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.headers() or None)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -35,7 +34,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        codes = {400: "malformed_json", 404: "not_found", 405: "method_not_allowed"}
+        code = codes.get(exc.status_code, "http_error")
         body = {"error": {"code": code, "message": str(exc.detail)}}
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 

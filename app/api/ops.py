@@ -7,9 +7,12 @@ from sqlalchemy.exc import SQLAlchemyError
 from starlette.responses import PlainTextResponse
 
 from app import store
+from app.api.auth import requires
 from app.api.deps import ConnDep, HubDep
+from app.api.openapi import errors
 from app.api.responses import JSONResponse
 from app.db import migrate
+from app.keys import Scope
 
 router = APIRouter(tags=["ops"])
 
@@ -19,7 +22,7 @@ async def healthz() -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses=errors(503))
 async def readyz(hub: HubDep) -> JSONResponse:
     try:
         revision = await migrate.current_revision(hub.engine)
@@ -37,7 +40,7 @@ async def readyz(hub: HubDep) -> JSONResponse:
     return JSONResponse({"status": "ready", "schema_revision": revision})
 
 
-@router.get("/v1/stats")
+@router.get("/v1/stats", dependencies=[requires(Scope.READ)])
 async def stats(conn: ConnDep) -> JSONResponse:
     return JSONResponse(await store.stats(conn))
 
@@ -52,5 +55,9 @@ async def metrics(conn: ConnDep) -> PlainTextResponse:
         "# HELP atropos_trace_tokens_total Tokens of stored traces (cl100k_base).",
         "# TYPE atropos_trace_tokens_total gauge",
         f"atropos_trace_tokens_total {figures['total_tokens']}",
+        "# HELP atropos_batches Training batches, by delivery state.",
+        "# TYPE atropos_batches gauge",
+        *(f'atropos_batches{{state="{k}"}} {v}'
+          for k, v in sorted(figures["batches"].items()) if k != "total"),
     ]
     return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")

@@ -6,14 +6,18 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
+from app.api.auth import requires
 from app.api.deps import HubDep, RunsDep
+from app.api.openapi import errors
 from app.api.responses import JSONResponse
+from app.keys import Scope
 from app.runs import RunSpec, RunStatus
 
-router = APIRouter(prefix="/v1/runs", tags=["runs"])
+# Runs start processes on the hub's machine: every route, reads too, is admin's.
+router = APIRouter(prefix="/v1/runs", tags=["runs"], dependencies=[requires(Scope.ADMIN)])
 
 
-@router.post("", status_code=201)
+@router.post("", status_code=201, responses=errors(400, 403, 422))
 async def start_run(spec: RunSpec, request: Request, hub: HubDep, runs: RunsDep) -> JSONResponse:
     """Record the run and start its processes in the background: trainer first, then
     each environment once the one before is healthy."""
@@ -25,7 +29,7 @@ async def start_run(spec: RunSpec, request: Request, hub: HubDep, runs: RunsDep)
     )
 
 
-@router.get("")
+@router.get("", responses=errors(403))
 async def list_runs(
     runs: RunsDep,
     status: RunStatus | None = None,
@@ -34,7 +38,7 @@ async def list_runs(
     return JSONResponse({"runs": await runs.list(status, limit)})
 
 
-@router.get("/{run_id}")
+@router.get("/{run_id}", responses=errors(403, 404))
 async def get_run(
     run_id: str, runs: RunsDep, tail: Annotated[int, Query(ge=0, le=10_000)] = 0
 ) -> JSONResponse:
@@ -42,7 +46,7 @@ async def get_run(
     return JSONResponse(await runs.describe(run_id, tail))
 
 
-@router.delete("/{run_id}", status_code=202)
+@router.delete("/{run_id}", status_code=202, responses=errors(403, 404, 409))
 async def stop_run(run_id: str, runs: RunsDep) -> JSONResponse:
     """Stop the run: environments first, then the trainer (SIGTERM, stop_timeout,
     SIGKILL). Answers at once with status `stopping`; GET shows when it is `stopped`."""

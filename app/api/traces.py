@@ -7,11 +7,14 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 
+from app.api.auth import requires
 from app.api.body import parse_items, read_body
 from app.api.deps import ConnDep, HubDep
+from app.api.openapi import errors
 from app.api.responses import JSONResponse
 from app.errors import HubError, PayloadTooLarge
 from app.inserter import Stored
+from app.keys import Scope
 from app.store import TraceFilter, View, get_trace, list_traces
 
 INGEST_BODY_DOC: dict[str, Any] = {
@@ -37,7 +40,13 @@ INGEST_BODY_DOC: dict[str, Any] = {
 def router(endpoint: str) -> APIRouter:
     api = APIRouter(tags=["traces"])
 
-    @api.post(endpoint, status_code=202, openapi_extra=INGEST_BODY_DOC)
+    @api.post(
+        endpoint,
+        status_code=202,
+        openapi_extra=INGEST_BODY_DOC,
+        dependencies=[requires(Scope.INGEST)],
+        responses=errors(400, 409, 413, 415, 422, 503),
+    )
     async def ingest(request: Request, hub: HubDep) -> JSONResponse:
         limits = hub.config.limits
         body = await read_body(request, limits.max_body_bytes)
@@ -56,7 +65,7 @@ def router(endpoint: str) -> APIRouter:
             {"results": [_result(r) for r in results]}, status_code=207
         )
 
-    @api.get(endpoint)
+    @api.get(endpoint, dependencies=[requires(Scope.READ)], responses=errors(400))
     async def list_(
         conn: ConnDep,
         stage: str | None = None,
@@ -74,7 +83,9 @@ def router(endpoint: str) -> APIRouter:
         records, next_cursor = await list_traces(conn, where, limit, cursor)
         return JSONResponse({"traces": records, "next_cursor": next_cursor})
 
-    @api.get(endpoint + "/{trace_id}")
+    @api.get(
+        endpoint + "/{trace_id}", dependencies=[requires(Scope.READ)], responses=errors(404)
+    )
     async def get(trace_id: str, conn: ConnDep, view: View = "canonical") -> JSONResponse:
         return JSONResponse(await get_trace(conn, trace_id, view))
 

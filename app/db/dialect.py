@@ -160,6 +160,20 @@ def skip_locked(select: sa.Select[Any], dialect: Dialect) -> sa.Select[Any]:
     assert_never(dialect)
 
 
+def picked_once(select: sa.Select[Any], dialect: Dialect) -> sa.CTE:
+    """The rows a claim picks, as a CTE that the database evaluates exactly once.
+
+    PostgreSQL may re-run `IN (SELECT ... LIMIT n FOR UPDATE SKIP LOCKED)` while it
+    updates, and each re-run skips the rows the previous one locked, so a claim of n
+    rows could take more; a MATERIALIZED CTE runs once. SQLite runs it once anyway."""
+    picked = skip_locked(select, dialect).cte("picked")
+    if dialect == "postgresql":
+        return picked.prefix_with("MATERIALIZED")
+    if dialect == "sqlite":
+        return picked
+    assert_never(dialect)
+
+
 def reject_reason_counts(dialect: Dialect) -> sa.TextClause:
     """(filter, traces) over traces.reject_reasons, a JSON array of {"filter", ...}."""
     if dialect == "sqlite":
@@ -192,4 +206,18 @@ def rule_firing_counts(dialect: Dialect) -> sa.TextClause:
             "FROM traces, jsonb_each(traces.reward_breakdown) AS b "
             "WHERE (b.value->>'fired')::boolean GROUP BY name"
         )
+    assert_never(dialect)
+
+
+def after_bulk_delete(dialect: Dialect, *, vacuum: bool) -> list[str]:
+    """Statements to run (outside a transaction) after deleting many traces.
+
+    SQLite: VACUUM gives the freed pages back to the file system (it rewrites the file
+    and holds the write lock meanwhile, hence optional); ANALYZE refreshes the planner's
+    statistics. PostgreSQL: autovacuum reclaims the space without locking the table
+    (VACUUM FULL would lock it), so only ANALYZE."""
+    if dialect == "sqlite":
+        return (["VACUUM"] if vacuum else []) + ["ANALYZE"]
+    if dialect == "postgresql":
+        return ["ANALYZE traces"]
     assert_never(dialect)

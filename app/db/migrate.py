@@ -24,12 +24,14 @@ def _alembic_config(sync_conn: sa.Connection | None = None) -> Config:
 
 
 def head_revision() -> str:
-    head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
-    assert head is not None
-    return head
+    """The revision(s) the code expects, as `current_revision` reports them."""
+    heads = ScriptDirectory.from_config(_alembic_config()).get_heads()
+    return ",".join(sorted(heads))
 
 
-async def upgrade(engine: AsyncEngine, revision: str = "head") -> None:
+async def upgrade(engine: AsyncEngine, revision: str = "heads") -> None:
+    """To `revision`; by default every head (the history is linear, but a branch that
+    adds tables on its own must not block start-up)."""
     async with engine.begin() as conn:
         await conn.run_sync(_upgrade, revision)
 
@@ -41,9 +43,10 @@ async def downgrade(engine: AsyncEngine, revision: str) -> None:
 
 async def current_revision(engine: AsyncEngine) -> str | None:
     async with engine.connect() as conn:
-        return await conn.run_sync(
-            lambda c: MigrationContext.configure(c).get_current_revision()
+        heads = await conn.run_sync(
+            lambda c: MigrationContext.configure(c).get_current_heads()
         )
+    return ",".join(sorted(heads)) or None
 
 
 def _upgrade(sync_conn: sa.Connection, revision: str) -> None:

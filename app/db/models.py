@@ -70,6 +70,51 @@ class TraceRow(Base):
 TRACES: sa.Table = TraceRow.__table__  # type: ignore[assignment]
 
 
+class BatchRow(Base):
+    """A batch of exactly distributor.batch_size passing traces, and its delivery.
+
+    `batch_id` is the idempotency key towards the target. `receipt` is what the target
+    reported (file, HTTP status, training job), kept as delivery goes so that a
+    redelivery resumes a training job instead of starting a second one."""
+
+    __tablename__ = "batches"
+
+    batch_id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp, index=True)
+    updated_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    size: Mapped[int] = mapped_column(sa.Integer)
+    target: Mapped[str] = mapped_column(sa.String(16))
+    format: Mapped[str] = mapped_column(sa.String(16))
+    state: Mapped[str] = mapped_column(sa.String(16))
+    attempts: Mapped[int] = mapped_column(sa.Integer, server_default="0")
+    lease_owner: Mapped[str | None] = mapped_column(sa.String(64))
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+    last_error: Mapped[str | None] = mapped_column(sa.Text)
+    delivered_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+    receipt: Mapped[dict[str, Any] | None] = mapped_column(JSON_)
+
+    __table_args__ = (sa.Index("ix_batches_state_created_at", "state", "created_at"),)
+
+
+class BatchTraceRow(Base):
+    """Membership: the primary key on trace_id is what keeps a trace out of two batches."""
+
+    __tablename__ = "batch_traces"
+
+    trace_id: Mapped[str] = mapped_column(
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), primary_key=True
+    )
+    batch_id: Mapped[str] = mapped_column(
+        sa.String(64), sa.ForeignKey("batches.batch_id", ondelete="CASCADE"), index=True
+    )
+    position: Mapped[int] = mapped_column(sa.Integer)
+
+
+# Core tables for the batch statements (formation, claims, acknowledgement).
+BATCHES: sa.Table = BatchRow.__table__  # type: ignore[assignment]
+MEMBERS: sa.Table = BatchTraceRow.__table__  # type: ignore[assignment]
+
+
 class RunRow(Base):
     """One training run (app/runs): a trainer and its environments, started, watched
     and stopped by the hub. The injected model channel (keys, URLs) is never stored."""
@@ -237,3 +282,35 @@ ATROPOS_ENVS: sa.Table = AtroposEnvRow.__table__  # type: ignore[assignment]
 ATROPOS_GROUPS: sa.Table = AtroposGroupRow.__table__  # type: ignore[assignment]
 ATROPOS_PAYLOADS: sa.Table = AtroposPayloadRow.__table__  # type: ignore[assignment]
 ATROPOS_BATCHES: sa.Table = AtroposBatchRow.__table__  # type: ignore[assignment]
+
+
+class ApiKeyRow(Base):
+    """An API key (app/keys.py). Only the sha256 of its secret is kept: the key itself
+    is shown once, by `atropos keys create`."""
+
+    __tablename__ = "api_keys"
+
+    key_id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(sa.String(200))
+    scopes: Mapped[list[str]] = mapped_column(JSON_)
+    secret_hash: Mapped[str] = mapped_column(sa.String(64))
+    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+
+
+API_KEYS: sa.Table = ApiKeyRow.__table__  # type: ignore[assignment]
+
+
+class ScheduledTaskRow(Base):
+    """When a periodic task (retention) last ran, so that several hub processes run it
+    once per period between them, and a restart does not run it again early."""
+
+    __tablename__ = "scheduled_tasks"
+
+    name: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    last_started_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    last_finished_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+    last_result: Mapped[dict[str, Any] | None] = mapped_column(JSON_)
+
+
+SCHEDULED_TASKS: sa.Table = ScheduledTaskRow.__table__  # type: ignore[assignment]

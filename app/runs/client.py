@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from app.keys import bearer_from_env
 from app.runs.process import describe_exit
 
 FINISHED = {"completed", "failed", "stopped"}
@@ -36,6 +37,12 @@ _USAGE = 2
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the hub")
+    parser.add_argument(
+        "--api-key-env",
+        default="ATROPOS_API_KEY",
+        help="the environment variable holding an admin API key, when the hub has "
+        "auth.enabled (default ATROPOS_API_KEY)",
+    )
     parser.add_argument("--trainer", metavar="CMD", help="the trainer's command line")
     parser.add_argument(
         "--env",
@@ -144,7 +151,8 @@ async def main(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return _USAGE
-    async with httpx.AsyncClient(base_url=args.url, timeout=30) as client:
+    headers = bearer_from_env(args.api_key_env)
+    async with httpx.AsyncClient(base_url=args.url, timeout=30, headers=headers) as client:
         try:
             response = await client.post("/v1/runs", json=spec)
         except httpx.HTTPError as exc:

@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.compression import Compressed, Skipped, Summarizer, compress
 from app.config import CompressionConfig
@@ -41,7 +41,7 @@ class CompressionStage:
         max_trace_tokens: int,
         lease: Lease,
         summarizer: Summarizer | None = None,
-        batch: int = 8,
+        batch: int | None = None,
         on_advance: Callable[[], None] | None = None,
     ) -> None:
         self._engine = engine
@@ -49,7 +49,12 @@ class CompressionStage:
         self._max_trace_tokens = max_trace_tokens
         self._lease = lease
         self._summarizer = summarizer
-        self._batch = batch
+        # summarize_middle waits on the model for each trace: a small claim, committed
+        # trace by trace, stays well inside the lease. key_decision_extract takes a few
+        # ms a trace: a larger claim, committed in one transaction, so that the fsync
+        # per commit does not cap the stage below the ingest rate.
+        self._model_bound = policy.strategy == "summarize_middle"
+        self._batch = batch or (8 if self._model_bound else 32)
         self._on_advance = on_advance
 
     async def run_once(self) -> int:
@@ -70,81 +75,94 @@ class CompressionStage:
                     TRACES.c.attempts,
                 ],
             )
-        for row in rows:
-            await self._one(row)
+        if self._model_bound:
+            # Mostly waiting on the model: stays on the event loop with its HTTP client.
+            for row in rows:
+                await self._write([(row, await self._outcome(row))])
+        else:
+            # key_decision_extract is pure CPU (tens of ms for a long trace): run the
+            # group off the event loop so the API keeps answering. It makes no I/O, so a
+            # private loop in the worker thread is enough.
+            outcomes = await asyncio.to_thread(asyncio.run, self._outcomes(rows))
+            await self._write(list(zip(rows, outcomes)))
         if rows and self._on_advance is not None:
             self._on_advance()
         return len(rows)
 
-    async def _one(self, row: Any) -> None:
+    async def _outcomes(self, rows: list[Any]) -> list[Compressed | Skipped | Exception]:
+        return [await self._outcome(row) for row in rows]
+
+    async def _outcome(self, row: Any) -> Compressed | Skipped | Exception:
         try:
-            result = await self._compress(row)
+            return await self._compress(row)
         except Exception as exc:  # a strategy or model failure sinks only this trace
-            await self._failed(row, exc)
-            return
-        if isinstance(result, Skipped):
-            log.info("compression skipped: trace %s: %s", row.trace_id, result.reason)
-            await self._move(row.trace_id, Stage.COMPRESSION_SKIPPED,
-                             compression={"skipped": result.reason})
-        else:
-            await self._move(
-                row.trace_id,
-                Stage.COMPRESSED,
-                compressed=result.trace.model_dump(mode="json", exclude_none=True),
-                compressed_tokens=result.tokens_after,
-                compression=result.record(),
-            )
+            return exc
+
+    async def _write(self, outcomes: list[tuple[Any, Compressed | Skipped | Exception]]) -> None:
+        async with self._engine.begin() as conn:
+            for row, result in outcomes:
+                if isinstance(result, Exception):
+                    await self._failed(conn, row, result)
+                elif isinstance(result, Skipped):
+                    log.info("compression skipped: trace %s: %s", row.trace_id, result.reason)
+                    await self._move(conn, row.trace_id, Stage.COMPRESSION_SKIPPED,
+                                     compression={"skipped": result.reason})
+                else:
+                    await self._move(
+                        conn,
+                        row.trace_id,
+                        Stage.COMPRESSED,
+                        compressed=result.trace.model_dump(mode="json", exclude_none=True),
+                        compressed_tokens=result.tokens_after,
+                        compression=result.record(),
+                    )
 
     async def _compress(self, row: Any) -> Compressed | Skipped:
-        trace = Trace.model_validate(row.trace)
-        args = (trace, row.total_tokens, self._policy)
-        kwargs: dict[str, Any] = {
-            "forced": row.total_tokens > self._max_trace_tokens,
-            "reward": row.reward,
-            "breakdown": row.reward_breakdown,
-        }
-        if self._policy.strategy == "summarize_middle":
-            # Mostly waiting on the model: stays on the event loop with its HTTP client.
-            return await compress(*args, summarizer=self._summarizer, **kwargs)
-        # key_decision_extract is pure CPU (tens of ms for a long trace): run it off the
-        # event loop so the API keeps answering. It makes no I/O, so a private loop in
-        # the worker thread is enough.
-        return await asyncio.to_thread(asyncio.run, compress(*args, **kwargs))
+        return await compress(
+            Trace.model_validate(row.trace),
+            row.total_tokens,
+            self._policy,
+            # The summarizer's HTTP client lives on the event loop; only summarize_middle,
+            # which runs there, may use it.
+            summarizer=self._summarizer if self._model_bound else None,
+            forced=row.total_tokens > self._max_trace_tokens,
+            reward=row.reward,
+            breakdown=row.reward_breakdown,
+        )
 
-    async def _move(self, trace_id: str, target: Stage, **values: Any) -> bool:
-        async with self._engine.begin() as conn:
-            result = await conn.execute(
-                sa.update(TRACES)
-                .where(
-                    TRACES.c.trace_id == trace_id,
-                    TRACES.c.stage == Stage.ACCEPTED.value,
-                    held_by(TRACES, self._lease),
-                )
-                .values(stage=target.value, updated_at=utcnow(), stage_error=None,
-                        **RELEASED, **values)
+    async def _move(
+        self, conn: AsyncConnection, trace_id: str, target: Stage, **values: Any
+    ) -> bool:
+        result = await conn.execute(
+            sa.update(TRACES)
+            .where(
+                TRACES.c.trace_id == trace_id,
+                TRACES.c.stage == Stage.ACCEPTED.value,
+                held_by(TRACES, self._lease),
             )
+            .values(stage=target.value, updated_at=utcnow(), stage_error=None,
+                    **RELEASED, **values)
+        )
         moved = result.rowcount == 1
         if not moved:
             log.warning("trace %s: lease lost before the move to %s; left to its new owner",
                         trace_id, target.value)
         return moved
 
-    async def _failed(self, row: Any, exc: Exception) -> None:
+    async def _failed(self, conn: AsyncConnection, row: Any, exc: Exception) -> None:
         error = f"{type(exc).__name__}: {exc}"
         if row.attempts >= MAX_ATTEMPTS:
             log.error("trace %s: compression failed %d times, giving up: %s",
                       row.trace_id, row.attempts, error)
-            await self._move(row.trace_id, Stage.COMPRESSION_FAILED, stage_error=error)
+            await self._move(conn, row.trace_id, Stage.COMPRESSION_FAILED, stage_error=error)
             return
         retry_in = RETRY_BACKOFF_SECONDS * row.attempts
         log.warning("trace %s: compression failed (attempt %d of %d), retrying in %d s: %s",
                     row.trace_id, row.attempts, MAX_ATTEMPTS, retry_in, error)
-        async with self._engine.begin() as conn:
-            # Keep the lease but shorten it to the backoff: the trace is claimable again
-            # (by any worker) once it runs out.
-            await conn.execute(
-                sa.update(TRACES)
-                .where(TRACES.c.trace_id == row.trace_id, held_by(TRACES, self._lease))
-                .values(stage_error=error,
-                        lease_expires_at=utcnow() + timedelta(seconds=retry_in))
-            )
+        # Keep the lease but shorten it to the backoff: the trace is claimable again
+        # (by any worker) once it runs out.
+        await conn.execute(
+            sa.update(TRACES)
+            .where(TRACES.c.trace_id == row.trace_id, held_by(TRACES, self._lease))
+            .values(stage_error=error, lease_expires_at=utcnow() + timedelta(seconds=retry_in))
+        )

@@ -1,7 +1,7 @@
 """runs and run_processes tables (training runs)
 
 Revision ID: 0005
-Revises: 0002
+Revises: 0004
 Create Date: 2026-12-01
 """
 
@@ -13,7 +13,7 @@ from alembic import op
 from migrations.types import JSON_, TIMESTAMP
 
 revision = "0005"
-down_revision = "0002"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 

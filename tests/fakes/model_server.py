@@ -1,5 +1,9 @@
 """A small fake OpenAI-compatible model endpoint, served by uvicorn on 127.0.0.1 in a
-thread, speaking the real protocol: `POST {prefix}/chat/completions` with a Bearer key.
+thread, speaking the real protocol with a Bearer key: `POST {prefix}/chat/completions`,
+and the fine-tuning API: `POST {prefix}/files` (multipart), `POST/GET
+{prefix}/fine_tuning/jobs` (list filtered by `metadata[k]=v`), `GET
+{prefix}/fine_tuning/jobs/{id}`. A job moves validating_files -> running -> `job_outcome`
+over `job_polls` GETs; an `Idempotency-Key` already seen answers the job it created.
 
 Faults are scripted per request (`fake.faults.extend([...])`, consumed in order):
 "401", "403", "404", "500", "502", "no_choices", "echo_key" (a 400 whose body
@@ -13,6 +17,9 @@ repeats the key, as some providers do), ("429", retry_after) and ("slow", second
 from __future__ import annotations
 
 import asyncio
+import email
+import email.policy
+import json
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -48,17 +55,42 @@ class FakeModel:
     reply: Callable[[dict[str, Any]], str] = _summary
     faults: list[Fault] = field(default_factory=list)
     received: list[Received] = field(default_factory=list)
+    # Fine-tuning: uploaded files (id -> bytes), jobs (id -> job object), and how jobs end.
+    files: dict[str, bytes] = field(default_factory=dict)
+    jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    job_polls: int = 2
+    job_outcome: str = "succeeded"
+    _polls: dict[str, int] = field(default_factory=dict)
+    _keys: dict[str, str] = field(default_factory=dict)
 
     def app(self) -> Starlette:
         return Starlette(routes=[Route("/{path:path}", self._handle, methods=["POST", "GET"])])
 
+    def reset(self) -> None:
+        """Back to a fresh server's state (one server serves a whole test module)."""
+        fresh = FakeModel(key=self.key)
+        for name in ("prefix", "faults", "received", "files", "jobs", "job_polls",
+                     "job_outcome", "_polls", "_keys"):
+            setattr(self, name, getattr(fresh, name))
+
     async def _handle(self, request: Request) -> Response:
-        body = await request.json() if request.method == "POST" else {}
+        raw = await request.body()
+        media = request.headers.get("content-type", "")
+        if media.startswith("multipart/form-data"):
+            body: dict[str, Any] = _multipart(media, raw)
+        else:
+            body = json.loads(raw) if raw else {}
         self.received.append(Received(request.url.path, dict(request.headers), body))
-        if request.url.path != f"{self.prefix}/chat/completions":
-            return _error(404, "not_found", f"no route {request.url.path}")
+        path = request.url.path
+        if not path.startswith(f"{self.prefix}/"):
+            return _error(404, "not_found", f"no route {path}")
+        route = path[len(self.prefix) + 1 :]
+        if route != "chat/completions" and not route.startswith(("files", "fine_tuning/jobs")):
+            return _error(404, "not_found", f"no route {path}")
         if request.headers.get("authorization") != f"Bearer {self.key}":
             return _error(401, "invalid_api_key", "Incorrect API key provided")
+        if route != "chat/completions":
+            return self._fine_tuning(request, route, body)
         fault = self.faults.pop(0) if self.faults else None
         if fault == "echo_key":
             return _error(400, "invalid_request", f"bad request for key {self.key}")
@@ -68,7 +100,7 @@ class FakeModel:
             {
                 "id": "chatcmpl-fake",
                 "object": "chat.completion",
-                "model": self.model,
+                "model": body.get("model") or self.model,
                 "choices": [
                     {
                         "index": 0,
@@ -79,6 +111,65 @@ class FakeModel:
                 "usage": {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120},
             }
         )
+
+
+    def _fine_tuning(self, request: Request, route: str, body: dict[str, Any]) -> Response:
+        key = request.headers.get("idempotency-key")
+        if route == "files" and request.method == "POST":
+            file_id = f"file-{len(self.files) + 1}"
+            self.files[file_id] = body["file"]
+            return JSONResponse({"id": file_id, "object": "file", "purpose": body.get("purpose"),
+                                 "bytes": len(body["file"]), "filename": body.get("filename")})
+        if route == "fine_tuning/jobs" and request.method == "POST":
+            if key and key in self._keys:
+                return JSONResponse(self.jobs[self._keys[key]])
+            if body.get("training_file") not in self.files:
+                return _error(400, "invalid_file", f"no file {body.get('training_file')}")
+            job_id = f"ftjob-{len(self.jobs) + 1}"
+            self.jobs[job_id] = {
+                "id": job_id, "object": "fine_tuning.job", "model": body["model"],
+                "status": "validating_files", "fine_tuned_model": None,
+                "training_file": body["training_file"],
+                "hyperparameters": body.get("hyperparameters"),
+                "metadata": body.get("metadata"), "suffix": body.get("suffix"), "error": None,
+            }
+            if key:
+                self._keys[key] = job_id
+            return JSONResponse(self.jobs[job_id])
+        if route == "fine_tuning/jobs":
+            wanted = {k[len("metadata["):-1]: v for k, v in request.query_params.items()
+                      if k.startswith("metadata[")}
+            found = [j for j in self.jobs.values()
+                     if all((j.get("metadata") or {}).get(k) == v for k, v in wanted.items())]
+            return JSONResponse({"object": "list", "data": found, "has_more": False})
+        job = self.jobs.get(route.rsplit("/", 1)[-1])
+        if job is None:
+            return _error(404, "not_found", f"no job at {route}")
+        polls = self._polls[job["id"]] = self._polls.get(job["id"], 0) + 1
+        if job["status"] not in ("succeeded", "failed", "cancelled"):
+            job["status"] = "running" if polls < self.job_polls else self.job_outcome
+            if job["status"] == "succeeded":
+                job["fine_tuned_model"] = f"ft:{job['model']}:{job['suffix']}"
+            elif job["status"] == "failed":
+                job["error"] = {"code": "invalid_training_file", "message": "scripted failure"}
+        return JSONResponse(job)
+
+
+def _multipart(content_type: str, raw: bytes) -> dict[str, Any]:
+    """Form fields as text, the file field as bytes (and its name under `filename`)."""
+    message = email.message_from_bytes(
+        f"Content-Type: {content_type}\r\n\r\n".encode() + raw, policy=email.policy.HTTP
+    )
+    fields: dict[str, Any] = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        data = part.get_payload(decode=True) or b""
+        if part.get_filename():
+            fields[str(name)] = data
+            fields["filename"] = part.get_filename()
+        else:
+            fields[str(name)] = data.decode()
+    return fields
 
 
 async def _fault(fault: Fault) -> Response:

@@ -1,0 +1,54 @@
+"""The scope guard on /v1 routes.
+
+A route opts in with one dependency, on the route or on its whole router:
+
+    @api.get("/v1/things", dependencies=[requires(Scope.READ)])
+    api = APIRouter(prefix="/v1/runs", dependencies=[requires(Scope.ADMIN)])
+
+The guard rests on FastAPI's HTTPBearer, so each guarded operation carries its
+`security` requirement (with the scope) in the OpenAPI document; `install_openapi`
+adds the 401/403/429 answers to those operations and, from the same document,
+`create_app` refuses to build an app with a /v1 operation that has no guard (an
+endpoint added later cannot be open by mistake). /healthz, /readyz, /metrics, the
+docs pages and the Atropos API (its clients send no key) live outside /v1, open.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from app.access import Principal
+from app.api.deps import HubDep
+from app.api.openapi import BEARER_SCHEME
+from app.keys import Scope
+
+# auto_error off: a missing or malformed header is ours to answer, in the hub's shape.
+_BEARER = HTTPBearer(
+    scheme_name=BEARER_SCHEME,
+    description="An API key from `atropos keys create`, when auth.enabled is true",
+    auto_error=False,
+)
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
+Guard = Callable[..., Awaitable[Principal]]
+
+
+def _guard(scope: Scope) -> Guard:
+    async def guard(request: Request, hub: HubDep, credentials: Credentials) -> Principal:
+        client = request.client.host if request.client else "unknown"
+        presented = credentials.credentials if credentials else None
+        return await hub.access.authorize(presented, client, scope)
+
+    guard.__name__ = f"requires_{scope}"
+    return guard
+
+
+_GUARDS: dict[Scope, Guard] = {scope: _guard(scope) for scope in Scope}
+
+
+def requires(scope: Scope) -> Any:
+    """The dependency that admits a request with a key holding `scope` (or admin)."""
+    return Security(_GUARDS[scope], scopes=[scope.value])

@@ -1,0 +1,177 @@
+"""The delivery stage: lease a pending batch, hand it to the target, acknowledge it.
+
+- A lease (app/leases.py) names the worker delivering a batch and is renewed while the
+  target works (a training job polls for minutes); a worker that dies leaves a lease
+  that expires after workers.lease_seconds, and the batch is deliverable again.
+- The acknowledgement (batch `delivered`, its traces `delivered`) is one transaction
+  that checks the lease, so a batch is acknowledged exactly once; the target sees
+  the same batch_id on every attempt and delivers it once (see app/targets).
+- A failed attempt keeps the lease but shortens it to the backoff, min(base *
+  2^(attempt-1), max) with jitter below that bound, after which any worker may try
+  again; after distributor.max_attempts the batch is `failed` with its last error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.config import DistributorConfig
+from app.db.models import BATCHES, MEMBERS, TRACES
+from app.db.types import utcnow
+from app.domain import BatchState, Stage, Trace
+from app.leases import RELEASED, Lease, claim, held_by, renew
+from app.targets import Batch, BatchItem, Target
+
+log = logging.getLogger("atropos.delivery")
+
+
+def retry_delay(attempt: int, config: DistributorConfig) -> float:
+    """Seconds before attempt `attempt + 1`: exponential, capped, jittered downwards so
+    that the bounds hold (the first retry within retry_base_seconds, none later than
+    retry_max_seconds) while workers that failed together do not retry together."""
+    ceiling = min(config.retry_base_seconds * 2.0 ** (attempt - 1), config.retry_max_seconds)
+    return ceiling * random.uniform(0.5, 1.0)
+
+
+class DeliveryStage:
+    name = "delivery"
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        target: Target,
+        config: DistributorConfig,
+        *,
+        lease: Lease,
+        on_advance: Callable[[], None] | None = None,
+    ) -> None:
+        self._engine = engine
+        self._target = target
+        self._config = config
+        self._lease = lease
+        self._on_advance = on_advance
+
+    async def run_once(self) -> int:
+        """Deliver one batch (attempt it, at least); 0 when none is due."""
+        async with self._engine.begin() as conn:
+            rows = await claim(
+                conn,
+                BATCHES,
+                where=BATCHES.c.state == BatchState.PENDING.value,
+                order_by=BATCHES.c.created_at,
+                limit=1,
+                lease=self._lease,
+                returning=[BATCHES.c.batch_id, BATCHES.c.created_at, BATCHES.c.attempts,
+                           BATCHES.c.receipt],
+            )
+        if not rows:
+            return 0
+        row = rows[0]
+        heartbeat = asyncio.create_task(self._keep_lease(row.batch_id))
+        try:
+            batch = await self._load(row)
+            receipt = await self._target.deliver(batch, lambda r: self._save(batch.batch_id, r))
+        except Exception as exc:  # any failure sinks this attempt only; it is on the row
+            await self._failed(row.batch_id, row.attempts, exc)
+            return 1
+        finally:
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+        if await self._acknowledge(batch, receipt) and self._on_advance is not None:
+            self._on_advance()
+        return 1
+
+    async def _load(self, row: Any) -> Batch:
+        c = TRACES.c
+        query = (
+            sa.select(c.trace_id, c.reward, c.trace, c.compressed)
+            .join(MEMBERS, MEMBERS.c.trace_id == c.trace_id)
+            .where(MEMBERS.c.batch_id == row.batch_id)
+            .order_by(MEMBERS.c.position)
+        )
+        async with self._engine.connect() as conn:
+            members = (await conn.execute(query)).all()
+        items = []
+        for m in members:
+            compressed = self._config.use_compressed and m.compressed is not None
+            payload = m.compressed if compressed else m.trace
+            items.append(BatchItem(m.trace_id, m.reward, Trace.model_validate(payload), compressed))
+        return Batch(row.batch_id, row.created_at, row.attempts, items, row.receipt or {})
+
+    async def _keep_lease(self, batch_id: str) -> None:
+        while True:
+            await asyncio.sleep(self._lease.seconds / 3)
+            async with self._engine.begin() as conn:
+                if not await renew(conn, BATCHES, batch_id, self._lease):
+                    log.warning("batch %s: lease lost while delivering; another worker may "
+                                "deliver it too (same batch_id)", batch_id)
+                    return
+
+    async def _save(self, batch_id: str, receipt: dict[str, Any]) -> None:
+        async with self._engine.begin() as conn:
+            await conn.execute(
+                sa.update(BATCHES)
+                .where(BATCHES.c.batch_id == batch_id, held_by(BATCHES, self._lease))
+                .values(receipt=receipt, updated_at=utcnow())
+            )
+
+    async def _acknowledge(self, batch: Batch, receipt: dict[str, Any]) -> bool:
+        now = utcnow()
+        async with self._engine.begin() as conn:
+            acked = await conn.execute(
+                sa.update(BATCHES)
+                .where(
+                    BATCHES.c.batch_id == batch.batch_id,
+                    BATCHES.c.state == BatchState.PENDING.value,
+                    held_by(BATCHES, self._lease),
+                )
+                .values(state=BatchState.DELIVERED.value, delivered_at=now, updated_at=now,
+                        receipt=receipt, target=self._target.name, **RELEASED)
+            )
+            if acked.rowcount != 1:
+                log.warning("batch %s: delivered, but the lease was lost first; its new "
+                            "owner acknowledges it", batch.batch_id)
+                return False
+            members = sa.select(MEMBERS.c.trace_id).where(MEMBERS.c.batch_id == batch.batch_id)
+            await conn.execute(
+                sa.update(TRACES)
+                .where(TRACES.c.trace_id.in_(members), TRACES.c.stage == Stage.BATCHED.value)
+                .values(stage=Stage.DELIVERED.value, updated_at=now)
+            )
+        log.info("batch %s delivered to %s (%d traces, attempt %d)", batch.batch_id,
+                 self._target.name, len(batch.items), batch.attempts)
+        return True
+
+    async def _failed(self, batch_id: str, attempts: int, exc: Exception) -> None:
+        error = f"{type(exc).__name__}: {exc}"
+        limit = self._config.max_attempts
+        where = sa.and_(BATCHES.c.batch_id == batch_id,
+                        BATCHES.c.state == BatchState.PENDING.value, held_by(BATCHES, self._lease))
+        if attempts >= limit:
+            log.error("batch %s: delivery to %s failed %d times, giving up: %s; "
+                      "`atropos batches retry %s` re-queues it", batch_id,
+                      self._target.name, attempts, error, batch_id)
+            values: dict[str, Any] = {"state": BatchState.FAILED.value, **RELEASED}
+        else:
+            delay = retry_delay(attempts, self._config)
+            log.warning("batch %s: delivery to %s failed (attempt %d of %d), retrying in "
+                        "%.1f s: %s", batch_id, self._target.name, attempts, limit,
+                        delay, error)
+            # Keep the lease, shortened to the backoff: claimable again once it runs out.
+            values = {"lease_expires_at": utcnow() + timedelta(seconds=delay)}
+            if self._on_advance is not None:
+                # Wake the stages when it is due, not at the next flush interval.
+                asyncio.get_running_loop().call_later(delay + 0.05, self._on_advance)
+        async with self._engine.begin() as conn:
+            await conn.execute(
+                sa.update(BATCHES).where(where).values(last_error=error, updated_at=utcnow(),
+                                                       **values)
+            )

@@ -1,0 +1,95 @@
+"""The `jsonl` target: one training file per batch, `<batch_id>.jsonl` in
+distributor.output_dir (one record per line in distributor.format), and one line per
+batch in `manifest.jsonl` beside them. No network; always available.
+
+Atomic and idempotent: the file is written to a temporary name, fsynced and renamed,
+so a reader never sees half a batch; the manifest line is appended after the rename,
+and only when no earlier attempt got that far (then the file already existed and the
+manifest is checked), so a redelivery leaves one file and one manifest line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from app.db.types import utcnow
+from app.targets import Batch, SaveReceipt
+
+MANIFEST = "manifest.jsonl"
+
+
+class JsonlTarget:
+    name = "jsonl"
+
+    def __init__(self, output_dir: str, fmt: str) -> None:
+        self._dir = Path(output_dir)
+        self._fmt = fmt
+
+    async def deliver(self, batch: Batch, save: SaveReceipt) -> dict[str, Any]:
+        # Serialising and fsyncing is blocking work: off the event loop.
+        return await asyncio.to_thread(self._write, batch)
+
+    def _write(self, batch: Batch) -> dict[str, Any]:
+        self._dir.mkdir(parents=True, exist_ok=True)
+        path = self._dir / f"{batch.batch_id}.jsonl"
+        body = b"".join(orjson.dumps(item.record(self._fmt)) + b"\n" for item in batch.items)
+        existed = path.exists()
+        # A name of its own: a worker whose lease expired may still be writing the same batch.
+        tmp = self._dir / f".{batch.batch_id}.{uuid.uuid4().hex[:8]}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(self._dir)
+        entry = {
+            "batch_id": batch.batch_id,
+            "file": path.name,
+            "format": self._fmt,
+            "size": len(batch.items),
+            "bytes": len(body),
+            "sha256": hashlib.sha256(body).hexdigest(),
+            "created_at": batch.created_at.isoformat(),
+            "written_at": utcnow().isoformat(),
+            "trace_ids": [item.trace_id for item in batch.items],
+        }
+        manifest = self._dir / MANIFEST
+        if not (existed and _listed(manifest, batch.batch_id)):
+            _append(manifest, orjson.dumps(entry) + b"\n")
+        return {"file": str(path), "format": self._fmt, "bytes": len(body),
+                "sha256": entry["sha256"]}
+
+
+def _listed(manifest: Path, batch_id: str) -> bool:
+    if not manifest.exists():
+        return False
+    needle = orjson.dumps(batch_id)
+    with open(manifest, "rb") as f:
+        return any(needle in line and orjson.loads(line).get("batch_id") == batch_id
+                   for line in f)
+
+
+def _append(path: Path, line: bytes) -> None:
+    # O_APPEND with one write(): concurrent writers (several workers) never interleave.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

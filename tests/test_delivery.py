@@ -1,0 +1,145 @@
+"""The delivery stage against a fake HTTP trainer on 127.0.0.1: a worker killed with
+kill -9 mid-delivery loses nothing and its redelivery carries the same key; failures
+retry with backoff; a target that keeps failing ends visibly failed and can be
+re-queued."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from app.config import DistributorConfig
+from app.stages.delivery import retry_delay
+from tests.conftest import HubProcess, WorkerProcess, run_cli
+from tests.fakes.model_server import serve
+from tests.fakes.trainer_server import FakeTrainer
+from tests.pipeline import ingest, set_rewards, wait_until
+
+
+@pytest.fixture
+def trainer() -> Iterator[tuple[FakeTrainer, str]]:
+    fake = FakeTrainer()
+    with serve(fake) as root:
+        yield fake, f"{root}/batches"
+
+
+def sections(url: str, **distributor: Any) -> dict[str, Any]:
+    return {
+        "distributor": {"target": "http", "url": url, "batch_size": 3,
+                        "min_reward_threshold": 0, "retry_base_seconds": 0.2,
+                        "retry_max_seconds": 1, **distributor},
+        "workers": {"lease_seconds": 2},
+    }
+
+
+def batches(client: httpx.Client) -> list[dict[str, Any]]:
+    listed: list[dict[str, Any]] = client.get("/v1/batches").json()["batches"]
+    return listed
+
+
+async def test_kill_9_mid_delivery_redelivers_with_the_same_key(
+    start_hub: Any, trace_server: dict[str, Any], trainer: tuple[FakeTrainer, str]
+) -> None:
+    fake, url = trainer
+    fake.delay = 1.0  # every delivery is in flight for a second: time to kill the worker
+    hub: HubProcess = start_hub(trace_server, "--no-workers", **sections(url))
+    ids = [f"k{i:02d}" for i in range(12)]
+    with hub.client() as client:
+        ingest(client, ids)
+    await set_rewards(trace_server, {t: 10.0 for t in ids})
+
+    worker = WorkerProcess(hub.config).start()
+    try:
+        wait_until(lambda: fake.requests, timeout=30, what="a delivery in flight")
+        worker.kill()  # the trainer is still answering: the worker never hears it
+        killed_key = fake.requests[0].key
+        worker.start()
+        with hub.client() as client:
+            wait_until(lambda: [b["state"] for b in batches(client)] == ["delivered"] * 4,
+                       timeout=60, what="every batch delivered")
+            listed = batches(client)
+    finally:
+        worker.kill()
+
+    # Every batch acknowledged by the trainer under its own id; no trace lost or twice.
+    assert sorted(fake.accepted) == sorted(b["batch_id"] for b in listed)
+    delivered = [t for ids_ in fake.accepted.values() for t in ids_]
+    assert sorted(delivered) == ids
+    # The killed delivery came again, with the same key and the same traces.
+    again = [r for r in fake.requests if r.key == killed_key]
+    assert len(again) >= 2
+    assert all(r.batch_id == killed_key and r.trace_ids == again[0].trace_ids for r in again)
+    assert all(r.encoding == "gzip" for r in fake.requests)
+    killed = next(b for b in listed if b["batch_id"] == killed_key)
+    assert killed["attempts"] >= 2
+    assert {r.trace_ids[0] for r in fake.requests if r.key != killed_key} <= set(ids)
+
+
+async def test_a_trainer_that_fails_twice_then_succeeds(
+    start_hub: Any, trace_server: dict[str, Any], trainer: tuple[FakeTrainer, str]
+) -> None:
+    fake, url = trainer
+    fake.failures = 2
+    hub = start_hub(trace_server, "--no-workers", **sections(url))
+    with hub.client() as client:
+        ingest(client, ["a", "b", "c"])
+        await set_rewards(trace_server, {"a": 1.0, "b": 2.0, "c": 3.0})
+        worker = WorkerProcess(hub.config).start()
+        try:
+            [batch] = wait_until(
+                lambda: [b for b in batches(client) if b["state"] == "delivered"],
+                timeout=30, what="the batch delivered")
+        finally:
+            worker.kill()
+    assert batch["attempts"] == 3 and "HTTP 503" in batch["last_error"]
+    assert [r.key for r in fake.requests] == [batch["batch_id"]] * 3
+    records = fake.requests[-1].records
+    assert [(r["trace_id"], r["reward"]) for r in records] == [("a", 1.0), ("b", 2.0), ("c", 3.0)]
+    assert all("messages" in r for r in records)  # distributor.format: openai by default
+    assert "retrying in" in worker.log
+
+
+async def test_a_target_that_keeps_failing_ends_failed_and_can_be_retried(
+    start_hub: Any, trace_server: dict[str, Any], trainer: tuple[FakeTrainer, str]
+) -> None:
+    fake, url = trainer
+    fake.always_fail = True
+    # A short flush interval: the worker polls for the re-queued batch (no wake-up
+    # reaches it from the `atropos batches retry` process).
+    hub = start_hub(trace_server | {"flush_interval_seconds": 0.5}, "--no-workers",
+                    **sections(url, max_attempts=3))
+    with hub.client() as client:
+        ingest(client, ["x", "y", "z"])
+        await set_rewards(trace_server, {"x": 1.0, "y": 1.0, "z": 1.0})
+        worker = WorkerProcess(hub.config).start()
+        try:
+            [failed] = wait_until(lambda: [b for b in batches(client) if b["state"] == "failed"],
+                                  timeout=30, what="the batch failed")
+            assert failed["attempts"] == 3 and "HTTP 503" in failed["last_error"]
+            assert client.get("/v1/stats").json()["batches"]["failed"] == 1
+            assert client.get("/v1/traces/x").json()["stage"] == "batched"
+            assert "giving up" in worker.log and "atropos batches retry" in worker.log
+
+            fake.always_fail = False
+            done = run_cli("batches", "retry", failed["batch_id"], "--config", str(hub.config))
+            assert done.returncode == 0, done.stderr
+            assert "pending again" in done.stdout
+            wait_until(lambda: batches(client)[0]["state"] == "delivered", timeout=60,
+                       what="the retried batch delivered")
+        finally:
+            worker.kill()
+        assert client.get("/v1/traces/x").json()["stage"] == "delivered"
+        again = run_cli("batches", "retry", failed["batch_id"], "--config", str(hub.config))
+        assert again.returncode == 1 and "not failed" in again.stderr
+        assert client.post(f"/v1/batches/{failed['batch_id']}/retry").status_code == 409
+
+
+def test_backoff_first_within_5_s_then_growing_to_at_most_a_minute() -> None:
+    config = DistributorConfig()
+    ceilings = [max(retry_delay(n, config) for _ in range(200)) for n in range(1, 10)]
+    assert ceilings[0] <= 5 and all(c <= 60 for c in ceilings)
+    assert ceilings[5] > 30  # it does grow towards the cap
+    assert min(retry_delay(1, config) for _ in range(200)) >= 2.5

@@ -1,0 +1,133 @@
+"""The per-request and per-trace limits: each refusal names its limit, nothing refused
+is stored, and the good items of a batch still are."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from app.config import LimitsConfig
+from app.errors import Invalid, PayloadTooLarge
+from app.limits import check_item, json_depth
+from tests.conftest import native_trace
+
+LIMITS = {"max_traces_per_request": 3, "max_steps_per_trace": 6, "max_step_chars": 300,
+          "max_json_depth": 8, "max_queued_traces": 50}
+
+
+def nested(levels: int) -> Any:
+    value: Any = "leaf"
+    for _ in range(levels):
+        value = {"k": value}
+    return value
+
+
+def steps(n: int) -> list[dict[str, Any]]:
+    return [{"type": "thought", "content": f"thinking, round {i}"} for i in range(n)]
+
+
+def hermes(turns: list[tuple[str, str]]) -> dict[str, Any]:
+    return {"conversations": [{"from": who, "value": text} for who, text in turns]}
+
+
+# (a trace over one limit, the status, the limit named in `field`)
+OVER = [
+    (native_trace(steps=steps(7)), 413, "max_steps_per_trace"),
+    ({"messages": [{"role": "user", "content": "hi"}] * 7}, 413, "max_steps_per_trace"),
+    # Two turns as sent, but eight steps once normalised (thoughts and tool calls).
+    (hermes([("human", "go"), ("gpt", "<think>a</think><think>b</think>" + "".join(
+        f'<tool_call>{{"name": "t{i}", "arguments": {{}}}}</tool_call>' for i in range(6)))]),
+     413, "max_steps_per_trace"),
+    (native_trace(steps=[{"type": "thought", "content": "x" * 301}]), 413, "max_step_chars"),
+    (native_trace(steps=[{"type": "action", "tool": "t", "call_id": "c",
+                          "arguments": {"text": "y" * 300}}]), 413, "max_step_chars"),
+    ({"messages": [{"role": "user", "content": "z" * 400}]}, 413, "max_step_chars"),
+    (native_trace(metadata=nested(8)), 422, "max_json_depth"),
+    (native_trace(steps=[{"type": "action", "tool": "t", "call_id": "c",
+                          "arguments": nested(7)}]), 422, "max_json_depth"),
+]
+
+
+@pytest.fixture
+def limited(start_hub: Any, trace_server: dict[str, Any]) -> httpx.Client:
+    hub = start_hub(trace_server, limits=LIMITS)
+    with hub.client() as client:
+        yield client
+
+
+def test_each_limit_is_named(limited: httpx.Client) -> None:
+    for trace, status, limit in OVER:
+        r = limited.post("/v1/traces", json=trace)
+        assert r.status_code == status, (limit, r.text)
+        error = r.json()["error"]
+        assert error["field"] == f"limits.{limit}"
+        assert f"limits.{limit}" in error["message"]
+    # The same traces in one batch: each answered on its own, the good one stored.
+    r = limited.post("/v1/traces", json={"traces": [OVER[0][0], native_trace(trace_id="ok"),
+                                                    OVER[-1][0]]})
+    assert r.status_code == 207
+    results = r.json()["results"]
+    assert results[0]["error"]["field"] == "limits.max_steps_per_trace"
+    assert results[1]["trace_id"] == "ok"
+    assert results[2]["error"]["field"] == "limits.max_json_depth"
+    assert limited.get("/v1/stats").json()["traces"] == 1
+    # Just under every limit is fine.
+    at_limits = native_trace(steps=[*steps(5), {"type": "final", "content": "w" * 300}],
+                             metadata=nested(6))
+    assert limited.post("/v1/traces", json=at_limits).status_code == 202
+
+
+def test_traces_per_request(limited: httpx.Client) -> None:
+    r = limited.post("/v1/traces", json=[native_trace()] * 4)
+    assert r.status_code == 413
+    assert r.json()["error"]["field"] == "limits.max_traces_per_request"
+    ndjson = "\n".join([httpx.Response(200, json=native_trace()).text] * 4)
+    r = limited.post("/v1/traces", content=ndjson,
+                     headers={"content-type": "application/x-ndjson"})
+    assert r.status_code == 413
+    assert limited.get("/v1/stats").json()["traces"] == 0
+    assert limited.post("/v1/traces", json=[native_trace()] * 3).status_code == 207
+
+
+def test_limits_config_must_be_consistent() -> None:
+    with pytest.raises(ValueError, match="max_queued_traces"):
+        LimitsConfig(max_traces_per_request=100, max_queued_traces=10)
+    with pytest.raises(ValueError, match="max_json_depth"):
+        LimitsConfig(max_json_depth=300)
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+_JSON = st.recursive(
+    st.none() | st.integers() | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=2), inner,
+                                                               max_size=3),
+    max_leaves=30,
+)
+
+
+@given(_JSON, st.integers(min_value=1, max_value=12))
+def test_json_depth_counts_nesting(value: Any, stop_after: int) -> None:
+    assert json_depth(value, stop_after) == min(_depth(value), stop_after + 1)
+
+
+def test_check_item_before_parsing() -> None:
+    limits = LimitsConfig(max_json_depth=4, max_steps_per_trace=2)
+    check_item({"steps": [1, 2], "a": {"b": {"c": 1}}}, limits)
+    with pytest.raises(Invalid):
+        check_item({"a": {"b": {"c": {"d": {}}}}}, limits)
+    with pytest.raises(PayloadTooLarge):
+        check_item({"conversations": [{}, {}, {}]}, limits)
+    # Deeper than Python's recursion limit: still just a refusal.
+    with pytest.raises(Invalid):
+        check_item(nested(5000), limits)
