@@ -377,6 +377,12 @@ def test_bad_input_gets_4xx(api: httpx.Client) -> None:
     r = api.post("/scored_data", json={**group(1), "messages": [[{"role": "user"}]]})
     assert r.status_code == 422
     assert api.post("/register", json={**TRAINER, "batch_size": 0}).status_code == 422
+    assert api.post("/register", json={**TRAINER, "num_steps": 2**40}).status_code == 422
+    r = api.post(
+        "/register-env",
+        json={"max_token_length": 1, "desired_name": "a\x00", "weight": 1, "group_size": 1},
+    )
+    assert r.status_code == 422 and r.json()["error"]["field"] == "desired_name"
     assert api.post("/scored_data", content=b"{").status_code == 422
 
 

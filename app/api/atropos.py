@@ -16,8 +16,11 @@ from starlette.responses import PlainTextResponse, Response
 from app.api.body import read_body
 from app.api.deps import HubDep
 from app.api.gzipped import GzipRoute
+from app.api.openapi import errors
 from app.api.responses import JSONResponse
 from app.atropos.models import (
+    INT32_MAX,
+    INT32_MIN,
     BatchAck,
     EnvIdentifier,
     RegisterEnv,
@@ -28,6 +31,9 @@ from app.config import AtroposConfig
 from app.errors import BadRequest, Forbidden, Unauthorized
 
 ADMIN_KEY_HEADER = "X-Admin-Key"
+_BODY_ERRORS = errors(400, 413, 415, 422)
+_QUEUE_ERRORS = errors(400, 413, 415, 422, 503)
+_ACK_ERRORS = errors(400, 404, 413, 415, 422, 503)
 M = TypeVar("M", bound=BaseModel)
 _GROUPS = TypeAdapter(list[ScoredData])
 
@@ -41,28 +47,32 @@ def router(config: AtroposConfig) -> APIRouter:
     async def root() -> JSONResponse:
         return JSONResponse({"message": "AtroposLib API"})
 
-    @api.post("/register", openapi_extra=_body_doc(Registration))
+    @api.post("/register", openapi_extra=_body_doc(Registration), responses=_BODY_ERRORS)
     async def register(request: Request, hub: HubDep) -> Response:
         body = _parse(Registration, await _body(request, hub))
         # The uuid is a 128-bit int, beyond orjson; the stdlib writes any int.
         return _raw_json(json.dumps(await hub.atropos.register(body)).encode())
 
-    @api.post("/register-env", openapi_extra=_body_doc(RegisterEnv))
+    @api.post("/register-env", openapi_extra=_body_doc(RegisterEnv), responses=_BODY_ERRORS)
     async def register_env(request: Request, hub: HubDep) -> JSONResponse:
         body = _parse(RegisterEnv, await _body(request, hub))
         return JSONResponse(await hub.atropos.register_env(body))
 
-    @api.post("/disconnect-env", openapi_extra=_body_doc(EnvIdentifier))
+    @api.post("/disconnect-env", openapi_extra=_body_doc(EnvIdentifier), responses=_BODY_ERRORS)
     async def disconnect_env(request: Request, hub: HubDep) -> JSONResponse:
         body = _parse(EnvIdentifier, await _body(request, hub))
         return JSONResponse(await hub.atropos.disconnect_env(body.env_id))
 
-    @api.post("/scored_data", openapi_extra=_body_doc(ScoredData))
+    @api.post("/scored_data", openapi_extra=_body_doc(ScoredData), responses=_QUEUE_ERRORS)
     async def scored_data(request: Request, hub: HubDep) -> JSONResponse:
         body = _parse(ScoredData, await _body(request, hub))
         return JSONResponse(await hub.atropos.scored_data(body))
 
-    @api.post("/scored_data_list", openapi_extra=_body_doc(ScoredData, many=True))
+    @api.post(
+        "/scored_data_list",
+        openapi_extra=_body_doc(ScoredData, many=True),
+        responses=_QUEUE_ERRORS,
+    )
     async def scored_data_list(request: Request, hub: HubDep) -> JSONResponse:
         try:
             groups = _GROUPS.validate_json(await _body(request, hub))
@@ -70,7 +80,7 @@ def router(config: AtroposConfig) -> APIRouter:
             raise RequestValidationError(exc.errors(include_url=False)) from None
         return JSONResponse(await hub.atropos.scored_data_list(groups))
 
-    @api.get("/batch")
+    @api.get("/batch", responses=errors(422, 503))
     async def batch(
         hub: HubDep,
         ack: Annotated[
@@ -79,7 +89,7 @@ def router(config: AtroposConfig) -> APIRouter:
     ) -> Response:
         return _raw_json(await hub.atropos.next_batch(ack=ack))
 
-    @api.post("/batch/ack", openapi_extra=_body_doc(BatchAck))
+    @api.post("/batch/ack", openapi_extra=_body_doc(BatchAck), responses=_ACK_ERRORS)
     async def batch_ack(request: Request, hub: HubDep) -> JSONResponse:
         body = _parse(BatchAck, await _body(request, hub))
         return JSONResponse(await hub.atropos.acknowledge(body.batch_id))
@@ -92,8 +102,16 @@ def router(config: AtroposConfig) -> APIRouter:
     async def status(hub: HubDep) -> JSONResponse:
         return JSONResponse(await hub.atropos.status())
 
-    @api.get("/status-env", openapi_extra=_body_doc(EnvIdentifier))
-    async def status_env(request: Request, hub: HubDep, env_id: int | None = None) -> JSONResponse:
+    @api.get(
+        "/status-env",
+        openapi_extra=_body_doc(EnvIdentifier, required=False),
+        responses=errors(400, 404, 413, 415, 422),
+    )
+    async def status_env(
+        request: Request,
+        hub: HubDep,
+        env_id: Annotated[int | None, Query(ge=INT32_MIN, le=INT32_MAX)] = None,
+    ) -> JSONResponse:
         # atroposlib's env client sends {"env_id": n} as the body of this GET;
         # ?env_id=n works too.
         raw = await _body(request, hub, optional=env_id is not None)
@@ -110,7 +128,12 @@ def router(config: AtroposConfig) -> APIRouter:
     async def wandb_info(hub: HubDep) -> JSONResponse:
         return JSONResponse(await hub.atropos.wandb_info())
 
-    @api.get("/reset_data", dependencies=[admin])
+    @api.get(
+        "/reset_data",
+        dependencies=[admin],
+        response_class=PlainTextResponse,
+        responses=errors(401, 403),
+    )
     async def reset_data(hub: HubDep) -> PlainTextResponse:
         await hub.atropos.reset()
         return PlainTextResponse("Reset successful")
@@ -157,14 +180,16 @@ def _admin_check(key: str | None) -> Any:
     return check
 
 
-def _body_doc(model: type[BaseModel], *, many: bool = False) -> dict[str, Any]:
+def _body_doc(
+    model: type[BaseModel], *, many: bool = False, required: bool = True
+) -> dict[str, Any]:
     schema: dict[str, Any] = model.model_json_schema(ref_template="#/components/schemas/{model}")
     schema.pop("$defs", None)
     if many:
         schema = {"type": "array", "items": schema}
     return {
         "requestBody": {
-            "required": True,
+            "required": required,
             "description": "JSON; may be gzip (Content-Encoding: gzip)",
             "content": {"application/json": {"schema": schema}},
         }

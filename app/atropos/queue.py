@@ -55,7 +55,9 @@ class NewGroup:
             # The fields hold plain lists and dicts (no nested models), in declaration
             # order: __dict__ is model_dump() without the copy.
             raw = orjson.dumps(data.__dict__)
-        except orjson.JSONEncodeError as exc:  # an integer beyond 64 bits
+        except (orjson.JSONEncodeError, TypeError) as exc:
+            # An integer past 64 bits, an unpaired surrogate, nesting past 254 levels:
+            # bad input, not a server fault.
             raise Invalid(f"the group cannot be stored as JSON: {exc}") from None
         return cls(
             env_id=data.env_id,

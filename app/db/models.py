@@ -190,7 +190,7 @@ class AtroposStateRow(Base):
     save_checkpoint_interval: Mapped[int | None] = mapped_column(sa.Integer)
     starting_step: Mapped[int | None] = mapped_column(sa.Integer)
     num_steps: Mapped[int] = mapped_column(sa.Integer, server_default="-1")
-    step: Mapped[int] = mapped_column(sa.Integer, server_default="0")
+    step: Mapped[int] = mapped_column(sa.BigInteger, server_default="0")
     updated_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
 
 

@@ -33,7 +33,7 @@ def upgrade() -> None:
         sa.Column("save_checkpoint_interval", sa.Integer, nullable=True),
         sa.Column("starting_step", sa.Integer, nullable=True),
         sa.Column("num_steps", sa.Integer, nullable=False, server_default="-1"),
-        sa.Column("step", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("step", sa.BigInteger, nullable=False, server_default="0"),
         sa.Column("updated_at", TIMESTAMP, nullable=True),
         sa.PrimaryKeyConstraint("id", name="pk_atropos_state"),
     )
