@@ -1,9 +1,9 @@
 """Putting scored groups in the queue: group commit, per-env buffering, the bound.
 
-Requests hand their groups to `GroupWriter.submit` and wait. One task takes what has
-accumulated, stores it in one transaction, and answers each request only after the
-commit: an answered group is on disk. The in-memory queue holds only requests not
-yet answered, and is itself bounded.
+Requests hand their groups to `GroupWriter.submit` and wait. A transaction takes
+what has accumulated, stores it, and each request is answered only after the commit:
+an answered group is on disk. The in-memory queue holds only requests not yet
+answered, and is itself bounded.
 
 A group whose size is not its env's group_size goes to that env's buffer; as soon
 as some buffered groups add up to group_size they enter the queue together, as
@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from dataclasses import dataclass
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 import orjson
@@ -35,6 +37,9 @@ log = logging.getLogger("atropos.queue")
 # One transaction takes at most this much JSON, so that a burst of large groups is
 # committed in several steps rather than held in memory as one.
 _MAX_COMMIT_BYTES = 16 * 1024 * 1024
+# Rows per multi-row INSERT: 7 columns each stays far below SQLite's 32,766
+# parameters.
+_ROWS_PER_INSERT = 500
 # Requests waiting for the writer; more are answered 503 at once.
 _MAX_PENDING = 512
 
@@ -85,78 +90,90 @@ class _Request:
 
 
 class GroupWriter:
+    """Two writer tasks, each taking whatever is pending when its transaction starts:
+    on SQLite the second transaction waits in line behind the one committing and
+    starts the moment that one's fsync is done, with everything that arrived
+    meanwhile; on PostgreSQL both run at once."""
+
     def __init__(self, db: AtroposDb, config: AtroposConfig) -> None:
         self._db = db
         self._config = config
-        self._queue: asyncio.Queue[_Request] = asyncio.Queue(maxsize=_MAX_PENDING)
-        self._task: asyncio.Task[None] | None = None
+        # Appended on the event loop, taken by the transaction (possibly in another
+        # thread): a deque's append and popleft are atomic.
+        self._pending: deque[_Request] = deque()
+        self._wake = asyncio.Event()
+        self._busy = 0
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def submit(self, groups: list[NewGroup]) -> list[Placed]:
         """Store the groups (all or none); returns once they are committed."""
-        if self._task is None or self._task.done():
+        if not self._tasks:
             raise Unavailable("the Atropos queue writer is not running", retry_after=1)
+        if len(self._pending) >= _MAX_PENDING:
+            raise self._overloaded("too many submissions are waiting to be stored")
         request = _Request(
             groups, sum(g.nbytes for g in groups), asyncio.get_running_loop().create_future()
         )
-        try:
-            self._queue.put_nowait(request)
-        except asyncio.QueueFull:
-            raise self._overloaded("too many submissions are waiting to be stored") from None
+        self._pending.append(request)
+        self._wake.set()
         return await request.done
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="atropos-group-writer")
+        self._tasks = [
+            asyncio.create_task(self._run(), name=f"atropos-group-writer-{n}") for n in (1, 2)
+        ]
 
     async def stop(self) -> None:
         """Store what was submitted, then stop."""
-        if self._task is None:
-            return
-        await self._queue.join()
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
-        self._task = None
+        while self._pending or self._busy:
+            await asyncio.sleep(0.01)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
 
     async def _run(self) -> None:
         while True:
-            batch = [await self._queue.get()]
-            size = batch[0].nbytes
-            while not self._queue.empty() and size < _MAX_COMMIT_BYTES:
-                request = self._queue.get_nowait()
-                batch.append(request)
-                size += request.nbytes
-            try:
-                await self._write(batch)
-            except Exception as exc:  # nothing in this transaction was committed
-                log.error("storing %d Atropos submissions failed: %s", len(batch), exc)
-                error = Unavailable("the database did not accept the write; retry", retry_after=1)
-                for request in batch:
-                    if not request.done.done():
-                        request.done.set_exception(error)
-            finally:
-                for _ in batch:
-                    self._queue.task_done()
-
-    async def _write(self, batch: list[_Request]) -> None:
-        results = await self._db.write(lambda conn: self._store(conn, batch))
-        for request, result in results:
-            if request.done.done():
+            if not self._pending:
+                self._wake.clear()  # nothing can be appended between the check and this
+                await self._wake.wait()
                 continue
-            if isinstance(result, HubError):
-                request.done.set_exception(result)
-            else:
-                request.done.set_result(result)
+            taken: list[_Request] = []
+            self._busy += 1
+            try:
+                results = await self._db.write(partial(self._store, taken=taken))
+            except Exception as exc:  # nothing in this transaction was committed
+                log.error("storing %d Atropos submissions failed: %s", len(taken), exc)
+                error = Unavailable("the database did not accept the write; retry", retry_after=1)
+                results = [(request, error) for request in taken]
+            finally:
+                self._busy -= 1
+            for request, result in results:
+                if request.done.done():
+                    continue  # its client went away
+                if isinstance(result, HubError):
+                    request.done.set_exception(result)
+                else:
+                    request.done.set_result(result)
+
+    def _take(self, taken: list[_Request]) -> list[_Request]:
+        """What is pending now, up to _MAX_COMMIT_BYTES (at least one request)."""
+        size = 0
+        while self._pending and (not taken or size < _MAX_COMMIT_BYTES):
+            request = self._pending.popleft()
+            taken.append(request)
+            size += request.nbytes
+        return taken
 
     def _store(
-        self, conn: sa.Connection, batch: list[_Request]
+        self, conn: sa.Connection, taken: list[_Request]
     ) -> list[tuple[_Request, list[Placed] | HubError]]:
-        """One transaction (run off the event loop): admit what fits, place it."""
+        """One transaction (run off the event loop): take what is pending, admit what
+        fits, place it. `taken` lists what was taken, for the caller if this fails."""
         results: list[tuple[_Request, list[Placed] | HubError]] = []
         groups, nbytes = _waiting(conn)
         admitted: list[_Request] = []
-        for request in batch:
+        for request in self._take(taken):
             if self._fits(groups + len(request.groups), nbytes + request.nbytes):
                 admitted.append(request)
                 groups += len(request.groups)
@@ -218,9 +235,9 @@ class _Placer:
     def _insert(self, groups: list[NewGroup], state: GroupState) -> None:
         payload_ids = reserve_ids(self._conn, PAYLOADS, len(groups))
         payloads = [{"id": pid, "payload": g.payload} for g, pid in zip(groups, payload_ids)]
-        self._conn.execute(sa.insert(PAYLOADS), payloads)
         rows = [_row(g, state, pid, self._now) for g, pid in zip(groups, payload_ids)]
-        self._conn.execute(sa.insert(GROUPS), rows)
+        _insert_many(self._conn, PAYLOADS, payloads)
+        _insert_many(self._conn, GROUPS, rows)
 
     def _buffer(self, group: NewGroup, env_id: int, group_size: int) -> Placed:
         if env_id not in self._locked:
@@ -264,6 +281,14 @@ def _copy_of(group_id: int) -> sa.Select[Any]:
     ).where(GROUPS.c.id == group_id)
 
 
+def _insert_many(conn: sa.Connection, table: sa.Table, rows: list[dict[str, Any]]) -> None:
+    """Multi-row INSERTs: one statement per chunk instead of one per row, because this
+    runs in a thread that gives up the GIL at every statement and, while requests
+    are being validated, may wait for it again each time."""
+    for start in range(0, len(rows), _ROWS_PER_INSERT):
+        conn.execute(sa.insert(table).values(rows[start : start + _ROWS_PER_INSERT]))
+
+
 def _row(group: NewGroup, state: GroupState, payload_id: int, now: datetime) -> dict[str, Any]:
     return {
         "state": state,
@@ -274,6 +299,23 @@ def _row(group: NewGroup, state: GroupState, payload_id: int, now: datetime) -> 
         "payload_id": payload_id,
         "created_at": now,
     }
+
+
+async def latest_payload(db: AtroposDb) -> str | None:
+    """The JSON of the newest group that entered the queue (atroposlib's latest
+    example): the highest id not in a buffer; served groups keep it until a newer one
+    arrives."""
+
+    def work(conn: sa.Connection) -> str | None:
+        return conn.scalar(
+            sa.select(PAYLOADS.c.payload)
+            .join(GROUPS, GROUPS.c.payload_id == PAYLOADS.c.id)
+            .where(GROUPS.c.state != GroupState.BUFFERED)
+            .order_by(GROUPS.c.id.desc())
+            .limit(1)
+        )
+
+    return await db.read(work)
 
 
 def _waiting(conn: sa.Connection) -> tuple[int, int]:

@@ -6,13 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.atropos import batch, lease, registration, status
+from app.atropos import batch, lease, queue, registration, status
 from app.atropos.models import RegisterEnv, Registration, ScoredData
 from app.atropos.queue import GroupWriter, NewGroup, Placed
-from app.atropos.store import GROUPS, PAYLOADS, AtroposDb, Contention, GroupState
+from app.atropos.store import AtroposDb, Contention
 from app.config import AtroposConfig
 from app.errors import Unavailable
 
@@ -72,7 +71,7 @@ class Atropos:
     # --- data in -------------------------------------------------------------------
 
     async def scored_data(self, group: ScoredData) -> dict[str, Any]:
-        (placed,) = await self._writer.submit([NewGroup.from_scored(group)])
+        (placed,) = await self._submit([group])
         if placed.buffered:
             return {"status": "buffered", "buffer_size": placed.buffer_size}
         return {"status": "received"}
@@ -114,12 +113,5 @@ class Atropos:
 
     async def latest_example(self) -> bytes:
         """The newest group that entered the queue, as it was sent."""
-        async with self.db.reading() as conn:
-            payload = await conn.scalar(
-                sa.select(PAYLOADS.c.payload)
-                .join(GROUPS, GROUPS.c.payload_id == PAYLOADS.c.id)
-                .where(GROUPS.c.state != GroupState.BUFFERED)
-                .order_by(GROUPS.c.id.desc())
-                .limit(1)
-            )
+        payload = await queue.latest_payload(self.db)
         return payload.encode() if payload is not None else orjson.dumps(NO_EXAMPLE)
