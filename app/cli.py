@@ -358,7 +358,12 @@ async def _import(args: argparse.Namespace) -> int:
     else:
         engine = await open_database(config)
         inserter = TraceInserter(engine)
-        ingestor = Ingestor(inserter, Environment.from_config(config.environment), config.limits)
+        ingestor = Ingestor(
+            inserter,
+            Environment.from_config(config.environment),
+            config.limits,
+            processes=config.trace_server.ingest_processes,
+        )
         inserter.start()
         try:
             for chunk in batches:
@@ -366,7 +371,7 @@ async def _import(args: argparse.Namespace) -> int:
                 progress.advance(len(chunk))
         finally:
             await inserter.stop()
-            ingestor.close()
+            await ingestor.close()
             await engine.dispose()
     progress.close()
     for line in summary.lines():

@@ -25,6 +25,7 @@ class Evaluation:
 
 @dataclass(frozen=True)
 class Environment:
+    config: EnvironmentConfig
     rules: RewardRules
     filters: Filters
     fingerprint: str
@@ -33,10 +34,15 @@ class Environment:
     def from_config(cls, config: EnvironmentConfig) -> Environment:
         canonical = orjson.dumps(config.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
         return cls(
+            config,
             RewardRules.from_config(config.reward_rules),
             Filters.from_config(config.invalid_trace_filters),
             fingerprint=hashlib.sha256(canonical).hexdigest()[:16],
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Sent to the ingest processes as its config: compiled RE2 patterns do not pickle.
+        return (Environment.from_config, (self.config,))
 
     def evaluate(self, trace: Trace) -> Evaluation:
         """Rejected traces are scored too, so users see both why and how well."""

@@ -123,7 +123,13 @@ async def running_hub(
                 engine, max_queue=config.limits.max_queued_traces, on_commit=stages.wake
             )
             admission = Admission(config.limits, inserter.write_wait)
-            ingestor = Ingestor(inserter, environment, config.limits, admission=admission)
+            ingestor = Ingestor(
+                inserter,
+                environment,
+                config.limits,
+                admission=admission,
+                processes=config.trace_server.ingest_processes,
+            )
             access = Access(config.auth, engine)
             atropos = Atropos(engine, config.atropos)
             hub = Hub(settings, engine, inserter, ingestor, stages, access, atropos)
@@ -145,6 +151,6 @@ async def running_hub(
                     await hub.runs.close()  # the runs' processes keep running
                 await inserter.stop()  # answers what is queued before the engine goes
                 await atropos.stop()
-                hub.ingestor.close()
+                await hub.ingestor.close()
     finally:
         await engine.dispose()

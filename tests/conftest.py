@@ -182,6 +182,7 @@ class HubProcess:
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             text=True,
+            start_new_session=True,  # its own process group, as a job in a terminal is
         )
         ready = threading.Event()
         self._reader = threading.Thread(target=self._read, args=(self.proc, ready), daemon=True)
@@ -219,6 +220,19 @@ class HubProcess:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
         self._reader.join(10)
+
+    def group(self) -> list[int]:
+        """The pids in the hub's process group: itself and what it started."""
+        assert self.proc is not None
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # exited meanwhile
+            if int(fields[2]) == self.proc.pid and fields[0] != "Z":
+                pids.append(int(stat.parent.name))
+        return pids
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         assert self.proc is not None

@@ -207,7 +207,8 @@ def test_rate_limit_without_auth_is_per_address(
     with hub.client() as client:
         assert client.post("/v1/traces", json=native_trace()).status_code == 202
         r = client.post("/v1/traces", json=native_trace(trace_id="limited"))
-        assert r.status_code == 429 and int(r.headers["retry-after"]) == 2
+        # 2 s for a whole token at 0.5/s, less what refilled while the first was stored
+        assert r.status_code == 429 and int(r.headers["retry-after"]) in (1, 2)
         assert client.get("/v1/traces/limited").status_code == 429
         doc = client.get("/openapi.json").json()
         assert "429" in doc["paths"]["/v1/traces"]["post"]["responses"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import orjson
 import pytest
@@ -15,8 +15,7 @@ from app.config import EnvironmentConfig, LimitsConfig
 from app.domain import Status, StepType, Trace
 from app.environment import Environment
 from app.errors import HubError, Invalid, UnknownFormat
-from app.ingest import Ingestor
-from app.inserter import TraceInserter
+from app.ingest import Preparer
 
 REAL = Path(__file__).resolve().parents[1].parent / "shared/fixtures/real"
 HERMES_LINE = REAL / "hermes-agent/lucifexia_trajectory_samples.jsonl"
@@ -1058,14 +1057,11 @@ def _prepare_fails_only_with_hub_errors(body: Any, fmt: str | None, limits: Limi
     """Beyond the parsers: the limits, scoring, filters and token count that ingest runs
     on every item refuse bad input only with a HubError, and what they accept is a row
     the database can store (JSON that orjson writes)."""
-    ingestor = Ingestor(cast(TraceInserter, None), _ENVIRONMENT, limits)
     try:
-        row = ingestor.prepare(body, fmt)
+        row = Preparer(_ENVIRONMENT, limits).row(body, fmt)
     except HubError as exc:
         event(f"refused: {type(exc).__name__}")
         return
-    finally:
-        ingestor.close()
     event("prepared")
     for column in ("original", "trace", "reward_breakdown", "reject_reasons"):
         orjson.dumps(row[column])

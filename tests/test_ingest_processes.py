@@ -1,0 +1,133 @@
+"""The ingest processes: rows come back in order, with their errors; a process that dies
+fails only what it held and is replaced; the hub's process group ends with the hub."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.config import EnvironmentConfig, LimitsConfig
+from app.environment import Environment
+from app.errors import HubError, Invalid, Unavailable
+from app.ingest import Preparer
+from app.ingest_processes import IngestProcesses
+from tests.conftest import HubProcess, native_trace, write_config
+
+PREPARER = Preparer(Environment.from_config(EnvironmentConfig()), LimitsConfig())
+
+
+def long_trace(n: int) -> dict[str, Any]:
+    step = {"type": "observation", "content": f"output line {n} " * 4000}
+    return native_trace(trace_id=f"long-{n}", steps=[step] * 20)
+
+
+async def test_rows_come_back_in_order_with_each_items_error() -> None:
+    processes = IngestProcesses(PREPARER, 2)
+    try:
+        calls = [[native_trace(trace_id=f"t-{i}"), {"steps": "no"}, native_trace(trace_id=f"u-{i}")]
+                 for i in range(20)]
+        replies = await asyncio.gather(*(processes.rows(items, None) for items in calls))
+        for i, (first, bad, last) in enumerate(replies):
+            assert isinstance(first, dict) and first["trace_id"] == f"t-{i}"
+            assert first == PREPARER.row(calls[i][0]) | {"created_at": first["created_at"],
+                                                        "updated_at": first["updated_at"]}
+            assert isinstance(bad, Invalid) and bad.status == 422
+            assert isinstance(last, dict) and last["trace_id"] == f"u-{i}"
+        assert len(set(processes.pids)) == 2
+    finally:
+        await processes.close()
+
+
+async def test_a_killed_process_fails_what_it_held_and_is_replaced() -> None:
+    processes = IngestProcesses(PREPARER, 1)
+    try:
+        await processes.rows([native_trace()], None)  # started
+        (pid,) = processes.pids
+        assert pid is not None
+        held = asyncio.create_task(processes.rows([long_trace(n) for n in range(200)], None))
+        await asyncio.sleep(0.2)  # the process is busy with it
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(Unavailable) as refused:
+            await held
+        assert refused.value.status == 503 and refused.value.headers()["Retry-After"]
+        (row,) = await processes.rows([native_trace(trace_id="after")], None)
+        assert not isinstance(row, HubError) and row["trace_id"] == "after"
+        assert processes.pids != [pid]
+    finally:
+        await processes.close()
+
+
+async def test_close_answers_what_was_sent_then_ends_the_processes() -> None:
+    processes = IngestProcesses(PREPARER, 2)
+    await processes.rows([native_trace()], None)
+    sent = [asyncio.create_task(processes.rows([long_trace(n)], None)) for n in range(8)]
+    await asyncio.sleep(0)  # written to the processes
+    pids = processes.pids
+    await processes.close()
+    assert [(await s)[0]["trace_id"] for s in sent] == [f"long-{n}" for n in range(8)]
+    for pid in pids:
+        assert pid is not None and not Path(f"/proc/{pid}").exists()
+
+
+def _sqlite(tmp_path: Path) -> dict[str, Any]:
+    return {"storage_backend": "sqlite", "db_path": str(tmp_path / "traces.db")}
+
+
+def test_ctrl_c_to_the_process_group_finishes_requests_in_flight(tmp_path: Path) -> None:
+    """Ctrl-C in a terminal signals every process of the job, ingest processes too:
+    they keep preparing until the hub has answered what it accepted."""
+    hub = HubProcess(write_config(tmp_path, _sqlite(tmp_path)), "--no-workers").start()
+    acknowledged: list[str] = []
+    stop = threading.Event()
+
+    def sender(n: int) -> None:
+        with hub.client() as client:
+            for i in range(10_000):
+                if stop.is_set():
+                    return
+                try:
+                    r = client.post("/v1/traces", json=long_trace(n * 10_000 + i))
+                except httpx.TransportError:
+                    return
+                assert r.status_code == 202, r.text
+                acknowledged.append(r.json()["trace_id"])
+
+    threads = [threading.Thread(target=sender, args=(n,)) for n in range(4)]
+    for t in threads:
+        t.start()
+    while len(acknowledged) < 8:
+        time.sleep(0.01)
+    assert hub.proc is not None
+    os.killpg(hub.proc.pid, signal.SIGINT)
+    assert hub.stop(timeout=30) == 0
+    stop.set()
+    for t in threads:
+        t.join()
+    assert "Traceback" not in hub.log and "ingest process stopped" not in hub.log
+    hub.start()
+    with hub.client() as client:
+        for trace_id in acknowledged:
+            assert client.get(f"/v1/traces/{trace_id}").status_code == 200, trace_id
+    hub.stop()
+
+
+def test_kill_9_of_the_hub_ends_its_ingest_processes(tmp_path: Path) -> None:
+    hub = HubProcess(write_config(tmp_path, _sqlite(tmp_path)), "--no-workers").start()
+    with hub.client() as client:
+        batch = {"traces": [native_trace(trace_id=f"b-{i}") for i in range(100)]}
+        assert client.post("/v1/traces", json=batch).status_code == 207
+    started = hub.group()
+    assert len(started) >= 3  # the hub, the fork server, ingest processes
+    hub.kill()
+    deadline = time.monotonic() + 10
+    while hub.group() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hub.group() == []
