@@ -238,6 +238,11 @@ class HubProcess:
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 30) -> int:
+        """The exit code, once the process has ended and its log is read."""
+        assert self.proc is not None
         code = self.proc.wait(timeout)
         self._reader.join(10)
         return code

@@ -203,12 +203,12 @@ def test_rate_limit_per_key(start_hub: Any, trace_server: dict[str, Any]) -> Non
 def test_rate_limit_without_auth_is_per_address(
     start_hub: Any, trace_server: dict[str, Any]
 ) -> None:
-    hub = start_hub(trace_server, auth={"rate_limit_per_second": 0.5})
+    # One token per 20 s: none comes back while the first trace is stored, however slow.
+    hub = start_hub(trace_server, auth={"rate_limit_per_second": 0.05})
     with hub.client() as client:
         assert client.post("/v1/traces", json=native_trace()).status_code == 202
         r = client.post("/v1/traces", json=native_trace(trace_id="limited"))
-        # 2 s for a whole token at 0.5/s, less what refilled while the first was stored
-        assert r.status_code == 429 and int(r.headers["retry-after"]) in (1, 2)
+        assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 20
         assert client.get("/v1/traces/limited").status_code == 429
         doc = client.get("/openapi.json").json()
         assert "429" in doc["paths"]["/v1/traces"]["post"]["responses"]
