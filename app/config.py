@@ -236,23 +236,6 @@ class AtroposConfig(_Section):
     # before it is served again.
     ack_timeout_seconds: float = Field(60, gt=0)
     retry_after_seconds: int = Field(5, ge=1)
-    # /reset_data wipes the run; when required, it takes the key from the
-    # environment variable named here in the X-Admin-Key header.
-    admin_key_required: bool = False
-    admin_key_env: str = "ATROPOS_ADMIN_KEY"
-
-    def admin_key(self) -> str | None:
-        """The key /reset_data requires, or None when it is open. Stops start-up when
-        a key is required but the variable is unset or empty."""
-        if not self.admin_key_required:
-            return None
-        key = os.environ.get(self.admin_key_env, "").strip()
-        if not key:
-            raise ConfigError(
-                f"config.json: atropos.admin_key_required: set the environment variable "
-                f"{self.admin_key_env} to the admin key, or set admin_key_required to false"
-            )
-        return key
 
 
 class HubConfig(_Section):

@@ -17,13 +17,12 @@ from typing import Any
 import httpx
 import pytest
 
-from app.config import AtroposConfig
-from app.errors import ConfigError
 from tests.conftest import (
     PG_ADMIN_URL,
     HubProcess,
     create_pg_database,
     drop_pg_database,
+    make_api_key,
     write_config,
 )
 
@@ -386,24 +385,28 @@ def test_bad_input_gets_4xx(api: httpx.Client) -> None:
     assert api.post("/scored_data", content=b"{").status_code == 422
 
 
-def test_admin_key_guards_reset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ATROPOS_ADMIN_KEY", raising=False)
-    with pytest.raises(ConfigError, match="set the environment variable ATROPOS_ADMIN_KEY"):
-        AtroposConfig(admin_key_required=True).admin_key()
-    assert AtroposConfig().admin_key() is None
-    config = write_config(
-        tmp_path, {"db_path": str(tmp_path / "hub.db")}, atropos={"admin_key_required": True}
-    )
-    hub = HubProcess(config, env={"ATROPOS_ADMIN_KEY": " s3cret\n"}).start()
+def test_with_auth_on_reset_takes_an_admin_key_and_the_rest_stays_open(
+    tmp_path: Path,
+) -> None:
+    """atroposlib clients send no key: with auth.enabled only /reset_data, the one path
+    that destroys, asks for one, an API key with the admin scope like /v1/runs."""
+    trace_server = {"db_path": str(tmp_path / "hub.db")}
+    hub = HubProcess(write_config(tmp_path, trace_server, auth={"enabled": True})).start()
+    ingest_key = make_api_key(trace_server, "ingest")
+    admin_key = make_api_key(trace_server, "admin")
     try:
         with hub.client() as client:
             register(client)
-            assert client.get("/reset_data").status_code == 401
-            assert client.get("/reset_data", headers={"X-Admin-Key": "nope"}).status_code == 403
             assert client.get("/info").json()["batch_size"] == 8
-            r = client.get("/reset_data", headers={"X-Admin-Key": "s3cret"})
+            assert client.get("/reset_data").status_code == 401
+            r = client.get("/reset_data", headers={"Authorization": f"Bearer {ingest_key}"})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "insufficient_scope"
+            assert client.get("/info").json()["batch_size"] == 8
+            r = client.get("/reset_data", headers={"Authorization": f"Bearer {admin_key}"})
             assert r.status_code == 200 and r.text == "Reset successful"
             assert client.get("/info").json()["batch_size"] == -1
+            reset = client.get("/openapi.json").json()["paths"]["/reset_data"]["get"]
+            assert {"401", "403"} <= set(reset["responses"])
     finally:
         hub.kill()
 

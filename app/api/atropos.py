@@ -4,15 +4,15 @@ parses, calls one `Atropos` method, and answers. docs/atropos.md has the details
 
 from __future__ import annotations
 
-import hmac
 import json
 from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.responses import PlainTextResponse, Response
 
+from app.api.auth import requires
 from app.api.body import read_body
 from app.api.deps import HubDep
 from app.api.gzipped import GzipRoute
@@ -27,10 +27,9 @@ from app.atropos.models import (
     Registration,
     ScoredData,
 )
-from app.config import AtroposConfig
-from app.errors import BadRequest, Forbidden, Unauthorized
+from app.errors import BadRequest
+from app.keys import Scope
 
-ADMIN_KEY_HEADER = "X-Admin-Key"
 _BODY_ERRORS = errors(400, 413, 415, 422)
 _QUEUE_ERRORS = errors(400, 413, 415, 422, 503)
 _ACK_ERRORS = errors(400, 404, 413, 415, 422, 503)
@@ -38,9 +37,7 @@ M = TypeVar("M", bound=BaseModel)
 _GROUPS = TypeAdapter(list[ScoredData])
 
 
-def router(config: AtroposConfig) -> APIRouter:
-    """The routes; reads the admin key now, so a missing one stops start-up."""
-    admin = Depends(_admin_check(config.admin_key()))
+def router() -> APIRouter:
     api = APIRouter(tags=["atropos"], route_class=GzipRoute)
 
     @api.get("/")
@@ -130,9 +127,9 @@ def router(config: AtroposConfig) -> APIRouter:
 
     @api.get(
         "/reset_data",
-        dependencies=[admin],
+        # The one Atropos path that destroys: an admin key when auth.enabled is on.
+        dependencies=[requires(Scope.ADMIN)],
         response_class=PlainTextResponse,
-        responses=errors(401, 403),
     )
     async def reset_data(hub: HubDep) -> PlainTextResponse:
         await hub.atropos.reset()
@@ -162,22 +159,6 @@ def _parse(model: type[M], raw: bytes) -> M:
 
 def _raw_json(body: bytes) -> Response:
     return Response(body, media_type="application/json")
-
-
-def _admin_check(key: str | None) -> Any:
-    async def check(request: Request) -> None:
-        if key is None:
-            return
-        given = request.headers.get(ADMIN_KEY_HEADER)
-        if given is None:
-            raise Unauthorized(
-                f"this hub requires the admin key in the {ADMIN_KEY_HEADER} header",
-                field=ADMIN_KEY_HEADER,
-            )
-        if not hmac.compare_digest(given.strip().encode(), key.encode()):
-            raise Forbidden("wrong admin key", field=ADMIN_KEY_HEADER)
-
-    return check
 
 
 def _body_doc(
