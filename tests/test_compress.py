@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -16,13 +16,13 @@ from app.compression.summarize import PREFIX, _span, _Turn
 from app.config import CompressionConfig, TinkerConfig
 from app.domain import Step, StepType, Trace
 from app.tokens import count_parts
-from tests.fakes.model_server import FakeModel, serve
+from tests.fakes.model_server import FakeModel
 from tests.real_traces import OPENHANDS, SWE_AGENT, load
 
 REAL = OPENHANDS + SWE_AGENT
 # The long runs: OpenHands multi_swe_bench (50-80k raw tokens) and the longer SWE-agent ones.
 LONG = OPENHANDS + [p for p in SWE_AGENT if p.name.startswith(("ctf_web", "marshmallow"))]
-KEY, KEY_ENV = "sk-summary-key", "FAKE_SUMMARY_KEY"
+KEY, KEY_ENV = FakeModel.key, "FAKE_SUMMARY_KEY"
 
 
 def _ids(paths: list[Path]) -> list[str]:
@@ -250,26 +250,16 @@ def test_min_over_max_is_a_config_error() -> None:
 # --- summarize_middle against the fake model endpoint -------------------------------
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[FakeModel, str]]:
-    fake = FakeModel(key=KEY)
-    with serve(fake) as root:
-        yield fake, root
-
-
 @pytest.fixture
-def fake(served: tuple[FakeModel, str], monkeypatch: pytest.MonkeyPatch) -> FakeModel:
-    model, _ = served
-    model.faults.clear()
-    model.received.clear()
+def fake(fake_model: FakeModel, monkeypatch: pytest.MonkeyPatch) -> FakeModel:
     monkeypatch.setenv(KEY_ENV, KEY)
-    return model
+    return fake_model
 
 
 @pytest.fixture
-async def summarizer(served: tuple[FakeModel, str]) -> AsyncIterator[ModelSummarizer]:
+async def summarizer(model_server: tuple[FakeModel, str]) -> AsyncIterator[ModelSummarizer]:
     tinker = TinkerConfig(
-        base_url=f"{served[1]}/v1",
+        base_url=f"{model_server[1]}/v1",
         api_key_env=KEY_ENV,
         model_id="fake/summarizer",
         max_retries=1,

@@ -3,7 +3,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -21,36 +21,25 @@ from app.llm import (
     chat,
     chat_url,
 )
-from tests.fakes.model_server import FakeModel, Fault, serve
+from tests.fakes.model_server import FakeModel, Fault
 
-KEY = "sk-test-key"
+KEY = FakeModel.key
 KEY_ENV = "FAKE_MODEL_KEY"
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[FakeModel, str]]:
-    fake = FakeModel(key=KEY)
-    with serve(fake) as root:
-        yield fake, root
-
-
 @pytest.fixture
-def fake(served: tuple[FakeModel, str], monkeypatch: pytest.MonkeyPatch) -> FakeModel:
-    model, _ = served
-    model.faults.clear()
-    model.received.clear()
-    model.prefix = "/v1"
+def fake(fake_model: FakeModel, monkeypatch: pytest.MonkeyPatch) -> FakeModel:
     # Surrounding whitespace, as a key pasted into a shell profile often has.
     monkeypatch.setenv(KEY_ENV, f"  {KEY}\n")
     for var in ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY", "https_proxy", "HTTPS_PROXY"):
         monkeypatch.delenv(var, raising=False)
-    return model
+    return fake_model
 
 
 @pytest.fixture
-def root(served: tuple[FakeModel, str]) -> str:
-    return served[1]
+def root(model_server: tuple[FakeModel, str]) -> str:
+    return model_server[1]
 
 
 @pytest.fixture
