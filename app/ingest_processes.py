@@ -47,7 +47,7 @@ class _Process:
     writer: asyncio.StreamWriter
     waiting: deque[tuple[int, asyncio.Future[Reply]]] = field(default_factory=deque)
     items: int = 0  # items sent and not yet answered: the next call goes to the fewest
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Task[None] | None = None  # reads the replies
 
 
 class IngestProcesses:
@@ -125,17 +125,21 @@ class IngestProcesses:
                 )
         proc.writer.close()
 
-    async def close(self) -> None:
-        """Ends each process once it has answered what it was sent."""
+    async def close(self, timeout: float = 10) -> None:
+        """Ends each process once it has answered what it was sent (by then, normally
+        nothing: the server has finished its requests); one still busy after `timeout`
+        seconds is killed."""
         processes, self._processes = self._processes, []
         for proc in processes:
             proc.writer.write_eof()
         for proc in processes:
-            if proc.task is not None:
-                await proc.task  # EOF from the process: it has exited
-            await asyncio.to_thread(proc.process.join, 5)
-            if proc.process.is_alive():
+            assert proc.task is not None
+            try:
+                await asyncio.wait_for(asyncio.shield(proc.task), timeout)
+            except TimeoutError:
                 proc.process.kill()
+                await proc.task  # the kill ends its socket: what it held fails with 503
+            await asyncio.to_thread(proc.process.join, 5)
             proc.writer.close()
 
 

@@ -1063,9 +1063,10 @@ def _prepare_fails_only_with_hub_errors(body: Any, fmt: str | None, limits: Limi
         event(f"refused: {type(exc).__name__}")
         return
     event("prepared")
-    for column in ("original", "trace", "reward_breakdown", "reject_reasons"):
+    for column in ("reward_breakdown", "reject_reasons"):
         orjson.dumps(row[column])
-    assert len(row["trace"]["steps"]) <= limits.max_steps_per_trace
+    assert orjson.loads(row["original"].text) == orjson.loads(orjson.dumps(body))
+    assert len(orjson.loads(row["trace"].text)["steps"]) <= limits.max_steps_per_trace
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))

@@ -77,6 +77,18 @@ async def test_close_answers_what_was_sent_then_ends_the_processes() -> None:
         assert pid is not None and not Path(f"/proc/{pid}").exists()
 
 
+async def test_close_kills_a_process_still_busy_after_the_timeout() -> None:
+    processes = IngestProcesses(PREPARER, 1)
+    await processes.rows([native_trace()], None)
+    (pid,) = processes.pids
+    held = asyncio.create_task(processes.rows([long_trace(n) for n in range(400)], None))
+    await asyncio.sleep(0.1)
+    await processes.close(timeout=0.2)
+    with pytest.raises(Unavailable):
+        await held
+    assert pid is not None and not Path(f"/proc/{pid}").exists()
+
+
 def _sqlite(tmp_path: Path) -> dict[str, Any]:
     return {"storage_backend": "sqlite", "db_path": str(tmp_path / "traces.db")}
 

@@ -12,6 +12,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
 from app.config import TraceServerConfig
+from app.db.types import json_text
 from app.errors import ConfigError
 
 
@@ -36,7 +37,7 @@ def redacted(url: str) -> str:
 
 
 _JSON: dict[str, Any] = {
-    "json_serializer": lambda v: orjson.dumps(v).decode(),
+    "json_serializer": json_text,
     "json_deserializer": orjson.loads,
 }
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
@@ -14,6 +16,19 @@ from sqlalchemy.engine import Dialect
 JSON_ = sa.JSON(none_as_null=True).with_variant(
     postgresql.JSONB(none_as_null=True), "postgresql"
 )
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedJSON:
+    """JSON text encoded already (by an ingest process, off the event loop): a JSON_
+    column stores it as it is instead of encoding it again."""
+
+    text: str
+
+
+def json_text(value: Any) -> str:
+    """The engines' JSON serializer."""
+    return value.text if isinstance(value, EncodedJSON) else orjson.dumps(value).decode()
 
 
 class UtcTimeStamp(sa.TypeDecorator[datetime]):
