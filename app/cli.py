@@ -365,6 +365,7 @@ async def _import(args: argparse.Namespace) -> int:
             processes=config.trace_server.ingest_processes,
         )
         inserter.start()
+        ingestor.start()
         try:
             for chunk in batches:
                 await importer.import_into_database(ingestor, chunk, summary)

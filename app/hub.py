@@ -134,6 +134,7 @@ async def running_hub(
             atropos = Atropos(engine, config.atropos)
             hub = Hub(settings, engine, inserter, ingestor, stages, access, atropos)
             inserter.start()
+            ingestor.start()
             atropos.start()
             if workers:
                 stages.start()

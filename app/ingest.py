@@ -35,6 +35,7 @@ MAX_TRACE_ID_LENGTH = 200
 # trip each, and a large batch still spreads over every process.
 CHUNK = 32
 
+
 @dataclass(frozen=True)
 class Preparer:
     """The row for one item: limits, parse, score, filter and count its tokens. Pure
@@ -104,12 +105,15 @@ class Ingestor:
     ) -> None:
         """`admission` bounds the work in flight (the HTTP API); without it (`atropos
         import`), callers wait for each chunk and are their own back-pressure.
-        `processes`: ingest processes (default: one per CPU, at most 8), started on
-        first use."""
+        `processes`: ingest processes (default: one per CPU, at most 8)."""
         self._inserter = inserter
-        self.preparer = Preparer(environment, limits or LimitsConfig())
         self._admission = admission
-        self._processes = IngestProcesses(self.preparer, processes or min(_cpus(), 8))
+        self._processes = IngestProcesses(
+            Preparer(environment, limits or LimitsConfig()), processes or min(_cpus(), 8)
+        )
+
+    def start(self) -> None:
+        self._processes.start()
 
     async def close(self) -> None:
         await self._processes.close()

@@ -56,10 +56,22 @@ class IngestProcesses:
         self._size = processes
         self._processes: list[_Process] = []
         self._starting = asyncio.Lock()
+        self._started: asyncio.Task[None] | None = None
 
     @property
     def pids(self) -> list[int | None]:
         return [proc.process.pid for proc in self._processes]
+
+    def start(self) -> None:
+        """Starts the processes in the background (~1 s: an interpreter importing the
+        hub, then each loading the tokenizer), so that the first trace does not wait."""
+        self._started = asyncio.create_task(self._start_all(), name="ingest-processes")
+
+    async def _start_all(self) -> None:
+        try:
+            await self._fill()
+        except Exception as exc:
+            log.error("the ingest processes did not start (%s); the next trace tries again", exc)
 
     async def rows(self, items: list[Any], fmt: str | None) -> Reply:
         """Each item's row or the HubError that refuses it, in order."""
@@ -73,10 +85,13 @@ class IngestProcesses:
 
     async def _least_busy(self) -> _Process:
         if len(self._processes) < self._size:
-            async with self._starting:  # started on first use, replaced when one dies
-                while len(self._processes) < self._size:
-                    self._processes.append(await self._start())
+            await self._fill()  # not started yet, or one died
         return min(self._processes, key=lambda p: p.items)
+
+    async def _fill(self) -> None:
+        async with self._starting:
+            while len(self._processes) < self._size:
+                self._processes.append(await self._start())
 
     async def _start(self) -> _Process:
         ours, theirs = socket.socketpair()
@@ -129,6 +144,8 @@ class IngestProcesses:
         """Ends each process once it has answered what it was sent (by then, normally
         nothing: the server has finished its requests); one still busy after `timeout`
         seconds is killed."""
+        if self._started is not None:
+            await self._started  # a process being started is then closed with the rest
         processes, self._processes = self._processes, []
         for proc in processes:
             proc.writer.write_eof()

@@ -81,8 +81,8 @@ async def load(host: str, port: int, path: str, clients: int, seconds: float,
     template = json.dumps({"trace_id": "__ID__", **make_trace(trace_kb)}).encode()
     latencies: list[float] = []
     errors: list[int] = []
-    # Warm-up: connections, tokenizer, SQLite pages.
-    await asyncio.gather(*(client(host, port, template, path, time.perf_counter() + 1,
+    # Warm-up: connections, the ingest processes (~1 s to start), SQLite pages.
+    await asyncio.gather(*(client(host, port, template, path, time.perf_counter() + 3,
                                   [], []) for _ in range(clients)))
     started = time.perf_counter()
     await asyncio.gather(*(client(host, port, template, path, started + seconds,

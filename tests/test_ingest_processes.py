@@ -131,15 +131,27 @@ def test_ctrl_c_to_the_process_group_finishes_requests_in_flight(tmp_path: Path)
     hub.stop()
 
 
-def test_kill_9_of_the_hub_ends_its_ingest_processes(tmp_path: Path) -> None:
-    hub = HubProcess(write_config(tmp_path, _sqlite(tmp_path)), "--no-workers").start()
-    with hub.client() as client:
-        batch = {"traces": [native_trace(trace_id=f"b-{i}") for i in range(100)]}
-        assert client.post("/v1/traces", json=batch).status_code == 207
-    started = hub.group()
-    assert len(started) >= 3  # the hub, the fork server, ingest processes
+def test_ingest_processes_start_with_the_hub_and_die_with_it(tmp_path: Path) -> None:
+    """Started at start-up, before any trace; a hub killed with -9 leaves none behind."""
+    server = _sqlite(tmp_path) | {"ingest_processes": 2}
+    hub = HubProcess(write_config(tmp_path, server), "--no-workers").start()
+
+    def forked() -> list[int]:  # the fork server and the processes it forked
+        return [pid for pid in hub.group() if b"forkserver" in _cmdline(pid)]
+
+    deadline = time.monotonic() + 20
+    while len(forked()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(forked()) == 3
     hub.kill()
     deadline = time.monotonic() + 10
     while hub.group() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert hub.group() == []
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
