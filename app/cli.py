@@ -26,7 +26,7 @@ from app.doctor import diagnose
 from app.domain import Stage
 from app.durations import parse_duration
 from app.environment import Environment
-from app.errors import ConfigError, HubError
+from app.errors import ConfigError, HubError, StartupError
 from app.export import DEFAULT_STAGES, ExportQuery, count, export_traces
 from app.hub import Settings, open_database, running_stages
 from app.ingest import Ingestor
@@ -34,6 +34,7 @@ from app.inserter import TraceInserter
 from app.llm import LLMError
 from app.progress import Progress
 from app.runs import client as run_client
+from app.tokens import encoding
 from app.training import TrainingFailed
 from app.training.dataset import train_dataset
 
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             code = runner.run(args.run(args))
-    except ConfigError as exc:
+    except StartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
@@ -221,8 +222,9 @@ def _settings(args: argparse.Namespace) -> Settings:
 async def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     workers = not args.no_workers
-    # Rules first, then the database: a config mistake costs no migration.
+    # Rules and tokenizer first, then the database: a mistake costs no migration.
     environment = Environment.from_config(settings.config.environment)
+    encoding()
     engine = await open_database(settings.config)
     app = create_app(settings, environment=environment, engine=engine, workers=workers)
     ts = settings.config.trace_server
@@ -266,6 +268,7 @@ class _Server(uvicorn.Server):
 
 async def _worker(args: argparse.Namespace) -> int:
     settings = _settings(args)
+    encoding()  # the compression stage counts tokens
     engine = await open_database(settings.config)
     try:
         async with running_stages(settings, engine) as stages:
@@ -356,6 +359,7 @@ async def _import(args: argparse.Namespace) -> int:
                 )
                 progress.advance(len(chunk))
     else:
+        encoding()
         engine = await open_database(config)
         inserter = TraceInserter(engine)
         ingestor = Ingestor(

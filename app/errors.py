@@ -14,7 +14,8 @@ HubError
  ├── Forbidden (403)              a valid key without the scope the route needs
  ├── RateLimited (429)            over auth.rate_limit_per_second; carries Retry-After
  └── Unavailable (503)            overload; carries Retry-After
-ConfigError                       a bad config file; stops start-up with one line
+StartupError                      stops start-up with one line (no tokenizer, ...)
+ └── ConfigError                  a bad config file
 """
 
 from __future__ import annotations
@@ -113,6 +114,10 @@ class Unavailable(_RetryLater):
     code = "unavailable"
 
 
-class ConfigError(Exception):
+class StartupError(Exception):
+    """What stops a command before it starts: the message is one line, with the fix."""
+
+
+class ConfigError(StartupError):
     """A config file that cannot be used; the message is one line naming the file,
     the key and the fix."""

@@ -36,9 +36,10 @@ log = logging.getLogger("atropos.ingest")
 _HEAD = struct.Struct("!I")  # frame length; bodies are bounded by limits.max_body_bytes
 
 # forkserver: the processes start from a clean server process that has imported the
-# hub's code once, not as forks of a process that runs an event loop and threads.
+# hub's code and loaded the tokenizer once, not as forks of a process that runs an
+# event loop and threads.
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["app.ingest"])
+_CONTEXT.set_forkserver_preload(["app.ingest", "app.preload"])
 
 
 @dataclass(eq=False)
@@ -167,7 +168,7 @@ def _serve(sock: socket.socket, preparer: Preparer) -> None:
     # Ctrl-C reaches the whole process group: the serving process decides when its
     # ingest processes stop, not the terminal.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    encoding()  # loaded now, not by the first trace
+    encoding()  # loaded by the fork server already (app/preload.py); if not, now
     with sock, sock.makefile("rb") as stream:
         while head := stream.read(_HEAD.size):
             (length,) = _HEAD.unpack(head)

