@@ -42,7 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.upstream_atroposlib import install_atroposlib  # noqa: E402
+from tests.upstream_atroposlib import install_atroposlib, start_run_api  # noqa: E402
 
 GROUP_SIZE = 8
 TOKENS = 512
@@ -140,23 +140,7 @@ class Server:
 
 
 def start_original(atroposlib: Path, port: int, workdir: Path) -> Server:
-    log = open(workdir / "run-api.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "atroposlib.cli.run_api",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        cwd=workdir,
-        env={**os.environ, "PYTHONPATH": str(atroposlib)},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    return Server("atroposlib run-api", proc, port)
+    return Server("atroposlib run-api", start_run_api(atroposlib, port, workdir), port)
 
 
 def start_hub(args: argparse.Namespace, port: int, workdir: Path) -> Server:

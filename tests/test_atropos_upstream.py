@@ -29,7 +29,7 @@ import pytest
 from app.atropos.logprobs import fill_inference_logprobs
 from app.atropos.packing import EnvShare, Item, form_batches, groups_summing_to
 from tests.conftest import ROOT, HubProcess
-from tests.upstream_atroposlib import RegistryUnreachable, install_atroposlib
+from tests.upstream_atroposlib import RegistryUnreachable, install_atroposlib, start_run_api
 
 
 @pytest.fixture(scope="session")
@@ -105,22 +105,7 @@ def run_api(atroposlib_dir: Path, tmp_path: Path) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = open(tmp_path / "run-api.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "atroposlib.cli.run_api",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(atroposlib_dir)},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    proc = start_run_api(atroposlib_dir, port, tmp_path)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while True:
@@ -134,7 +119,6 @@ def run_api(atroposlib_dir: Path, tmp_path: Path) -> Iterator[str]:
     yield url
     proc.terminate()
     proc.wait(10)
-    log.close()
 
 
 def test_hub_answers_like_run_api(

@@ -8,6 +8,7 @@ its API tests (requests, pytest) are used, so the heavy dependencies it declares
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,17 @@ def _pip(target: Path, *args: str) -> None:
     if any(marker in output for marker in _NETWORK_ERRORS):
         raise RegistryUnreachable(output.strip()[-2000:])
     raise RuntimeError(f"pip install {' '.join(args)} failed:\n{output}")
+
+
+def start_run_api(atroposlib: Path, port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    """atroposlib's own server (`run-api`) on 127.0.0.1:port, logging to
+    workdir/run-api.log."""
+    with open(workdir / "run-api.log", "wb") as log:  # the child keeps its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", "atroposlib.cli.run_api", "--host", "127.0.0.1",
+             "--port", str(port)],
+            cwd=workdir,
+            env={**os.environ, "PYTHONPATH": str(atroposlib)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
