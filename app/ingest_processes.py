@@ -165,9 +165,11 @@ class IngestProcesses:
 def _serve(sock: socket.socket, preparer: Preparer) -> None:
     """An ingest process: reads (items, fmt), answers their rows, until EOF (the serving
     process closed its end or died)."""
-    # Ctrl-C reaches the whole process group: the serving process decides when its
-    # ingest processes stop, not the terminal.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A terminal's Ctrl-C and systemd's stop signal every process of the job: the
+    # serving process decides when its ingest processes stop (EOF), once it has answered
+    # what it accepted.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     encoding()  # loaded by the fork server already (app/preload.py); if not, now
     with sock, sock.makefile("rb") as stream:
         while head := stream.read(_HEAD.size):

@@ -93,11 +93,13 @@ def _sqlite(tmp_path: Path) -> dict[str, Any]:
     return {"storage_backend": "sqlite", "db_path": str(tmp_path / "traces.db")}
 
 
-def test_ctrl_c_to_the_process_group_finishes_requests_in_flight(
-    start_hub: Any, tmp_path: Path
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "systemd"])
+def test_a_stop_signal_to_the_whole_group_finishes_requests_in_flight(
+    start_hub: Any, tmp_path: Path, sig: signal.Signals
 ) -> None:
-    """Ctrl-C in a terminal signals every process of the job, ingest processes too:
-    they keep preparing until the hub has answered what it accepted."""
+    """Ctrl-C in a terminal, or systemd stopping the service, signals every process of
+    the job, ingest processes too: they keep preparing until the hub has answered what
+    it accepted."""
     hub: HubProcess = start_hub(_sqlite(tmp_path), "--no-workers")
     acknowledged: list[str] = []
     stop = threading.Event()
@@ -120,7 +122,7 @@ def test_ctrl_c_to_the_process_group_finishes_requests_in_flight(
     while len(acknowledged) < 8:
         time.sleep(0.01)
     assert hub.proc is not None
-    os.killpg(hub.proc.pid, signal.SIGINT)  # once: a second signal forces the exit
+    os.killpg(hub.proc.pid, sig)  # once: a second signal forces the exit
     assert hub.wait(timeout=30) == 0
     stop.set()
     for t in threads:
