@@ -65,8 +65,8 @@ class IngestProcesses:
         return [proc.process.pid for proc in self._processes]
 
     def start(self) -> None:
-        """Starts the processes in the background (~1 s: an interpreter importing the
-        hub, then each loading the tokenizer), so that the first trace does not wait."""
+        """Starts the processes in the background (~1 s: the fork server imports the hub
+        and loads the tokenizer first), so that the first trace does not wait."""
         self._started = asyncio.create_task(self._start_all(), name="ingest-processes")
 
     async def _start_all(self) -> None:
