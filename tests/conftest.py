@@ -280,6 +280,12 @@ def fake_model(model_server: tuple[FakeModel, str]) -> FakeModel:
 
 
 @pytest.fixture
+def model_root(model_server: tuple[FakeModel, str]) -> str:
+    """The fake model server's root URL (no /v1)."""
+    return model_server[1]
+
+
+@pytest.fixture
 def start_hub(tmp_path: Path) -> Iterator[Any]:
     """start_hub(trace_server, **sections) -> a running HubProcess, stopped afterwards."""
     hubs: list[HubProcess] = []

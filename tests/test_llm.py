@@ -38,11 +38,6 @@ def fake(fake_model: FakeModel, monkeypatch: pytest.MonkeyPatch) -> FakeModel:
 
 
 @pytest.fixture
-def root(model_server: tuple[FakeModel, str]) -> str:
-    return model_server[1]
-
-
-@pytest.fixture
 async def client() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient() as c:
         yield c
@@ -83,9 +78,9 @@ def test_chat_url(base: str, url: str) -> None:
 
 
 async def test_request_shape_and_bearer_key(
-    fake: FakeModel, root: str, client: httpx.AsyncClient
+    fake: FakeModel, model_root: str, client: httpx.AsyncClient
 ) -> None:
-    result = await chat(client, tinker(f"{root}/v1/"), MESSAGES, max_tokens=77, temperature=0.2)
+    result = await chat(client, tinker(f"{model_root}/v1/"), MESSAGES, max_tokens=77, temperature=0.2)
     assert result.text.startswith("[CONTEXT SUMMARY]:")
     assert (result.status, result.attempts, result.prompt_tokens, result.completion_tokens) == (
         200,
@@ -93,7 +88,7 @@ async def test_request_shape_and_bearer_key(
         100,
         20,
     )
-    assert result.url == f"{root}/v1/chat/completions"
+    assert result.url == f"{model_root}/v1/chat/completions"
     [request] = fake.received
     assert request.path == "/v1/chat/completions"
     assert request.headers["authorization"] == f"Bearer {KEY}"  # stripped
@@ -105,129 +100,129 @@ async def test_request_shape_and_bearer_key(
     }
 
 
-async def test_provider_root_gets_v1(fake: FakeModel, root: str, client: httpx.AsyncClient) -> None:
+async def test_provider_root_gets_v1(fake: FakeModel, model_root: str, client: httpx.AsyncClient) -> None:
     fake.prefix = "/api/v1"
-    result = await chat(client, tinker(f"{root}/api"), MESSAGES)
-    assert result.url == f"{root}/api/v1/chat/completions"
+    result = await chat(client, tinker(f"{model_root}/api"), MESSAGES)
+    assert result.url == f"{model_root}/api/v1/chat/completions"
     assert fake.received[0].path == "/api/v1/chat/completions"
 
 
 async def test_missing_key_names_the_variable(
-    fake: FakeModel, root: str, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+    fake: FakeModel, model_root: str, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(KEY_ENV, "   ")
     with pytest.raises(KeyMissing, match=KEY_ENV):
-        await chat(client, tinker(root), MESSAGES)
+        await chat(client, tinker(model_root), MESSAGES)
     assert fake.received == []
 
 
 @pytest.mark.parametrize("status", ["401", "403"])
 async def test_rejected_key_names_the_variable_not_the_value(
-    fake: FakeModel, root: str, client: httpx.AsyncClient, status: str
+    fake: FakeModel, model_root: str, client: httpx.AsyncClient, status: str
 ) -> None:
     fake.faults.append(status)
     with pytest.raises(KeyRejected) as caught:
-        await chat(client, tinker(root), MESSAGES)
+        await chat(client, tinker(model_root), MESSAGES)
     assert KEY_ENV in str(caught.value) and f"HTTP {status}" in str(caught.value)
     assert len(fake.received) == 1  # never retried
 
 
 async def test_wrong_key_is_rejected(
-    fake: FakeModel, root: str, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+    fake: FakeModel, model_root: str, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(KEY_ENV, "sk-wrong-secret")
     with pytest.raises(KeyRejected) as caught:
-        await chat(client, tinker(root), MESSAGES)
+        await chat(client, tinker(model_root), MESSAGES)
     assert "sk-wrong-secret" not in str(caught.value)
 
 
 async def test_404_names_the_url_used(
-    fake: FakeModel, root: str, client: httpx.AsyncClient
+    fake: FakeModel, model_root: str, client: httpx.AsyncClient
 ) -> None:
     with pytest.raises(WrongURL) as caught:
-        await chat(client, tinker(f"{root}/api"), MESSAGES)  # the fake serves /v1 only
-    assert f"{root}/api/v1/chat/completions" in str(caught.value)
+        await chat(client, tinker(f"{model_root}/api"), MESSAGES)  # the fake serves /v1 only
+    assert f"{model_root}/api/v1/chat/completions" in str(caught.value)
     assert caught.value.status == 404 and len(fake.received) == 1
 
 
 async def test_retry_honours_retry_after(
-    fake: FakeModel, root: str, client: httpx.AsyncClient
+    fake: FakeModel, model_root: str, client: httpx.AsyncClient
 ) -> None:
     fake.faults.append(("429", 0.3))
     started = time.monotonic()
-    result = await chat(client, tinker(root), MESSAGES)
+    result = await chat(client, tinker(model_root), MESSAGES)
     # The backoff alone would be ~1 ms; the endpoint asked for 0.3 s.
     assert time.monotonic() - started >= 0.3
     assert result.attempts == 2 and len(fake.received) == 2
 
 
 async def test_retry_after_beyond_our_patience_gives_up(
-    fake: FakeModel, root: str, client: httpx.AsyncClient
+    fake: FakeModel, model_root: str, client: httpx.AsyncClient
 ) -> None:
     fake.faults.append(("429", 120))
     with pytest.raises(EndpointUnavailable, match="asks to wait 120 s"):
-        await chat(client, tinker(root), MESSAGES)
+        await chat(client, tinker(model_root), MESSAGES)
     assert len(fake.received) == 1
 
 
 async def test_5xx_retried_then_succeeds(
-    fake: FakeModel, root: str, client: httpx.AsyncClient
+    fake: FakeModel, model_root: str, client: httpx.AsyncClient
 ) -> None:
     fake.faults.extend(["500", "502"])
-    result = await chat(client, tinker(root), MESSAGES)
+    result = await chat(client, tinker(model_root), MESSAGES)
     assert result.attempts == 3
 
 
-async def test_5xx_exhausts_retries(fake: FakeModel, root: str, client: httpx.AsyncClient) -> None:
+async def test_5xx_exhausts_retries(fake: FakeModel, model_root: str, client: httpx.AsyncClient) -> None:
     fake.faults.extend(["500"] * 5)
     with pytest.raises(EndpointUnavailable, match="after 3 attempt") as caught:
-        await chat(client, tinker(root), MESSAGES)
+        await chat(client, tinker(model_root), MESSAGES)
     assert caught.value.status == 500 and len(fake.received) == 3
 
 
-async def test_timeouts_are_retried(fake: FakeModel, root: str, client: httpx.AsyncClient) -> None:
+async def test_timeouts_are_retried(fake: FakeModel, model_root: str, client: httpx.AsyncClient) -> None:
     fake.faults.extend([("slow", 1.0)] * 2)
     with pytest.raises(EndpointUnavailable, match="timeout"):
-        await chat(client, tinker(root, timeout_seconds=0.2, max_retries=1), MESSAGES)
+        await chat(client, tinker(model_root, timeout_seconds=0.2, max_retries=1), MESSAGES)
     assert len(fake.received) == 2
 
 
 async def test_200_without_choices_names_model_and_body(
-    fake: FakeModel, root: str, client: httpx.AsyncClient
+    fake: FakeModel, model_root: str, client: httpx.AsyncClient
 ) -> None:
     fake.faults.append("no_choices")
     with pytest.raises(BadResponse) as caught:
-        await chat(client, tinker(root), MESSAGES)
+        await chat(client, tinker(model_root), MESSAGES)
     message = str(caught.value)
     assert "fake/model-1" in message and "upstream hiccup" in message
     assert len(fake.received) == 1
 
 
 async def test_other_4xx_shows_the_body_without_the_key(
-    fake: FakeModel, root: str, client: httpx.AsyncClient
+    fake: FakeModel, model_root: str, client: httpx.AsyncClient
 ) -> None:
     fake.faults.append("echo_key")
     with pytest.raises(RequestRejected) as caught:
-        await chat(client, tinker(root), MESSAGES)
+        await chat(client, tinker(model_root), MESSAGES)
     assert "HTTP 400" in str(caught.value) and "***" in str(caught.value)
 
 
 @pytest.mark.parametrize("var", ["http_proxy", "HTTP_PROXY", "ALL_PROXY"])
 async def test_proxy_failure_names_the_variable(
-    fake: FakeModel, root: str, monkeypatch: pytest.MonkeyPatch, var: str
+    fake: FakeModel, model_root: str, monkeypatch: pytest.MonkeyPatch, var: str
 ) -> None:
     monkeypatch.setenv(var, f"http://user:proxy-secret@127.0.0.1:{_closed_port()}")
     monkeypatch.delenv("NO_PROXY", raising=False)
     monkeypatch.delenv("no_proxy", raising=False)
     async with httpx.AsyncClient() as proxied:  # reads the proxy variables when built
         with pytest.raises(ProxyFailed) as caught:
-            await chat(proxied, tinker(root), MESSAGES)
+            await chat(proxied, tinker(model_root), MESSAGES)
     assert var in str(caught.value) and "proxy-secret" not in str(caught.value)
     assert fake.received == []
 
 
 async def test_no_secret_in_any_error_or_log(
-    fake: FakeModel, root: str, client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
+    fake: FakeModel, model_root: str, client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
     errors: list[LLMError] = []
@@ -236,7 +231,7 @@ async def test_no_secret_in_any_error_or_log(
         fake.faults.clear()
         fake.faults.extend([fault] * 4)
         try:
-            await chat(client, tinker(root), MESSAGES)
+            await chat(client, tinker(model_root), MESSAGES)
         except LLMError as exc:
             errors.append(exc)
     assert len(errors) == 5

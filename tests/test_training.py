@@ -38,27 +38,22 @@ def fake(fake_model: FakeModel, monkeypatch: pytest.MonkeyPatch) -> FakeModel:
 
 
 @pytest.fixture
-def root(model_server: tuple[FakeModel, str]) -> str:
-    return model_server[1]
-
-
-@pytest.fixture
 async def http() -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient() as client:
         yield client
 
 
-def tinker(root: str, tmp_path: Path, **overrides: Any) -> TinkerConfig:
+def tinker(model_root: str, tmp_path: Path, **overrides: Any) -> TinkerConfig:
     return TinkerConfig.model_validate({
-        "base_url": f"{root}/v1", "api_key_env": KEY_ENV, "model_id": "base/model-8b",
+        "base_url": f"{model_root}/v1", "api_key_env": KEY_ENV, "model_id": "base/model-8b",
         "poll_interval_seconds": 0.02, "max_retries": 0, "logs_dir": str(tmp_path / "logs"),
         **overrides,
     })
 
 
-def tinker_file(root: str, tmp_path: Path, **overrides: Any) -> Path:
+def tinker_file(model_root: str, tmp_path: Path, **overrides: Any) -> Path:
     path = tmp_path / "tinker.json"
-    path.write_text(json.dumps({"tinker": tinker(root, tmp_path, **overrides).model_dump()}))
+    path.write_text(json.dumps({"tinker": tinker(model_root, tmp_path, **overrides).model_dump()}))
     return path
 
 
@@ -77,7 +72,7 @@ EXAMPLES = [Example({"messages": [{"role": "user", "content": "2+2?"},
 
 
 async def test_tinker_target_trains_each_batch_and_smoke_tests_the_model(
-    fake: FakeModel, root: str, tmp_path: Path
+    fake: FakeModel, model_root: str, tmp_path: Path
 ) -> None:
     trace_server = {"storage_backend": "sqlite", "db_path": str(tmp_path / "t.db")}
     config = write_config(tmp_path, trace_server,
@@ -90,7 +85,7 @@ async def test_tinker_target_trains_each_batch_and_smoke_tests_the_model(
                 assert client.post("/v1/traces", json=native_trace(trace_id=t)).status_code == 202
         await set_rewards(trace_server, {"m1": 1.0, "m2": 1.0})
         done = run_cli("worker", "--config", str(config), "--tinker",
-                       str(tinker_file(root, tmp_path)), "--burst", env={KEY_ENV: KEY})
+                       str(tinker_file(model_root, tmp_path)), "--burst", env={KEY_ENV: KEY})
         assert done.returncode == 0, done.stderr
         with hub.client() as client:
             [batch] = client.get("/v1/batches").json()["batches"]
@@ -119,9 +114,9 @@ async def test_tinker_target_trains_each_batch_and_smoke_tests_the_model(
 
 
 async def test_a_redelivery_resumes_the_job_instead_of_training_twice(
-    fake: FakeModel, root: str, tmp_path: Path, http: httpx.AsyncClient
+    fake: FakeModel, model_root: str, tmp_path: Path, http: httpx.AsyncClient
 ) -> None:
-    backend = OpenAIFineTuning(tinker(root, tmp_path), http)
+    backend = OpenAIFineTuning(tinker(model_root, tmp_path), http)
     receipts = Receipts()
 
     async def crash_once_the_job_exists(receipt: dict[str, Any]) -> None:
@@ -140,10 +135,10 @@ async def test_a_redelivery_resumes_the_job_instead_of_training_twice(
 
 
 async def test_a_failed_job_fails_the_attempt_and_the_next_starts_a_new_job(
-    fake: FakeModel, root: str, tmp_path: Path, http: httpx.AsyncClient
+    fake: FakeModel, model_root: str, tmp_path: Path, http: httpx.AsyncClient
 ) -> None:
     fake.job_outcome = "failed"
-    backend = OpenAIFineTuning(tinker(root, tmp_path), http)
+    backend = OpenAIFineTuning(tinker(model_root, tmp_path), http)
     receipts = Receipts()
     with TrainerLog(tmp_path, "r2") as log:
         with pytest.raises(TrainingFailed, match="ended failed: scripted failure"):
@@ -157,14 +152,14 @@ async def test_a_failed_job_fails_the_attempt_and_the_next_starts_a_new_job(
 
 
 def test_atropos_train_runs_one_job_from_a_dataset(
-    fake: FakeModel, root: str, tmp_path: Path
+    fake: FakeModel, model_root: str, tmp_path: Path
 ) -> None:
     dataset = tmp_path / "dataset.jsonl"
     sharegpt = {"conversations": [{"from": "human", "value": "hi"},
                                   {"from": "gpt", "value": "hello"}]}
     dataset.write_text("\n".join(json.dumps(r) for r in [*(e.record for e in EXAMPLES), sharegpt]))
     out = tmp_path / "run"
-    done = run_cli("train", "--config", str(tinker_file(root, tmp_path, epochs=3)),
+    done = run_cli("train", "--config", str(tinker_file(model_root, tmp_path, epochs=3)),
                    "--dataset", str(dataset), "--output", str(out), env={KEY_ENV: KEY})
     assert done.returncode == 0, done.stderr
     record = json.loads((out / "job.json").read_text())
@@ -179,7 +174,7 @@ def test_atropos_train_runs_one_job_from_a_dataset(
         "4", "4", "hello"]
 
     fake.job_outcome = "failed"
-    failed = run_cli("train", "--config", str(tinker_file(root, tmp_path)),
+    failed = run_cli("train", "--config", str(tinker_file(model_root, tmp_path)),
                      "--dataset", str(dataset), "--output", str(tmp_path / "run2"),
                      env={KEY_ENV: KEY})
     assert failed.returncode == 1 and "training failed" in failed.stderr
@@ -248,9 +243,9 @@ class FakeTokenizer:
 
 
 async def test_tinker_sdk_trains_lora_with_adam_then_saves_and_smoke_tests(
-    fake: FakeModel, root: str, tmp_path: Path, http: httpx.AsyncClient
+    fake: FakeModel, model_root: str, tmp_path: Path, http: httpx.AsyncClient
 ) -> None:
-    config = tinker(root, tmp_path, backend="tinker", epochs=2, batch_size=1, lora_rank=8,
+    config = tinker(model_root, tmp_path, backend="tinker", epochs=2, batch_size=1, lora_rank=8,
                     learning_rate=1e-4)
     service = FakeService()
     backend = TinkerSDK(config, sdk=FAKE_SDK, service=service, tokenizer=FakeTokenizer())
@@ -287,9 +282,9 @@ async def test_tinker_sdk_trains_lora_with_adam_then_saves_and_smoke_tests(
 
 
 async def test_tinker_sdk_without_token_ids_or_tokenizer_says_what_to_set(
-    fake: FakeModel, root: str, tmp_path: Path
+    fake: FakeModel, model_root: str, tmp_path: Path
 ) -> None:
-    backend = TinkerSDK(tinker(root, tmp_path, backend="tinker"), sdk=FAKE_SDK,
+    backend = TinkerSDK(tinker(model_root, tmp_path, backend="tinker"), sdk=FAKE_SDK,
                         service=FakeService())
     with TrainerLog(tmp_path, "r3") as log, pytest.raises(TrainingFailed, match="tinker.tokenizer"):
         await backend.train(TrainingRun(EXAMPLES, "k", {}, Receipts(), log))
