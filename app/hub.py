@@ -13,24 +13,24 @@ from dataclasses import dataclass
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.access import Access
-from app.admission import Admission
+from app.access.guard import Access
 from app.atropos import Atropos
 from app.compression import ModelSummarizer
 from app.config import CompressionFile, HubConfig, TinkerFile
 from app.db import migrate
 from app.db.engine import create_engine, database_url, redacted
-from app.environment import Environment
-from app.ingest import Ingestor
-from app.inserter import TraceInserter
-from app.leases import Lease
-from app.retention import RetentionStage
+from app.evaluation.environment import Environment
+from app.ingest.admission import Admission
+from app.ingest.ingestor import Ingestor
+from app.ingest.inserter import TraceInserter
 from app.runs import RunSupervisor
 from app.stages.compression import CompressionStage
 from app.stages.delivery import DeliveryStage
 from app.stages.distribution import DistributionStage
+from app.stages.leases import Lease
+from app.stages.retention import RetentionStage
+from app.stages.runner import StageRunner
 from app.targets import build_target
-from app.worker import StageRunner
 
 log = logging.getLogger("atropos")
 

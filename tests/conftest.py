@@ -119,9 +119,9 @@ def make_api_key(trace_server: dict[str, Any], *scopes: str, name: str = "test")
     its own test); returns the key to send as `Authorization: Bearer <key>`."""
     import asyncio
 
+    from app.access.keys import Scope, create_key
     from app.config import TraceServerConfig
     from app.db.engine import create_engine
-    from app.keys import Scope, create_key
 
     async def make() -> str:
         engine = create_engine(TraceServerConfig(**trace_server))

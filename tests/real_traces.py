@@ -1,12 +1,12 @@
 """The real long trajectories in ../shared/fixtures/real, read through the hub's own
-source adapters (app/sources), for the compression tests and bench."""
+source adapters (app/import_sources), for the compression tests and bench."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from app.domain import Trace
-from app.sources import Parsed, read_path
+from app.import_sources import Parsed, read_path
 
 REAL = Path(__file__).resolve().parents[1].parent / "shared/fixtures/real"
 OPENHANDS = sorted(REAL.glob("openhands/multi_swe_bench_*.jsonl"))

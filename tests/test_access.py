@@ -11,9 +11,9 @@ import httpx
 import pytest
 from fastapi import APIRouter, FastAPI
 
+from app.access.keys import Scope
 from app.api.openapi import install_openapi
 from app.config import AuthConfig
-from app.keys import Scope
 from tests.conftest import REAL, HubProcess, db_execute, native_trace, run_cli
 from tests.conftest import make_api_key as make_key
 

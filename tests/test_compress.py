@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 import app.compression.ledger as ledger_module
-import app.tokens
+import app.ingest.tokens
 from app.compression import Compressed, ModelSummarizer, Skipped, compress
 from app.compression.compress import _budget
 from app.compression.extract import _dedup, key_decision_extract, shape
@@ -15,7 +15,7 @@ from app.compression.ledger import Budget, Ledger, is_error
 from app.compression.summarize import PREFIX, _span, _Turn
 from app.config import CompressionConfig, TinkerConfig
 from app.domain import Step, StepType, Trace
-from app.tokens import count_parts
+from app.ingest.tokens import count_parts
 from tests.fakes.model_server import FakeModel
 from tests.real_traces import OPENHANDS, SWE_AGENT, load
 
@@ -155,13 +155,13 @@ async def test_never_under_min_tokens_after(path: Path) -> None:
 def test_counts_are_kept_per_step_not_retokenized(monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole trace is tokenized about once (incl. the result), not once per removal."""
     encoded = [0]
-    real = app.tokens.count_tokens
+    real = app.ingest.tokens.count_tokens
 
     def counting(text: str) -> int:
         encoded[0] += len(text)
         return real(text)
 
-    monkeypatch.setattr(app.tokens, "count_tokens", counting)
+    monkeypatch.setattr(app.ingest.tokens, "count_tokens", counting)
     monkeypatch.setattr(ledger_module, "count_tokens", counting)
     trace = load(OPENHANDS[0])
     policy = CompressionConfig()

@@ -50,7 +50,7 @@ def test_no_tokenizer_stops_start_up_with_one_line(tmp_path: Path) -> None:
         "import sys, tiktoken\n"
         "def missing(name): raise ValueError(f'Unknown encoding {name}')\n"
         "tiktoken.get_encoding = missing\n"
-        "from app.cli import main\n"
+        "from app.cli.main import main\n"
         "main(sys.argv[1:])\n"
     )
     result = subprocess.run(

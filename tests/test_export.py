@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from app import export, formats
+from app import formats
+from app.cli import export
+from app.cli.export import ExportQuery, export_traces
 from app.db.models import TRACES
-from app.export import ExportQuery, export_traces
 from tests.conftest import HubProcess, native_trace, run_cli
 from tests.pipeline import database, ingest, set_rewards
 

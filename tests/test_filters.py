@@ -7,7 +7,7 @@ import pytest
 
 from app.domain import Step, StepType, Trace
 from app.errors import ConfigError
-from app.filters import SIMILARITY_WINDOW, Filters, RejectReason, find_reject_reasons
+from app.evaluation.filters import SIMILARITY_WINDOW, Filters, RejectReason, find_reject_reasons
 
 
 def thought(text: str | None) -> Step:

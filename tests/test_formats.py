@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from app import formats
 from app.config import EnvironmentConfig, LimitsConfig
 from app.domain import Status, StepType, Trace
-from app.environment import Environment
 from app.errors import HubError, Invalid, UnknownFormat
-from app.ingest import Preparer
+from app.evaluation.environment import Environment
+from app.ingest.ingestor import Preparer
 
 REAL = Path(__file__).resolve().parents[1].parent / "shared/fixtures/real"
 HERMES_LINE = REAL / "hermes-agent/lucifexia_trajectory_samples.jsonl"

@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from app.config import EnvironmentConfig, LimitsConfig
-from app.environment import Environment
 from app.errors import HubError, Invalid, Unavailable
-from app.ingest import Preparer
-from app.ingest_processes import IngestProcesses
+from app.evaluation.environment import Environment
+from app.ingest.ingestor import Preparer
+from app.ingest.processes import IngestProcesses
 from tests.conftest import HubProcess, native_trace
 
 PREPARER = Preparer(Environment.from_config(EnvironmentConfig()), LimitsConfig())

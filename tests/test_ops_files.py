@@ -153,7 +153,7 @@ def test_compose_postgres_profile() -> None:
 
 
 @pytest.mark.skipif(
-    not (ROOT / "app" / "cli.py").exists(), reason="app/cli.py (the `atropos` CLI) not built yet"
+    not (ROOT / "app" / "cli.py").exists(), reason="app/cli/main.py (the `atropos` CLI) not built yet"
 )
 @pytest.mark.parametrize("argv", [[*SERVE, "--no-workers"], WORKER], ids=["serve", "worker"])
 def test_the_cli_takes_the_flags_the_docker_files_pass(argv: list[str]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.ratelimit import RateLimiter
+from app.access.ratelimit import RateLimiter
 
 
 class Clock:

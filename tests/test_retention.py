@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from app.db.models import SCHEDULED_TASKS, TRACES
 from app.db.types import utcnow
 from app.durations import format_duration, parse_duration
-from app.retention import Criteria
+from app.stages.retention import Criteria
 from tests.conftest import HubProcess, db_execute, native_trace, run_cli, write_config
 
 # The batches tables as the distribution stage creates them (migration 0003); made

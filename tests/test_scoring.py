@@ -8,8 +8,8 @@ import pytest
 
 from app.domain import Outcome, Status, Step, StepType, Trace
 from app.errors import ConfigError
-from app.filters import Filters, find_reject_reasons
-from app.scoring import MATCH_WINDOW, RewardRules, RuleResult, score
+from app.evaluation.filters import Filters, find_reject_reasons
+from app.evaluation.scoring import MATCH_WINDOW, RewardRules, RuleResult, score
 
 DEFAULT_RULES = {
     "task_success": 20,

@@ -1,4 +1,4 @@
-"""app.sources over the real corpus in ../shared/fixtures/real (facts from its
+"""app.import_sources over the real corpus in ../shared/fixtures/real (facts from its
 SOURCES.md), plus the reader's edge cases on small files of our own."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from app.domain import Status, StepType, Trace
-from app.sources import ADAPTERS, Parsed, Record, Unreadable, detect, formats, read_path
+from app.import_sources import ADAPTERS, Parsed, Record, Unreadable, detect, formats, read_path
 
 REAL = Path(__file__).resolve().parents[1].parent / "shared/fixtures/real"
 

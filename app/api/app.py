@@ -12,7 +12,7 @@ from starlette.middleware.cors import CORSMiddleware
 from app.api import atropos, batches, ops, runs, traces
 from app.api.errors import install_error_handlers
 from app.api.openapi import install_openapi
-from app.environment import Environment
+from app.evaluation.environment import Environment
 from app.hub import Settings, running_hub
 
 

@@ -12,8 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.responses import PlainTextResponse, Response
 
+from app.access.keys import Scope
 from app.api.auth import requires
-from app.api.body import read_body
 from app.api.deps import HubDep
 from app.api.gzipped import GzipRoute
 from app.api.openapi import errors
@@ -28,7 +28,7 @@ from app.atropos.models import (
     ScoredData,
 )
 from app.errors import BadRequest
-from app.keys import Scope
+from app.ingest.body import read_body
 
 _BODY_ERRORS = errors(400, 413, 415, 422)
 _QUEUE_ERRORS = errors(400, 413, 415, 422, 503)

@@ -21,10 +21,10 @@ from typing import Annotated, Any
 from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from app.access import Principal
+from app.access.guard import Principal
+from app.access.keys import Scope
 from app.api.deps import HubDep
 from app.api.openapi import BEARER_SCHEME
-from app.keys import Scope
 
 # auto_error off: a missing or malformed header is ours to answer, in the hub's shape.
 _BEARER = HTTPBearer(

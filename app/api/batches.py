@@ -6,13 +6,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
+from app.access.keys import Scope
 from app.api.auth import requires
 from app.api.deps import ConnDep, HubDep
 from app.api.openapi import errors
 from app.api.responses import JSONResponse
-from app.batches import get_batch, list_batches, retry_batch
+from app.db.batch_queries import get_batch, list_batches, retry_batch
 from app.domain import BatchState
-from app.keys import Scope
 
 router = APIRouter(tags=["batches"])
 

@@ -6,13 +6,12 @@ from fastapi import APIRouter
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.responses import PlainTextResponse
 
-from app import store
+from app.access.keys import Scope
 from app.api.auth import requires
 from app.api.deps import ConnDep, HubDep
 from app.api.openapi import errors
 from app.api.responses import JSONResponse
-from app.db import migrate
-from app.keys import Scope
+from app.db import migrate, trace_queries
 
 router = APIRouter(tags=["ops"])
 
@@ -42,12 +41,12 @@ async def readyz(hub: HubDep) -> JSONResponse:
 
 @router.get("/v1/stats", dependencies=[requires(Scope.READ)])
 async def stats(conn: ConnDep) -> JSONResponse:
-    return JSONResponse(await store.stats(conn))
+    return JSONResponse(await trace_queries.stats(conn))
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(conn: ConnDep) -> PlainTextResponse:
-    figures = await store.stats(conn)
+    figures = await trace_queries.stats(conn)
     lines = [
         "# HELP atropos_traces Traces stored, by pipeline stage.",
         "# TYPE atropos_traces gauge",

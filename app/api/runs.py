@@ -6,11 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 
+from app.access.keys import Scope
 from app.api.auth import requires
 from app.api.deps import HubDep, RunsDep
 from app.api.openapi import errors
 from app.api.responses import JSONResponse
-from app.keys import Scope
 from app.runs import RunSpec, RunStatus
 
 # Runs start processes on the hub's machine: every route, reads too, is admin's.

@@ -7,15 +7,15 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 
+from app.access.keys import Scope
 from app.api.auth import requires
-from app.api.body import parse_items, read_body
 from app.api.deps import ConnDep, HubDep
 from app.api.openapi import errors
 from app.api.responses import JSONResponse
+from app.db.trace_queries import TraceFilter, View, get_trace, list_traces
 from app.errors import HubError, PayloadTooLarge
-from app.inserter import Stored
-from app.keys import Scope
-from app.store import TraceFilter, View, get_trace, list_traces
+from app.ingest.body import parse_items, read_body
+from app.ingest.inserter import Stored
 
 INGEST_BODY_DOC: dict[str, Any] = {
     "requestBody": {

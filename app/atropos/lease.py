@@ -14,11 +14,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from app.atropos.store import (
-    BATCHES,
+from app.atropos.tables import (
+    ATROPOS_BATCHES,
+    AtroposBatchState,
     AtroposDb,
-    BatchState,
-    GroupState,
+    AtroposGroupState,
     drop_served_groups,
     move_batch,
     move_groups,
@@ -35,11 +35,11 @@ def grant(conn: sa.Connection, batch_id: int, now: datetime, seconds: float) -> 
     move_batch(
         conn,
         batch_id,
-        (BatchState.PENDING,),
-        BatchState.LEASED,
+        (AtroposBatchState.PENDING,),
+        AtroposBatchState.LEASED,
         lease_id=lease_id,
         lease_expires_at=now + timedelta(seconds=seconds),
-        deliveries=BATCHES.c.deliveries + 1,
+        deliveries=ATROPOS_BATCHES.c.deliveries + 1,
         updated_at=now,
     )
     return lease_id
@@ -47,14 +47,17 @@ def grant(conn: sa.Connection, batch_id: int, now: datetime, seconds: float) -> 
 
 def expire(conn: sa.Connection, now: datetime) -> None:
     """Leases past their deadline: the batch is pending again, next in line."""
-    others = BATCHES.alias("others")  # not correlated with the row being updated
+    others = ATROPOS_BATCHES.alias("others")  # not correlated with the row being updated
     top = sa.select(sa.func.coalesce(sa.func.max(others.c.seq), 0) + 1).scalar_subquery()
     expired = (
         conn.execute(
-            sa.update(BATCHES)
-            .where(BATCHES.c.state == BatchState.LEASED, BATCHES.c.lease_expires_at < now)
-            .values(state=BatchState.PENDING, seq=top, updated_at=now)
-            .returning(BATCHES.c.lease_id)
+            sa.update(ATROPOS_BATCHES)
+            .where(
+                ATROPOS_BATCHES.c.state == AtroposBatchState.LEASED,
+                ATROPOS_BATCHES.c.lease_expires_at < now,
+            )
+            .values(state=AtroposBatchState.PENDING, seq=top, updated_at=now)
+            .returning(ATROPOS_BATCHES.c.lease_id)
         )
         .scalars()
         .all()
@@ -68,8 +71,9 @@ async def acknowledge(db: AtroposDb, lease_id: str) -> dict[str, Any]:
 
 
 def _acknowledge(conn: sa.Connection, lease_id: str) -> dict[str, Any]:
-    query = sa.select(BATCHES.c.id, BATCHES.c.state, BATCHES.c.group_ids).where(
-        BATCHES.c.lease_id == lease_id
+    columns = ATROPOS_BATCHES.c
+    query = sa.select(columns.id, columns.state, columns.group_ids).where(
+        ATROPOS_BATCHES.c.lease_id == lease_id
     )
     row = conn.execute(for_update(query, dialect_of(conn))).first()
     if row is None:
@@ -79,11 +83,15 @@ def _acknowledge(conn: sa.Connection, lease_id: str) -> dict[str, Any]:
             field="batch_id",
             code="unknown_batch",
         )
-    if row.state == BatchState.ACKED:
+    if row.state == AtroposBatchState.ACKED:
         return {"status": "acked", "batch_id": lease_id, "duplicate": True}
     move_batch(
-        conn, row.id, (BatchState.LEASED, BatchState.PENDING), BatchState.ACKED, updated_at=utcnow()
+        conn,
+        row.id,
+        (AtroposBatchState.LEASED, AtroposBatchState.PENDING),
+        AtroposBatchState.ACKED,
+        updated_at=utcnow(),
     )
-    move_groups(conn, row.group_ids, GroupState.BATCHED, GroupState.SERVED)
+    move_groups(conn, row.group_ids, AtroposGroupState.BATCHED, AtroposGroupState.SERVED)
     drop_served_groups(conn)
     return {"status": "acked", "batch_id": lease_id, "duplicate": False}

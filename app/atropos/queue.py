@@ -26,7 +26,7 @@ import sqlalchemy as sa
 
 from app.atropos.models import ScoredData
 from app.atropos.packing import groups_summing_to
-from app.atropos.store import ENVS, GROUPS, PAYLOADS, WAITING, AtroposDb, GroupState
+from app.atropos.tables import ENVS, GROUPS, PAYLOADS, WAITING, AtroposDb, AtroposGroupState
 from app.config import AtroposConfig
 from app.db.dialect import Dialect, for_update, reserve_ids
 from app.db.types import utcnow
@@ -229,10 +229,10 @@ class _Placer:
 
     def flush(self) -> None:
         if self._queued:
-            self._insert(self._queued, GroupState.QUEUED)
+            self._insert(self._queued, AtroposGroupState.QUEUED)
             self._queued = []
 
-    def _insert(self, groups: list[NewGroup], state: GroupState) -> None:
+    def _insert(self, groups: list[NewGroup], state: AtroposGroupState) -> None:
         payload_ids = reserve_ids(self._conn, PAYLOADS, len(groups))
         payloads = [{"id": pid, "payload": g.payload} for g, pid in zip(groups, payload_ids)]
         rows = [_row(g, state, pid, self._now) for g, pid in zip(groups, payload_ids)]
@@ -246,10 +246,10 @@ class _Placer:
             env_row = sa.select(ENVS.c.env_id).where(ENVS.c.env_id == env_id)
             self._conn.execute(for_update(env_row, self._dialect))
             self._locked.add(env_id)
-        self._insert([group], GroupState.BUFFERED)
+        self._insert([group], AtroposGroupState.BUFFERED)
         buffered = self._conn.execute(
             sa.select(GROUPS.c.id, GROUPS.c.size)
-            .where(GROUPS.c.state == GroupState.BUFFERED, GROUPS.c.env_id == env_id)
+            .where(GROUPS.c.state == AtroposGroupState.BUFFERED, GROUPS.c.env_id == env_id)
             .order_by(GROUPS.c.id)
         ).all()
         chosen = groups_summing_to([row.size for row in buffered], group_size)
@@ -259,7 +259,7 @@ class _Placer:
         if released:
             self._conn.execute(
                 sa.delete(GROUPS).where(
-                    GROUPS.c.id.in_(released), GROUPS.c.state == GroupState.BUFFERED
+                    GROUPS.c.id.in_(released), GROUPS.c.state == AtroposGroupState.BUFFERED
                 )
             )
         left = sum(row.size for i, row in enumerate(buffered) if i not in set(chosen))
@@ -271,7 +271,7 @@ _COPIED = ["state", "env_id", "size", "bytes", "fill_logprobs", "payload_id", "c
 
 def _copy_of(group_id: int) -> sa.Select[Any]:
     return sa.select(
-        sa.literal(GroupState.QUEUED.value, sa.String(16)),
+        sa.literal(AtroposGroupState.QUEUED.value, sa.String(16)),
         GROUPS.c.env_id,
         GROUPS.c.size,
         GROUPS.c.bytes,
@@ -289,7 +289,9 @@ def _insert_many(conn: sa.Connection, table: sa.Table, rows: list[dict[str, Any]
         conn.execute(sa.insert(table).values(rows[start : start + _ROWS_PER_INSERT]))
 
 
-def _row(group: NewGroup, state: GroupState, payload_id: int, now: datetime) -> dict[str, Any]:
+def _row(
+    group: NewGroup, state: AtroposGroupState, payload_id: int, now: datetime
+) -> dict[str, Any]:
     return {
         "state": state,
         "env_id": group.env_id,
@@ -310,7 +312,7 @@ async def latest_payload(db: AtroposDb) -> str | None:
         return conn.scalar(
             sa.select(PAYLOADS.c.payload)
             .join(GROUPS, GROUPS.c.payload_id == PAYLOADS.c.id)
-            .where(GROUPS.c.state != GroupState.BUFFERED)
+            .where(GROUPS.c.state != AtroposGroupState.BUFFERED)
             .order_by(GROUPS.c.id.desc())
             .limit(1)
         )

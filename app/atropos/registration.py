@@ -10,14 +10,14 @@ from typing import Any
 import sqlalchemy as sa
 
 from app.atropos.models import RegisterEnv, Registration
-from app.atropos.store import (
-    BATCHES,
+from app.atropos.tables import (
+    ATROPOS_BATCHES,
     ENVS,
     GROUPS,
     PAYLOADS,
     STATE,
     AtroposDb,
-    GroupState,
+    AtroposGroupState,
     run_state,
 )
 from app.db.types import utcnow
@@ -133,10 +133,10 @@ def _reset(conn: sa.Connection) -> None:
         )
     )
     conn.execute(sa.delete(ENVS))
-    conn.execute(sa.delete(BATCHES))
+    conn.execute(sa.delete(ATROPOS_BATCHES))
     latest = conn.execute(
         sa.select(GROUPS.c.id, GROUPS.c.payload_id)
-        .where(GROUPS.c.state != GroupState.BUFFERED)
+        .where(GROUPS.c.state != AtroposGroupState.BUFFERED)
         .order_by(GROUPS.c.id.desc())
         .limit(1)
     ).first()
@@ -145,5 +145,5 @@ def _reset(conn: sa.Connection) -> None:
     if latest is not None:
         # A wipe, not a step of the pipeline: the group kept is only an example now.
         conn.execute(
-            sa.update(GROUPS).where(GROUPS.c.id == latest.id).values(state=GroupState.SERVED)
+            sa.update(GROUPS).where(GROUPS.c.id == latest.id).values(state=AtroposGroupState.SERVED)
         )

@@ -8,10 +8,10 @@ from typing import Any
 import orjson
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.atropos import batch, lease, queue, registration, status
+from app.atropos import lease, queue, registration, status, trainer_batches
 from app.atropos.models import RegisterEnv, Registration, ScoredData
 from app.atropos.queue import GroupWriter, NewGroup, Placed
-from app.atropos.store import AtroposDb, Contention
+from app.atropos.tables import AtroposDb, Contention
 from app.config import AtroposConfig
 from app.errors import Unavailable
 
@@ -93,9 +93,9 @@ class Atropos:
     # --- data out ------------------------------------------------------------------
 
     async def next_batch(self, *, ack: bool = False) -> bytes:
-        """JSON body of GET /batch (see batch.next_batch)."""
+        """JSON body of GET /batch (see trainer_batches.next_batch)."""
         try:
-            return await batch.next_batch(
+            return await trainer_batches.next_batch(
                 self.db, ack=ack, lease_seconds=self.config.ack_timeout_seconds
             )
         except Contention:

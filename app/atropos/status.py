@@ -11,7 +11,14 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from app.atropos.store import ENVS, GROUPS, AtroposDb, GroupState, RunState, run_state
+from app.atropos.tables import (
+    ENVS,
+    GROUPS,
+    AtroposDb,
+    AtroposGroupState,
+    AtroposRunState,
+    run_state,
+)
 from app.errors import NotFound
 
 # The least env_weight an env is told, so that no env is starved completely.
@@ -41,7 +48,7 @@ async def status(db: AtroposDb) -> dict[str, Any]:
         queued = conn.scalar(
             sa.select(sa.func.count())
             .select_from(GROUPS)
-            .where(GROUPS.c.state == GroupState.QUEUED)
+            .where(GROUPS.c.state == AtroposGroupState.QUEUED)
         )
         return {"current_step": run_state(conn).step, "queue_size": queued or 0}
 
@@ -49,7 +56,7 @@ async def status(db: AtroposDb) -> dict[str, Any]:
 
 
 async def status_env(db: AtroposDb, env_id: int) -> dict[str, Any]:
-    def work(conn: sa.Connection) -> tuple[RunState, list[_Env], dict[int | None, _Queued]]:
+    def work(conn: sa.Connection) -> tuple[AtroposRunState, list[_Env], dict[int | None, _Queued]]:
         return run_state(conn), _envs(conn), _queued_by_env(conn)
 
     run, envs, queue = await db.read(work)
@@ -117,7 +124,7 @@ def _envs(conn: sa.Connection) -> list[_Env]:
 def _queued_by_env(conn: sa.Connection) -> dict[int | None, _Queued]:
     rows = conn.execute(
         sa.select(GROUPS.c.env_id, sa.func.sum(GROUPS.c.size), sa.func.max(GROUPS.c.size))
-        .where(GROUPS.c.state == GroupState.QUEUED)
+        .where(GROUPS.c.state == AtroposGroupState.QUEUED)
         .group_by(GROUPS.c.env_id)
     )
     return {env_id: _Queued(int(total), int(largest)) for env_id, total, largest in rows}

@@ -285,7 +285,7 @@ ATROPOS_BATCHES: sa.Table = AtroposBatchRow.__table__  # type: ignore[assignment
 
 
 class ApiKeyRow(Base):
-    """An API key (app/keys.py). Only the sha256 of its secret is kept: the key itself
+    """An API key (app/access/keys.py). Only the sha256 of its secret is kept: the key itself
     is shown once, by `atropos keys create`."""
 
     __tablename__ = "api_keys"

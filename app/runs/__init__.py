@@ -3,8 +3,8 @@ stops (issue 7). `RunSupervisor` is the entry point; see docs/runs.md."""
 
 from __future__ import annotations
 
+from app.runs.records import RunStatus
 from app.runs.spec import HealthCheck, ProcessSpec, RunSpec
-from app.runs.store import RunStatus
 from app.runs.supervisor import RunSupervisor
 
 __all__ = ["HealthCheck", "ProcessSpec", "RunSpec", "RunStatus", "RunSupervisor"]

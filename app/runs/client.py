@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from app.keys import bearer_from_env
+from app.access.keys import bearer_from_env
 from app.runs.process import describe_exit
 
 FINISHED = {"completed", "failed", "stopped"}

@@ -28,13 +28,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.config import RunsConfig, TinkerConfig
 from app.db.types import utcnow
 from app.errors import Conflict, Invalid
-from app.runs import store
+from app.runs import records
 from app.runs.channel import ModelChannel, process_env
 from app.runs.health import Exited, Healthy, Interrupted, TimedOut, wait_until_healthy
 from app.runs.logs import log_path, tail
 from app.runs.process import RunProcess, describe_exit, is_running, start_ticks
+from app.runs.records import RunRecord, RunStatus
 from app.runs.spec import RunSpec
-from app.runs.store import RunRecord, RunStatus
 
 log = logging.getLogger("atropos.runs")
 
@@ -60,7 +60,7 @@ class RunSupervisor:
     async def start(self) -> None:
         """Take over the unfinished runs of this machine that no live hub watches."""
         async with self._engine.begin() as conn:
-            candidates = await store.unwatched_runs(conn, self.host, self.identity)
+            candidates = await records.unwatched_runs(conn, self.host, self.identity)
         for run_id, owner in candidates:
             try:
                 await self._take_over(run_id, owner)
@@ -72,9 +72,9 @@ class RunSupervisor:
         if owner is not None and _alive(owner, self.host):
             return  # another hub process on this machine watches it
         async with self._engine.begin() as conn:
-            if not await store.claim(conn, run_id, owner, self.identity):
+            if not await records.claim(conn, run_id, owner, self.identity):
                 return  # another hub took it first
-            record = await store.get_run(conn, run_id)
+            record = await records.get_run(conn, run_id)
         self._watch(_Run.adopt(self, record), _Run.resume, record.status)
 
     async def close(self) -> None:
@@ -86,7 +86,7 @@ class RunSupervisor:
         await self._http.aclose()
         try:
             async with self._engine.begin() as conn:
-                await store.release(conn, self.identity)
+                await records.release(conn, self.identity)
         except (SQLAlchemyError, OSError) as exc:
             # Harmless: the next hub sees that this process is gone and takes them over.
             log.warning("runs not released (%s); the next hub takes them over", exc)
@@ -103,7 +103,7 @@ class RunSupervisor:
             for role, p in spec.processes()
         ]
         async with self._engine.begin() as conn:
-            await store.create_run(
+            await records.create_run(
                 conn,
                 run_id,
                 spec.model_dump(mode="json", exclude_none=True),
@@ -111,7 +111,7 @@ class RunSupervisor:
                 host=self.host,
                 supervisor=self.identity,
             )
-            record = await store.get_run(conn, run_id)
+            record = await records.get_run(conn, run_id)
         channel = ModelChannel.from_tinker(self._tinker)
         if not channel.api_key:
             log.warning(
@@ -133,16 +133,16 @@ class RunSupervisor:
         """Ask for the run to stop. The hub that watches it (this one, or another on
         its machine at its next poll) stops the processes, environments first."""
         async with self._engine.begin() as conn:
-            status = await store.status_of(conn, run_id)
+            status = await records.status_of(conn, run_id)
             if status.finished:
                 raise Conflict(f"run {run_id} has already {status.value}", field="run_id")
-            await store.move(
+            await records.move(
                 conn,
                 run_id,
                 RunStatus.STOPPING,
                 expected=[RunStatus.PENDING, RunStatus.STARTING, RunStatus.RUNNING],
             )
-            record = await store.get_run(conn, run_id)
+            record = await records.get_run(conn, run_id)
         if run_id in self._runs:
             self._runs[run_id].stop_requested.set()
         elif record.host == self.host:
@@ -153,7 +153,7 @@ class RunSupervisor:
     async def describe(self, run_id: str, tail_lines: int = 0) -> dict[str, Any]:
         """The run's record; with `tail_lines`, the end of each process's log too."""
         async with self._engine.connect() as conn:
-            record = await store.get_run(conn, run_id)
+            record = await records.get_run(conn, run_id)
         body = record.to_json()
         if tail_lines:
             # A trainer that prints its key has it in its own log; the API does not
@@ -166,7 +166,7 @@ class RunSupervisor:
 
     async def list(self, status: RunStatus | None, limit: int) -> list[dict[str, Any]]:
         async with self._engine.connect() as conn:
-            return [r.to_json() for r in await store.list_runs(conn, status, limit)]
+            return [r.to_json() for r in await records.list_runs(conn, status, limit)]
 
     def _watch(self, run: _Run, step: _Step, *args: Any) -> None:
         self._runs[run.run_id] = run
@@ -314,7 +314,7 @@ class _Run:
             return RunStatus.STOPPED, None
         async with self._engine.connect() as conn:
             # A DELETE answered by another hub sharing the database lands here.
-            if await store.status_of(conn, self.run_id) == RunStatus.STOPPING:
+            if await records.status_of(conn, self.run_id) == RunStatus.STOPPING:
                 return RunStatus.STOPPED, None
         for proc in self.processes:  # the trainer first: its exit decides the outcome
             if proc.running():
@@ -340,9 +340,9 @@ class _Run:
         for position, proc in reversed(list(enumerate(self.processes))):
             await proc.stop(self.spec.stop_timeout)
             async with self._engine.begin() as conn:
-                await store.record_exit(conn, self.run_id, position, proc.exit_code())
+                await records.record_exit(conn, self.run_id, position, proc.exit_code())
         async with self._engine.begin() as conn:
-            moved = await store.move(
+            moved = await records.move(
                 conn,
                 self.run_id,
                 status,
@@ -359,11 +359,11 @@ class _Run:
 
     async def _move(self, status: RunStatus, expected: list[RunStatus]) -> bool:
         async with self._engine.begin() as conn:
-            return await store.move(conn, self.run_id, status, expected=expected)
+            return await records.move(conn, self.run_id, status, expected=expected)
 
     async def _record(self, position: int, **values: Any) -> None:
         async with self._engine.begin() as conn:
-            await store.update_process(conn, self.run_id, position, **values)
+            await records.update_process(conn, self.run_id, position, **values)
 
 
 def _label(role: str) -> str:

@@ -1,7 +1,7 @@
 """The compression stage: claim accepted traces, compress them, store the result
 beside the original, and move each to `compressed` or `compression_skipped`.
 
-A claim is a lease (app/leases.py): a worker killed mid-trace leaves a lease that
+A claim is a lease (app/stages/leases.py): a worker killed mid-trace leaves a lease that
 expires, and the next worker compresses the trace; the final move checks the lease,
 so a trace is compressed (stored) at most once.
 """
@@ -22,7 +22,7 @@ from app.config import CompressionConfig
 from app.db.models import TRACES
 from app.db.types import utcnow
 from app.domain import Stage, Trace
-from app.leases import RELEASED, Lease, claim, held_by
+from app.stages.leases import RELEASED, Lease, claim, held_by
 
 log = logging.getLogger("atropos.compression")
 

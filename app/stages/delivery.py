@@ -1,6 +1,6 @@
 """The delivery stage: lease a pending batch, hand it to the target, acknowledge it.
 
-- A lease (app/leases.py) names the worker delivering a batch and is renewed while the
+- A lease (app/stages/leases.py) names the worker delivering a batch and is renewed while the
   target works (a training job polls for minutes); a worker that dies leaves a lease
   that expires after workers.lease_seconds, and the batch is deliverable again.
 - The acknowledgement (batch `delivered`, its traces `delivered`) is one transaction
@@ -27,7 +27,7 @@ from app.config import DistributorConfig
 from app.db.models import BATCHES, MEMBERS, TRACES
 from app.db.types import utcnow
 from app.domain import BatchState, Stage, Trace
-from app.leases import RELEASED, Lease, claim, held_by, renew
+from app.stages.leases import RELEASED, Lease, claim, held_by, renew
 from app.targets import Batch, BatchItem, Target
 
 log = logging.getLogger("atropos.delivery")

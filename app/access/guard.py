@@ -1,0 +1,80 @@
+"""Who may call a /v1 endpoint: the API key (when auth is on), its scope, and its rate.
+
+`authorize` answers in this order: no or bad key -> Unauthorized (401); over the
+rate -> RateLimited (429); key without the scope -> Forbidden (403).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.access.keys import ApiKey, KeyRing, Scope
+from app.access.ratelimit import RateLimiter
+from app.config import AuthConfig
+from app.errors import Forbidden, RateLimited, Unauthorized
+
+log = logging.getLogger("atropos.auth")
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a request is from: a key, or (auth off) just an address."""
+
+    key: ApiKey | None
+    client: str
+
+
+class Access:
+    def __init__(self, config: AuthConfig, engine: AsyncEngine) -> None:
+        self.config = config
+        self._keys = KeyRing(engine, config.key_cache_seconds)
+        rate = config.rate_limit_per_second
+        self._limiter = RateLimiter(rate, config.rate_limit_burst) if rate else None
+
+    async def authorize(self, presented: str | None, client: str, scope: Scope) -> Principal:
+        """`presented`: the bearer token of the request, if it sent one."""
+        principal = Principal(await self._authenticate(presented, client), client)
+        self._limit(principal)
+        if principal.key is not None and not principal.key.allows(scope):
+            raise Forbidden(
+                f"API key {principal.key.describe()} has scopes "
+                f"{', '.join(sorted(principal.key.scopes))}; this endpoint needs {scope}",
+                code="insufficient_scope",
+            )
+        return principal
+
+    async def _authenticate(self, presented: str | None, client: str) -> ApiKey | None:
+        if not self.config.enabled:
+            return None
+        if not presented:
+            raise Unauthorized(
+                "this endpoint needs an API key: send Authorization: Bearer <key> "
+                "(keys are made with `atropos keys create`)",
+                field="Authorization",
+            )
+        key = await self._keys.verify(presented)
+        if key is None:
+            # The presented value is never logged: it may be a real key mistyped.
+            log.info("refused a request from %s: not a valid API key", client)
+            raise Unauthorized(
+                "the API key is not valid (unknown, revoked or mistyped)", field="Authorization"
+            )
+        return key
+
+    def _limit(self, principal: Principal) -> None:
+        if self._limiter is None:
+            return
+        who = principal.key.key_id if principal.key else principal.client
+        wait = self._limiter.take(who)
+        if wait > 0:
+            raise RateLimited(
+                f"more than {self._limiter.rate:g} requests per second from "
+                f"{principal.key.describe() if principal.key else principal.client}; "
+                f"retry after {math.ceil(wait)} s",
+                retry_after=math.ceil(wait),
+                field="auth.rate_limit_per_second",
+            )

@@ -1,0 +1,5 @@
+"""The `atropos` command."""
+
+from app.cli.main import main
+
+__all__ = ["main"]

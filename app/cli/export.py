@@ -1,0 +1,74 @@
+"""`atropos export`: stored traces to a training file, one record per line (JSONL) in
+any export format.
+
+Streamed: traces are read in pages of PAGE rows by keyset (created_at, trace_id), each
+page written and dropped before the next is read, so memory stays flat whatever the
+size of the database, and no transaction stays open for the whole export. Oldest first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import IO, Any
+
+import orjson
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app import formats
+from app.cli.progress import Progress
+from app.db.models import TRACES
+from app.domain import Stage, Trace
+
+PAGE = 500
+# Rejected traces are kept for inspection, not for training.
+DEFAULT_STAGES = tuple(s.value for s in Stage if s not in (Stage.RECEIVED, Stage.REJECTED))
+
+
+@dataclass(frozen=True)
+class ExportQuery:
+    fmt: str
+    compressed: bool = False  # the compressed view where a trace has one
+    min_reward: float | None = None
+    since: datetime | None = None
+    stages: tuple[str, ...] = DEFAULT_STAGES
+
+    def clauses(self) -> list[sa.ColumnElement[bool]]:
+        c = TRACES.c
+        clauses: list[sa.ColumnElement[bool]] = [c.stage.in_(self.stages)]
+        if self.min_reward is not None:
+            clauses.append(c.reward >= self.min_reward)
+        if self.since is not None:
+            clauses.append(c.created_at >= self.since)
+        return clauses
+
+
+async def count(engine: AsyncEngine, query: ExportQuery) -> int:
+    async with engine.connect() as conn:
+        return int((await conn.scalar(sa.select(sa.func.count()).where(*query.clauses()))) or 0)
+
+
+async def export_traces(
+    engine: AsyncEngine, query: ExportQuery, out: IO[bytes], progress: Progress | None = None
+) -> int:
+    """Write every matching trace to `out` as one JSON line in `query.fmt`; returns how many."""
+    c = TRACES.c
+    payload = sa.func.coalesce(c.compressed, c.trace) if query.compressed else c.trace
+    written = 0
+    after: tuple[Any, str] | None = None
+    while True:
+        page = sa.select(c.created_at, c.trace_id, payload.label("payload")).where(*query.clauses())
+        if after is not None:
+            page = page.where(sa.tuple_(c.created_at, c.trace_id) > after)
+        async with engine.connect() as conn:
+            rows = (await conn.execute(page.order_by(c.created_at, c.trace_id).limit(PAGE))).all()
+        for row in rows:
+            record = formats.export(Trace.model_validate(row.payload), query.fmt)
+            out.write(orjson.dumps(record) + b"\n")
+        written += len(rows)
+        if progress is not None:
+            progress.advance(len(rows))
+        if len(rows) < PAGE:
+            return written
+        after = (rows[-1].created_at, rows[-1].trace_id)

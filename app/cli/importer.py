@@ -1,0 +1,117 @@
+"""`atropos import`: trajectory files written by any supported agent framework, stored
+through the same pipeline as POST /v1/traces (scored, filtered, deduplicated), either
+into the configured database or by POSTing to a running hub."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.errors import HubError
+from app.import_sources import Parsed, Record, Unreadable, read_path
+from app.ingest.ingestor import Ingestor
+from app.ingest.inserter import Stored
+
+CHUNK = 64  # traces per database group or per HTTP request
+RETRIES_WHEN_BUSY = 20
+
+
+@dataclass
+class Summary:
+    stored: int = 0
+    duplicates: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    refused: list[tuple[str, str]] = field(default_factory=list)  # (location, error)
+    unreadable: list[tuple[str, str]] = field(default_factory=list)  # (location, reason)
+
+    def count(self, location: str, result: Stored | HubError | dict[str, Any]) -> None:
+        answer = result.to_json() if isinstance(result, (Stored, HubError)) else result
+        if "error" in answer:
+            self.refused.append((location, answer["error"]["message"]))
+        elif answer.get("duplicate"):
+            self.duplicates += 1
+        else:
+            self.stored += 1
+            for reason in answer.get("reject_reasons") or []:
+                self.rejected[reason["filter"]] += 1
+
+    def lines(self) -> list[str]:
+        out = [
+            f"stored: {self.stored}",
+            f"duplicates: {self.duplicates}",
+            "rejected by filter: "
+            + (", ".join(f"{k} {v}" for k, v in sorted(self.rejected.items())) or "none"),
+            f"refused: {len(self.refused)}",
+            f"unreadable: {len(self.unreadable)}",
+        ]
+        out += [f"  refused {loc}: {why}" for loc, why in self.refused]
+        out += [f"  unreadable {loc}: {why}" for loc, why in self.unreadable]
+        return out
+
+
+def records(paths: Iterable[Path], fmt: str) -> Iterator[Record]:
+    for path in paths:
+        yield from read_path(path, fmt)
+
+
+def chunks(items: Iterator[Record], size: int = CHUNK) -> Iterator[list[Record]]:
+    while chunk := list(islice(items, size)):
+        yield chunk
+
+
+def body(record: Parsed) -> dict[str, Any]:
+    """An imported trace as the native item it is stored (and POSTed) as; where it
+    came from is kept in its metadata."""
+    trace = record.trace
+    item = trace.model_dump(mode="json", exclude_none=True, exclude={"source_format"})
+    item["metadata"] = {
+        **trace.metadata,
+        "imported_from": {"format": trace.source_format, "location": record.location},
+    }
+    return item | {"format": "native"}
+
+
+async def import_into_database(
+    ingestor: Ingestor, chunk: list[Record], summary: Summary
+) -> None:
+    parsed = _split(chunk, summary)
+    results = await ingestor.ingest_many([body(p) for p in parsed])
+    for record, result in zip(parsed, results):
+        summary.count(record.location, result)
+
+
+async def import_over_http(
+    client: httpx.AsyncClient, endpoint: str, chunk: list[Record], summary: Summary
+) -> None:
+    parsed = _split(chunk, summary)
+    if not parsed:
+        return
+    payload = {"traces": [body(p) for p in parsed]}
+    response = await client.post(endpoint, json=payload)
+    for _ in range(RETRIES_WHEN_BUSY):
+        # 429 (rate limit) and 503 (write path full) say when to come back.
+        if response.status_code not in (429, 503) or "retry-after" not in response.headers:
+            break
+        await asyncio.sleep(float(response.headers["retry-after"]))
+        response = await client.post(endpoint, json=payload)
+    if response.status_code != 207:
+        raise RuntimeError(f"the hub answered {response.status_code}: {response.text[:300]}")
+    for record, result in zip(parsed, response.json()["results"]):
+        summary.count(record.location, result)
+
+
+def _split(chunk: list[Record], summary: Summary) -> list[Parsed]:
+    parsed = []
+    for record in chunk:
+        if isinstance(record, Unreadable):
+            summary.unreadable.append((record.location, record.reason))
+        else:
+            parsed.append(record)
+    return parsed

@@ -1,0 +1,55 @@
+"""tau-bench historical trajectories: `{task_id, trial, reward, info, traj}` records,
+`traj` being OpenAI chat messages with `tool_calls`.
+
+Success is `reward == 1.0` (anything else is a failure, as tau-bench's pass^k counts
+it); a tool result starting with `Error:` is a tool error; calls to the `think` tool
+are the agent's thoughts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from app.domain import Outcome, Status, Trace
+from app.import_sources._common import chat_steps, take_task
+
+NAME = "tau_bench"
+
+_THOUGHT_TOOLS = frozenset({"think"})
+
+
+def looks_like(obj: Any) -> bool:
+    return isinstance(obj, dict) and {"traj", "reward", "task_id"} <= obj.keys()
+
+
+def parse(obj: dict[str, Any]) -> Iterator[Trace]:
+    task, messages = take_task(obj["traj"])
+    info = obj.get("info") or {}
+    reward = obj.get("reward")
+    yield Trace(
+        task=task,
+        steps=list(chat_steps(messages, tool_error=_tool_error, thought_tools=_THOUGHT_TOOLS)),
+        outcome=_outcome(reward),
+        metadata={
+            "task_id": obj.get("task_id"),
+            "trial": obj.get("trial"),
+            "reward": reward,
+            # Who ended the conversation: the user (###STOP###) or a tool such as
+            # transfer_to_human_agents.
+            "ended_by": info.get("source"),
+            "user_cost": info.get("user_cost"),
+        },
+        source_format=NAME,
+    )
+
+
+def _outcome(reward: Any) -> Outcome:
+    if reward is None:
+        return Outcome(status=Status.UNKNOWN)
+    status = Status.SUCCESS if reward == 1.0 else Status.FAILURE
+    return Outcome(status=status, reason=f"reward {reward}")
+
+
+def _tool_error(content: str) -> str | None:
+    return content if content.startswith("Error:") else None

@@ -1,0 +1,186 @@
+"""ingest(): detect -> normalise -> count tokens -> score -> filter -> store.
+
+Everything before the insert is pure CPU work on one item (`Preparer`), done in the
+ingest processes (app/ingest/processes.py) so that it runs beside the event loop
+instead of contending with it for the GIL; the insert is the group commit in
+app/ingest/inserter.py. An item is answered only after its row is committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import uuid
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from app import formats
+from app.config import LimitsConfig
+from app.db.types import EncodedJSON, utcnow
+from app.domain import Stage, Trace
+from app.errors import HubError, Invalid
+from app.evaluation.environment import Environment
+from app.ingest.admission import Admission
+from app.ingest.inserter import Stored, TraceInserter
+from app.ingest.limits import check_item, check_trace
+from app.ingest.processes import IngestProcesses
+from app.ingest.tokens import count_parts
+
+MAX_TRACE_ID_LENGTH = 200
+# The items of a batch go to the ingest processes in chunks of this many: one round
+# trip each, and a large batch still spreads over every process.
+CHUNK = 32
+
+
+@dataclass(frozen=True)
+class Preparer:
+    """The row for one item: limits, parse, score, filter and count its tokens. Pure
+    CPU work; pickled into each ingest process (the environment as its config)."""
+
+    environment: Environment
+    limits: LimitsConfig
+
+    def row(self, item: Any, fmt: str | None = None) -> dict[str, Any]:
+        # The limits are checked first, so that a trace over one costs no parsing.
+        check_item(item, self.limits)
+        digest = content_hash(item)  # also: refuses what the `original` column cannot hold
+        trace = formats.parse(item, fmt)
+        check_trace(trace, self.limits)
+        trace_id = _trace_id(trace)
+        evaluation = self.environment.evaluate(trace)
+        now = utcnow()
+        return {
+            "trace_id": trace_id,
+            "created_at": now,
+            "updated_at": now,
+            "status": trace.outcome.status.value,
+            "stage": (Stage.REJECTED if evaluation.reject_reasons else Stage.ACCEPTED).value,
+            "total_tokens": count_parts(trace.text_parts()),
+            "compressed_tokens": None,
+            "reward": evaluation.reward,
+            "reward_breakdown": evaluation.breakdown,
+            "reject_reasons": evaluation.reject_reasons,
+            "scored_with": self.environment.fingerprint,
+            "source_format": trace.source_format,
+            "env": trace.env,
+            "model": trace.agent.model,
+            "agent_name": trace.agent.name,
+            "policy_version": trace.policy_version,
+            "content_hash": digest,
+            # Encoded here, in the ingest process, rather than on the event loop.
+            "original": EncodedJSON(orjson.dumps(item).decode()),
+            "trace": EncodedJSON(
+                trace.model_copy(update={"trace_id": trace_id}).model_dump_json(
+                    exclude_none=True
+                )
+            ),
+            "attempts": 0,
+        }
+
+    def rows(self, items: list[Any], fmt: str | None) -> list[dict[str, Any] | HubError]:
+        """Each item's row, or the HubError that refuses it. An item may come as its
+        JSON text (bytes), which is cheaper to send to a process than the parsed value."""
+        out: list[dict[str, Any] | HubError] = []
+        for item in items:
+            try:
+                out.append(self.row(orjson.loads(item) if isinstance(item, bytes) else item, fmt))
+            except HubError as exc:
+                out.append(exc)
+        return out
+
+
+class Ingestor:
+    def __init__(
+        self,
+        inserter: TraceInserter,
+        environment: Environment,
+        limits: LimitsConfig | None = None,
+        *,
+        admission: Admission | None = None,
+        processes: int | None = None,
+    ) -> None:
+        """`admission` bounds the work in flight (the HTTP API); without it (`atropos
+        import`), callers wait for each chunk and are their own back-pressure.
+        `processes`: ingest processes (default: one per CPU, at most 8)."""
+        self._inserter = inserter
+        self._admission = admission
+        self._processes = IngestProcesses(
+            Preparer(environment, limits or LimitsConfig()), processes or min(_cpus(), 8)
+        )
+
+    def start(self) -> None:
+        self._processes.start()
+
+    async def close(self) -> None:
+        await self._processes.close()
+
+    async def ingest(self, item: Any, fmt: str | None = None) -> Stored:
+        """Store one trace (any accepted format) and answer its stored result."""
+        with self._admit(1):
+            (row,) = await self._processes.rows([item], fmt)
+            if isinstance(row, HubError):
+                raise row
+            return await self._inserter.insert(row)
+
+    async def ingest_many(
+        self, items: list[Any], fmt: str | None = None
+    ) -> list[Stored | HubError]:
+        """Per-item results, in order; a bad item does not stop the good ones. Rows are
+        queued in request order, so the first of two items with one trace_id is the
+        one stored. An item may already be a HubError (a bad NDJSON line): it stays."""
+        with self._admit(len(items)):
+            todo = [item for item in items if not isinstance(item, HubError)]
+            chunks = [todo[i : i + CHUNK] for i in range(0, len(todo), CHUNK)]
+            prepared = await asyncio.gather(*(self._processes.rows(c, fmt) for c in chunks))
+            done = iter([row for rows in prepared for row in rows])
+            rows = [item if isinstance(item, HubError) else next(done) for item in items]
+            waiting = [row if isinstance(row, HubError) else self._submit(row) for row in rows]
+            return [w if isinstance(w, HubError) else await _result(w) for w in waiting]
+
+    def _admit(self, traces: int) -> AbstractContextManager[None]:
+        return self._admission.admit(traces) if self._admission else nullcontext()
+
+    def _submit(self, row: dict[str, Any]) -> asyncio.Future[Stored] | HubError:
+        try:
+            return self._inserter.submit(row)
+        except HubError as exc:
+            return exc
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (a container's cpuset, not the host's count)."""
+    if hasattr(os, "sched_getaffinity"):  # Linux
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+async def _result(waiting: asyncio.Future[Stored]) -> Stored | HubError:
+    try:
+        return await waiting
+    except HubError as exc:
+        return exc
+
+
+def content_hash(item: Any) -> str:
+    """The same content hashes the same whatever the key order or whitespace. Raises
+    Invalid for what cannot be stored as JSON: lone surrogates and integers past 64
+    bits, which JSON read by the standard library (`atropos import`) can hold."""
+    try:
+        encoded = orjson.dumps(item, option=orjson.OPT_SORT_KEYS)
+    except (orjson.JSONEncodeError, TypeError) as exc:
+        raise Invalid(f"the trace cannot be stored as JSON: {exc}") from None
+    return hashlib.sha256(encoded).hexdigest()
+
+
+def _trace_id(trace: Trace) -> str:
+    if trace.trace_id is None:
+        return uuid.uuid4().hex
+    if not trace.trace_id or len(trace.trace_id) > MAX_TRACE_ID_LENGTH:
+        raise Invalid(
+            f"trace_id must be 1 to {MAX_TRACE_ID_LENGTH} characters", field="trace_id"
+        )
+    return trace.trace_id
