@@ -1,6 +1,10 @@
 """The Atropos trajectory API at atroposlib 0.4.0's paths, with its request models,
 response keys and defaults; plus GET /batch?ack=1 and POST /batch/ack. Each route
-parses, calls one `Atropos` method, and answers. docs/atropos.md has the details."""
+parses, calls one `Atropos` method, and answers. docs/atropos.md has the details.
+
+The routes answer the bytes atroposlib's clients expect (a 128-bit uuid, batches joined
+from stored JSON), rendered here; `response_model=` declares them for the document only
+(app/api/schemas.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +22,23 @@ from app.api.deps import HubDep
 from app.api.gzipped import GzipRoute
 from app.api.openapi import errors
 from app.api.responses import JSONResponse
+from app.api.schemas import (
+    AtroposEnvStatus,
+    AtroposInfo,
+    AtroposRoot,
+    AtroposStatus,
+    BatchAcked,
+    EnvDisconnected,
+    EnvRegistered,
+    GroupReceived,
+    GroupsReceived,
+    NoExample,
+    TrainerBatch,
+    TrainerNotRegistered,
+    TrainerRegistered,
+    WaitForTrainer,
+    WandbInfo,
+)
 from app.atropos.models import (
     INT32_MAX,
     INT32_MIN,
@@ -40,33 +61,54 @@ _GROUPS = TypeAdapter(list[ScoredData])
 def router() -> APIRouter:
     api = APIRouter(tags=["atropos"], route_class=GzipRoute)
 
-    @api.get("/")
+    @api.get("/", response_model=AtroposRoot)
     async def root() -> JSONResponse:
         return JSONResponse({"message": "AtroposLib API"})
 
-    @api.post("/register", openapi_extra=_body_doc(Registration), responses=_BODY_ERRORS)
+    @api.post(
+        "/register",
+        response_model=TrainerRegistered,
+        openapi_extra=_body_doc(Registration),
+        responses=_BODY_ERRORS,
+    )
     async def register(request: Request, hub: HubDep) -> Response:
         body = _parse(Registration, await _body(request, hub))
         # The uuid is a 128-bit int, beyond orjson; the stdlib writes any int.
         return _raw_json(json.dumps(await hub.atropos.register(body)).encode())
 
-    @api.post("/register-env", openapi_extra=_body_doc(RegisterEnv), responses=_BODY_ERRORS)
+    @api.post(
+        "/register-env",
+        response_model=EnvRegistered | WaitForTrainer,
+        openapi_extra=_body_doc(RegisterEnv),
+        responses=_BODY_ERRORS,
+    )
     async def register_env(request: Request, hub: HubDep) -> JSONResponse:
         body = _parse(RegisterEnv, await _body(request, hub))
         return JSONResponse(await hub.atropos.register_env(body))
 
-    @api.post("/disconnect-env", openapi_extra=_body_doc(EnvIdentifier), responses=_BODY_ERRORS)
+    @api.post(
+        "/disconnect-env",
+        response_model=EnvDisconnected,
+        openapi_extra=_body_doc(EnvIdentifier),
+        responses=_BODY_ERRORS,
+    )
     async def disconnect_env(request: Request, hub: HubDep) -> JSONResponse:
         body = _parse(EnvIdentifier, await _body(request, hub))
         return JSONResponse(await hub.atropos.disconnect_env(body.env_id))
 
-    @api.post("/scored_data", openapi_extra=_body_doc(ScoredData), responses=_QUEUE_ERRORS)
+    @api.post(
+        "/scored_data",
+        response_model=GroupReceived,
+        openapi_extra=_body_doc(ScoredData),
+        responses=_QUEUE_ERRORS,
+    )
     async def scored_data(request: Request, hub: HubDep) -> JSONResponse:
         body = _parse(ScoredData, await _body(request, hub))
         return JSONResponse(await hub.atropos.scored_data(body))
 
     @api.post(
         "/scored_data_list",
+        response_model=GroupsReceived,
         openapi_extra=_body_doc(ScoredData, many=True),
         responses=_QUEUE_ERRORS,
     )
@@ -77,7 +119,9 @@ def router() -> APIRouter:
             raise RequestValidationError(exc.errors(include_url=False)) from None
         return JSONResponse(await hub.atropos.scored_data_list(groups))
 
-    @api.get("/batch", responses=errors(422, 503))
+    @api.get(
+        "/batch", response_model=TrainerBatch | TrainerNotRegistered, responses=errors(422, 503)
+    )
     async def batch(
         hub: HubDep,
         ack: Annotated[
@@ -86,21 +130,27 @@ def router() -> APIRouter:
     ) -> Response:
         return _raw_json(await hub.atropos.next_batch(ack=ack))
 
-    @api.post("/batch/ack", openapi_extra=_body_doc(BatchAck), responses=_ACK_ERRORS)
+    @api.post(
+        "/batch/ack",
+        response_model=BatchAcked,
+        openapi_extra=_body_doc(BatchAck),
+        responses=_ACK_ERRORS,
+    )
     async def batch_ack(request: Request, hub: HubDep) -> JSONResponse:
         body = _parse(BatchAck, await _body(request, hub))
         return JSONResponse(await hub.atropos.acknowledge(body.batch_id))
 
-    @api.get("/latest_example")
+    @api.get("/latest_example", response_model=ScoredData | NoExample)
     async def latest_example(hub: HubDep) -> Response:
         return _raw_json(await hub.atropos.latest_example())
 
-    @api.get("/status")
+    @api.get("/status", response_model=AtroposStatus)
     async def status(hub: HubDep) -> JSONResponse:
         return JSONResponse(await hub.atropos.status())
 
     @api.get(
         "/status-env",
+        response_model=AtroposEnvStatus,
         openapi_extra=_body_doc(EnvIdentifier, required=False),
         responses=errors(400, 404, 413, 415, 422),
     )
@@ -117,11 +167,11 @@ def router() -> APIRouter:
         assert env_id is not None
         return JSONResponse(await hub.atropos.status_env(env_id))
 
-    @api.get("/info")
+    @api.get("/info", response_model=AtroposInfo)
     async def info(hub: HubDep) -> JSONResponse:
         return JSONResponse(await hub.atropos.info())
 
-    @api.get("/wandb_info")
+    @api.get("/wandb_info", response_model=WandbInfo)
     async def wandb_info(hub: HubDep) -> JSONResponse:
         return JSONResponse(await hub.atropos.wandb_info())
 

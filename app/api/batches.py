@@ -10,7 +10,7 @@ from app.access.keys import Scope
 from app.api.auth import requires
 from app.api.deps import ConnDep, HubDep
 from app.api.openapi import errors
-from app.api.responses import JSONResponse
+from app.api.schemas import BatchDetail, BatchPage
 from app.db.batch_queries import get_batch, list_batches, retry_batch
 from app.domain import BatchState
 
@@ -23,20 +23,20 @@ async def list_(
     state: BatchState | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
     cursor: str | None = None,
-) -> JSONResponse:
+) -> BatchPage:
     records, next_cursor = await list_batches(conn, state, limit, cursor)
-    return JSONResponse({"batches": records, "next_cursor": next_cursor})
+    return BatchPage(batches=records, next_cursor=next_cursor)
 
 
 @router.get("/v1/batches/{batch_id}", dependencies=[requires(Scope.READ)],
             responses=errors(404))
-async def get(batch_id: str, conn: ConnDep) -> JSONResponse:
-    return JSONResponse(await get_batch(conn, batch_id))
+async def get(batch_id: str, conn: ConnDep) -> BatchDetail:
+    return BatchDetail.model_validate(await get_batch(conn, batch_id))
 
 
 @router.post("/v1/batches/{batch_id}/retry", dependencies=[requires(Scope.ADMIN)],
              responses=errors(404, 409))
-async def retry(batch_id: str, hub: HubDep) -> JSONResponse:
+async def retry(batch_id: str, hub: HubDep) -> BatchDetail:
     batch = await retry_batch(hub.engine, batch_id)
     hub.stages.wake()  # this process's delivery stage takes it now, not at the next flush
-    return JSONResponse(batch)
+    return BatchDetail.model_validate(batch)

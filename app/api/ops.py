@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.responses import PlainTextResponse
@@ -9,39 +11,43 @@ from starlette.responses import PlainTextResponse
 from app.access.keys import Scope
 from app.api.auth import requires
 from app.api.deps import ConnDep, HubDep
-from app.api.openapi import errors
 from app.api.responses import JSONResponse
+from app.api.schemas import Health, NotReady, Ready, TraceStats
 from app.db import migrate, trace_queries
 
 router = APIRouter(tags=["ops"])
 
 
 @router.get("/healthz")
-async def healthz() -> JSONResponse:
-    return JSONResponse({"status": "ok"})
+async def healthz() -> Health:
+    return Health(status="ok")
 
 
-@router.get("/readyz", responses=errors(503))
-async def readyz(hub: HubDep) -> JSONResponse:
+# A probe's answer, not a request's error: the 503 body says why, in its own shape.
+NOT_READY: dict[int | str, dict[str, Any]] = {
+    503: {"model": NotReady, "description": "The database is unreachable or not migrated"}
+}
+
+
+@router.get("/readyz", response_model=Ready, responses=NOT_READY)
+async def readyz(hub: HubDep) -> Ready | JSONResponse:
     try:
         revision = await migrate.current_revision(hub.engine)
     except (SQLAlchemyError, OSError) as exc:
-        return JSONResponse(
-            {"status": "unavailable", "reason": f"database unreachable: {type(exc).__name__}"},
-            status_code=503,
-        )
+        return _not_ready(f"database unreachable: {type(exc).__name__}")
     head = migrate.head_revision()
     if revision != head:
-        return JSONResponse(
-            {"status": "unavailable", "reason": f"schema at {revision}, expected {head}"},
-            status_code=503,
-        )
-    return JSONResponse({"status": "ready", "schema_revision": revision})
+        return _not_ready(f"schema at {revision}, expected {head}")
+    return Ready(status="ready", schema_revision=head)
+
+
+def _not_ready(reason: str) -> JSONResponse:
+    return JSONResponse(NotReady(status="unavailable", reason=reason).model_dump(), 503)
 
 
 @router.get("/v1/stats", dependencies=[requires(Scope.READ)])
-async def stats(conn: ConnDep) -> JSONResponse:
-    return JSONResponse(await trace_queries.stats(conn))
+async def stats(conn: ConnDep) -> TraceStats:
+    return TraceStats.model_validate(await trace_queries.stats(conn))
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

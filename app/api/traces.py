@@ -12,6 +12,7 @@ from app.api.auth import requires
 from app.api.deps import ConnDep, HubDep
 from app.api.openapi import errors
 from app.api.responses import JSONResponse
+from app.api.schemas import IngestResult, IngestResults, TracePage, TraceRecord
 from app.db.trace_queries import TraceFilter, View, get_trace, list_traces
 from app.errors import HubError, PayloadTooLarge
 from app.ingest.body import parse_items, read_body
@@ -29,11 +30,12 @@ INGEST_BODY_DOC: dict[str, Any] = {
             "application/x-ndjson": {"schema": {"type": "string"}},
         },
     },
-    "responses": {
-        "202": {"description": "Stored: trace_id, stage, status, total_tokens, reward, "
-                "reward_breakdown, reject_reasons"},
-        "207": {"description": "Batch or NDJSON: {results: [...]}, one per item, in order"},
-    },
+}
+# The hot path (thousands of traces a second) renders its answer with orjson itself; the
+# models are declared for the document only (tests/test_openapi.py checks the bodies).
+INGEST_ANSWERS: dict[int | str, dict[str, Any]] = {
+    202: {"model": IngestResult, "description": "One trace, stored"},
+    207: {"model": IngestResults, "description": "Batch or NDJSON: one result per item, in order"},
 }
 
 
@@ -45,7 +47,7 @@ def router(endpoint: str) -> APIRouter:
         status_code=202,
         openapi_extra=INGEST_BODY_DOC,
         dependencies=[requires(Scope.INGEST)],
-        responses=errors(400, 409, 413, 415, 422, 503),
+        responses={**INGEST_ANSWERS, **errors(400, 409, 413, 415, 422, 503)},
     )
     async def ingest(request: Request, hub: HubDep) -> JSONResponse:
         limits = hub.config.limits
@@ -78,16 +80,16 @@ def router(endpoint: str) -> APIRouter:
         until: datetime | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 50,
         cursor: str | None = None,
-    ) -> JSONResponse:
+    ) -> TracePage:
         where = TraceFilter(stage, status, env, model, min_reward, max_reward, since, until)
         records, next_cursor = await list_traces(conn, where, limit, cursor)
-        return JSONResponse({"traces": records, "next_cursor": next_cursor})
+        return TracePage(traces=records, next_cursor=next_cursor)
 
     @api.get(
         endpoint + "/{trace_id}", dependencies=[requires(Scope.READ)], responses=errors(404)
     )
-    async def get(trace_id: str, conn: ConnDep, view: View = "canonical") -> JSONResponse:
-        return JSONResponse(await get_trace(conn, trace_id, view))
+    async def get(trace_id: str, conn: ConnDep, view: View = "canonical") -> TraceRecord:
+        return TraceRecord.model_validate(await get_trace(conn, trace_id, view))
 
     return api
 

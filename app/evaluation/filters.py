@@ -15,7 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple, TypedDict
+from typing import Any, NamedTuple
+
+from typing_extensions import TypedDict  # pydantic needs this one on 3.11 (app/api/schemas.py)
 
 from app.domain import StepType, Trace
 from app.evaluation.params import BuiltIn, Param, config_error, read_params, show, unknown_name

@@ -18,10 +18,11 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import Any, TypedDict
+from typing import Any
 
 import orjson
 import re2  # type: ignore[import-untyped,import-not-found,unused-ignore]
+from typing_extensions import TypedDict  # pydantic needs this one on 3.11 (app/api/schemas.py)
 
 from app.domain import Status, Step, StepType, Trace
 from app.evaluation.params import BuiltIn, Param, config_error, read_params, show, unknown_name

@@ -1,0 +1,356 @@
+"""The success bodies of every route: what `/openapi.json` promises a client.
+
+Two ways a route answers, one per kind of route:
+
+- The /v1 reads and writes and the ops routes return their model (the route's return
+  annotation, as in full-stack-fastapi-template); FastAPI validates it and pydantic-core
+  writes the JSON, so a body cannot drift from its schema unnoticed.
+- POST /v1/traces (the ingest hot path) and the Atropos API render their JSON themselves
+  and declare the model for the document only (`responses=` / `response_model=`):
+  ingest answers thousands of traces a second, and the Atropos routes answer the bytes
+  atroposlib's clients expect (a 128-bit trainer uuid, batches joined from stored JSON).
+  tests/test_openapi.py checks those bodies against the document.
+
+Errors have their one shape in app/api/openapi.py (`Error`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+from app.api.openapi import Error
+from app.atropos.models import ScoredData
+from app.db.trace_queries import View
+from app.domain import BatchState, Stage, Status
+from app.evaluation.filters import RejectReason
+from app.evaluation.scoring import RuleResult
+from app.runs import RunStatus
+
+# Timestamps are written by the services as `datetime.isoformat()` (UTC, "+00:00");
+# kept as strings so the bytes stay what they were.
+Timestamp = Annotated[str, WithJsonSchema({"type": "string", "format": "date-time"})]
+
+
+# --- traces ------------------------------------------------------------------------
+
+
+class IngestResult(BaseModel):
+    """One trace as stored (or as found, when the same content was resent)."""
+
+    trace_id: str = Field(description="The trace's id: the one sent, or one the hub assigned")
+    stage: Stage = Field(description="Where the trace is in the pipeline")
+    status: Status = Field(description="The task's outcome as the agent reported it")
+    total_tokens: int = Field(description="Tokens of the canonical trace (cl100k_base)")
+    reward: float | None = Field(description="The sum of the reward rules' points")
+    reward_breakdown: dict[str, RuleResult] | None = Field(
+        description="Each reward rule's result, by name"
+    )
+    reject_reasons: list[RejectReason] = Field(
+        description="Why it was rejected: one entry per filter it failed; empty when accepted"
+    )
+    duplicate: bool = Field(
+        description="True when this trace_id was already stored with the same content"
+    )
+
+
+class IngestResults(BaseModel):
+    """A batch or NDJSON body: one answer per item, in the order sent."""
+
+    results: list[IngestResult | Error] = Field(
+        description="Each item's result, or its error; one bad item does not fail the others"
+    )
+
+
+class TraceSummary(BaseModel):
+    """A trace in a listing: its columns, without the payloads."""
+
+    trace_id: str
+    created_at: Timestamp = Field(description="When it was stored (UTC)")
+    stage: Stage
+    status: Status
+    total_tokens: int = Field(description="Tokens of the canonical trace (cl100k_base)")
+    compressed_tokens: int | None = Field(
+        description="Tokens of the compressed trace, once compressed"
+    )
+    reward: float | None
+    reject_reasons: list[RejectReason]
+    format: str = Field(
+        description="The format it arrived in (native, openai, sharegpt, atif, ...)"
+    )
+    env: str | None = Field(description="The environment it was collected in")
+    model: str | None = Field(description="The policy model")
+    agent: str | None = Field(description="The agent's name")
+    policy_version: str | None
+
+
+class TracePage(BaseModel):
+    """Newest first."""
+
+    traces: list[TraceSummary]
+    next_cursor: str | None = Field(
+        description="Pass as `cursor` for the next page; null on the last"
+    )
+
+
+class TraceRecord(TraceSummary):
+    """One trace with its scores and one view of its payload."""
+
+    updated_at: Timestamp
+    reward_breakdown: dict[str, RuleResult] | None
+    compression: dict[str, Any] | None = Field(
+        description="What compression did (strategy, tokens_before, tokens_after, target, ratio, "
+        "removed, over_limit, fallback), or {skipped: reason}; null before compression"
+    )
+    stage_error: str | None = Field(
+        description="The last failure of a background stage on this trace"
+    )
+    view: View = Field(description="Which payload `trace` holds")
+    trace: Any = Field(
+        description="canonical: the trace every format is normalised into; original: the item as "
+        "received; compressed: the compressed canonical trace (SFT only)"
+    )
+
+
+# --- batches -----------------------------------------------------------------------
+
+
+class BatchRecord(BaseModel):
+    """A batch of exactly distributor.batch_size traces, and its delivery."""
+
+    batch_id: str = Field(description="The idempotency key towards the target")
+    state: BatchState
+    size: int = Field(description="How many traces it holds")
+    target: str = Field(description="The distributor target it goes to (jsonl, http, tinker, ...)")
+    format: str = Field(description="The format its traces are written in")
+    attempts: int = Field(description="Delivery attempts since it was formed or last retried")
+    last_error: str | None = Field(description="Why the last attempt failed")
+    created_at: Timestamp
+    updated_at: Timestamp
+    delivered_at: Timestamp | None = Field(description="When the target acknowledged it")
+    receipt: dict[str, Any] | None = Field(
+        description="What the target reported (file, HTTP status, training job)"
+    )
+
+
+class BatchDetail(BatchRecord):
+    trace_ids: list[str] = Field(description="Its traces, in batch order")
+
+
+class BatchPage(BaseModel):
+    """Newest first."""
+
+    batches: list[BatchRecord]
+    next_cursor: str | None = Field(
+        description="Pass as `cursor` for the next page; null on the last"
+    )
+
+
+# --- ops ---------------------------------------------------------------------------
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = Field(description="The process answers")
+
+
+class Ready(BaseModel):
+    status: Literal["ready"]
+    schema_revision: str = Field(description="The database's migration revision (the head)")
+
+
+class NotReady(BaseModel):
+    status: Literal["unavailable"]
+    reason: str = Field(description="The database is unreachable, or its schema is not at the head")
+
+
+class BatchCounts(BaseModel):
+    """Batches by delivery state."""
+
+    pending: int
+    delivered: int
+    failed: int
+    total: int
+
+
+class CompressionCounts(BaseModel):
+    compressed: int = Field(description="Traces compressed (those that moved on since included)")
+    skipped: int = Field(description="Traces that compression left whole")
+    failed: int = Field(description="Traces in compression_failed")
+    mean_ratio: float | None = Field(description="Mean compressed_tokens / total_tokens")
+
+
+class RewardBucket(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    low: float = Field(alias="from", description="The bucket's lowest reward (inclusive)")
+    high: float = Field(alias="to", description="The bucket's upper bound (exclusive)")
+    traces: int
+
+
+class TraceStats(BaseModel):
+    """Counts over every stored trace and batch."""
+
+    traces: int = Field(description="Traces stored")
+    by_stage: dict[str, int] = Field(description="Traces by pipeline stage")
+    by_status: dict[str, int] = Field(description="Traces by reported status")
+    total_tokens: int
+    compressed_tokens: int
+    mean_reward: float | None
+    batches: BatchCounts
+    compression: CompressionCounts
+    rejections_by_filter: dict[str, int] = Field(
+        description="Rejected traces, by the filter that failed"
+    )
+    rule_firings: dict[str, int] = Field(description="Traces on which each reward rule fired")
+    reward_histogram: list[RewardBucket]
+
+
+# --- runs --------------------------------------------------------------------------
+
+
+class RunCreated(BaseModel):
+    run_id: str
+    status: RunStatus
+
+
+class RunProcess(BaseModel):
+    """A process of a run (the trainer, then each environment), in start order."""
+
+    role: str = Field(description="trainer, or env-N")
+    command: list[str]
+    pid: int | None
+    exit_code: int | None
+    log_path: str = Field(description="Its stdout and stderr, on the hub's machine")
+    started_at: Timestamp | None
+    healthy_at: Timestamp | None = Field(description="When its health check first passed")
+    exited_at: Timestamp | None
+    # Present only when asked for: GET /v1/runs/{run_id}?tail=N.
+    log_tail: list[str] | None = Field(
+        None, description="The last `tail` lines of its log, secrets redacted"
+    )
+
+
+class Run(BaseModel):
+    run_id: str
+    status: RunStatus
+    error_message: str | None = Field(
+        description="Why it failed: which process, its exit code, its log"
+    )
+    created_at: Timestamp
+    started_at: Timestamp | None
+    finished_at: Timestamp | None
+    host: str = Field(description="The machine its processes run on")
+    spec: dict[str, Any] = Field(description="The RunSpec it was started with")
+    processes: list[RunProcess]
+
+
+class RunList(BaseModel):
+    runs: list[Run]
+
+
+# --- the Atropos API (atroposlib 0.4.0's answers, key for key) ---------------------
+
+
+class AtroposRoot(BaseModel):
+    message: Literal["AtroposLib API"]
+
+
+class TrainerRegistered(BaseModel):
+    uuid: int = Field(description="The trainer's id (a 128-bit integer)")
+
+
+class EnvRegistered(BaseModel):
+    status: Literal["success"]
+    env_id: int
+    wandb_name: str
+    checkpoint_dir: str
+    starting_step: int
+    checkpoint_interval: int | None
+    num_steps: int
+
+
+class WaitForTrainer(BaseModel):
+    """No trainer has fetched a batch yet: register again later."""
+
+    status: Literal["wait for trainer to start"]
+
+
+class EnvDisconnected(BaseModel):
+    status: Literal["success", "failure"]
+    error: str | None = Field(None, description="Present on failure: no env with that env_id")
+
+
+class GroupReceived(BaseModel):
+    status: Literal["received", "buffered"] = Field(
+        description="buffered: held until its env has a full group size (see buffer_size)"
+    )
+    buffer_size: int | None = Field(
+        None, description="Present when buffered: sequences its env's buffer holds"
+    )
+
+
+class GroupsReceived(BaseModel):
+    status: Literal["received"]
+    groups_processed: int
+    buffered: int | None = Field(None, description="Present when some were buffered: how many")
+    last_buffer_size: int | None = Field(None, description="Present when some were buffered")
+
+
+class TrainerBatch(BaseModel):
+    batch: list[ScoredData] | None = Field(
+        description="The groups of the next batch; null when none is ready"
+    )
+    batch_id: str | None = Field(
+        None, description="Present with ?ack=1: confirm it with POST /batch/ack"
+    )
+
+
+class TrainerNotRegistered(BaseModel):
+    status: Literal["error"]
+    message: str
+    batch: list[Any]
+
+
+class BatchAcked(BaseModel):
+    status: Literal["acked"]
+    batch_id: str
+    duplicate: bool = Field(description="True when it had been acknowledged before")
+
+
+class NoExample(BaseModel):
+    """What atroposlib answers before any group has arrived: every list empty."""
+
+    tokens: list[Any]
+    masks: list[Any]
+    scores: list[Any]
+    advantages: list[Any]
+    ref_logprobs: list[Any]
+    generation_params: list[Any]
+    inference_logprobs: list[Any]
+    messages: list[Any]
+    images: list[Any]
+
+
+class AtroposStatus(BaseModel):
+    current_step: int
+    queue_size: int = Field(description="Groups in the queue")
+
+
+class AtroposEnvStatus(BaseModel):
+    current_step: int
+    queue_size: int = Field(description="Groups this env can count on for the next batch")
+    unallocated_fraction: float
+    self_queue_size: int = Field(description="This env's own groups in the queue")
+    max_group_size: int
+    env_weight: float
+
+
+class AtroposInfo(BaseModel):
+    batch_size: int
+    max_token_len: int
+
+
+class WandbInfo(BaseModel):
+    group: str | None
+    project: str | None
