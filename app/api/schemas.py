@@ -2,7 +2,7 @@
 
 Two ways a route answers, one per kind of route:
 
-- The /v1 reads and writes and the ops routes return their model (the route's return
+- The /v1 routes but POST /v1/traces, and the ops routes, return their model (the return
   annotation, as in full-stack-fastapi-template); FastAPI validates it and pydantic-core
   writes the JSON, so a body cannot drift from its schema unnoticed.
 - POST /v1/traces (the ingest hot path) and the Atropos API render their JSON themselves
