@@ -139,17 +139,24 @@ def _for_its_target(raw: dict[str, Any]) -> DistributorConfig:
                      expected=_either(TARGETS))
     own = spec.config.model_fields
     keys = dict(raw)
-    for key in [key for key in raw if key not in own]:
+    for key, value in raw.items():
+        if key in own:
+            continue
         owner = next((t for t in TARGETS.values() if key in t.config.model_fields), None)
         if owner is None:
-            raise _error("not_a_key", "unknown key; known keys for target {target}: {known}",
-                         (key,), raw[key], target=name, known=", ".join(own))
-        field = owner.config.model_fields[key]
-        if raw[key] is not None and raw[key] != field.default:
+            continue  # no target's key: the model refuses it, below
+        if value is not None and value != owner.config.model_fields[key].default:
             raise _error("not_a_key", "a key of the {owner} target; distributor.target is {target}",
-                         (key,), raw[key], owner=owner.name, target=name)
+                         (key,), value, owner=owner.name, target=name)
         del keys[key]
-    config: DistributorConfig = spec.config.model_validate(keys)
+    try:
+        config: DistributorConfig = spec.config.model_validate(keys)
+    except ValidationError as exc:
+        unknown = next((e for e in exc.errors() if e["type"] == "extra_forbidden"), None)
+        if unknown is None:
+            raise
+        raise _error("not_a_key", "unknown key; known keys for target {target}: {known}",
+                     unknown["loc"], unknown["input"], target=name, known=", ".join(own)) from None
     return config
 
 
@@ -412,7 +419,7 @@ def _either(names: Iterable[str]) -> str:
 
 
 def _error(
-    kind: str, message: str, loc: tuple[str, ...], value: Any, **context: Any
+    kind: str, message: str, loc: tuple[int | str, ...], value: Any, **context: Any
 ) -> ValidationError:
     """A validation error at `loc` (within the value being validated)."""
     detail: InitErrorDetails = {
