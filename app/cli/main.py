@@ -27,7 +27,7 @@ from app.cli.progress import Progress
 from app.config import load_compression, load_config, load_tinker
 from app.db import migrate
 from app.db.batch_queries import retry_batch
-from app.domain import Stage
+from app.domain import NEVER_PRUNED, Stage
 from app.durations import parse_duration
 from app.errors import ConfigError, HubError, StartupError
 from app.evaluation.environment import Environment
@@ -435,8 +435,8 @@ def _prunable_stage(value: str) -> Stage:
         raise argparse.ArgumentTypeError(
             f"unknown stage {value!r}; one of {', '.join(Stage)}"
         ) from None
-    if stage is Stage.BATCHED:
-        raise argparse.ArgumentTypeError("batched traces wait for delivery; never pruned")
+    if stage in NEVER_PRUNED:
+        raise argparse.ArgumentTypeError(f"{stage} traces wait for delivery; never pruned")
     return stage
 
 
