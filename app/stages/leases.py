@@ -8,8 +8,8 @@ of a claimed row checks `lease_owner` so that a worker whose lease expired canno
 overwrite its successor.
 
 A failed attempt is retried through the lease too (`retry_later`): the row stays
-leased until its backoff has passed, then any worker may claim it again; the claim
-counts the attempts, and the policy's limit is checked there and nowhere else.
+leased until its backoff has passed, then any worker may claim it again. The claim
+counts the attempts; `retry_later` alone compares them with the policy's limit.
 """
 
 from __future__ import annotations
