@@ -49,31 +49,30 @@ class Stage(StrEnum):
     DELIVERED = "delivered"
 
 
-# Allowed moves; a stage move is `UPDATE ... WHERE stage = :expected` against this table.
+# The moves a trace makes, and the only ones it may (app/db/moves.py refuses others).
+# `received` never persists: scoring decides before the row is inserted, so a new
+# trace enters as one of TRANSITIONS[RECEIVED].
 TRANSITIONS: dict[Stage, frozenset[Stage]] = {
     Stage.RECEIVED: frozenset({Stage.ACCEPTED, Stage.REJECTED}),
+    # The compression stage; a rescore whose filters now match.
     Stage.ACCEPTED: frozenset(
-        {
-            Stage.COMPRESSED,
-            Stage.COMPRESSION_SKIPPED,
-            Stage.COMPRESSION_FAILED,
-            Stage.BELOW_THRESHOLD,
-            Stage.BATCHED,
-            Stage.REJECTED,
-        }
+        {Stage.COMPRESSED, Stage.COMPRESSION_SKIPPED, Stage.COMPRESSION_FAILED, Stage.REJECTED}
     ),
+    # The distribution stage; a rescore.
     Stage.COMPRESSED: frozenset({Stage.BATCHED, Stage.BELOW_THRESHOLD, Stage.REJECTED}),
     Stage.COMPRESSION_SKIPPED: frozenset({Stage.BATCHED, Stage.BELOW_THRESHOLD, Stage.REJECTED}),
-    Stage.COMPRESSION_FAILED: frozenset({Stage.ACCEPTED}),
-    Stage.BELOW_THRESHOLD: frozenset({Stage.ACCEPTED}),
+    # A rescore only: rejected by the new filters, or (from below_threshold and
+    # rejected) back to accepted for the stages to decide again.
+    Stage.COMPRESSION_FAILED: frozenset({Stage.REJECTED}),
+    Stage.BELOW_THRESHOLD: frozenset({Stage.ACCEPTED, Stage.REJECTED}),
     Stage.REJECTED: frozenset({Stage.ACCEPTED}),
+    # Delivery; a rescore changes the scores of these two, never their stage.
     Stage.BATCHED: frozenset({Stage.DELIVERED}),
     Stage.DELIVERED: frozenset(),
 }
 
-
-def can_move(current: Stage, target: Stage) -> bool:
-    return target in TRANSITIONS[current]
+# Never deleted by retention (`atropos prune`, config `retention`): on its way to training.
+NEVER_PRUNED: frozenset[Stage] = frozenset({Stage.BATCHED})
 
 
 class BatchState(StrEnum):
@@ -91,6 +90,7 @@ class BatchState(StrEnum):
     FAILED = "failed"
 
 
+# A batch is inserted pending; `atropos batches retry` is failed -> pending.
 BATCH_TRANSITIONS: dict[BatchState, frozenset[BatchState]] = {
     BatchState.PENDING: frozenset({BatchState.DELIVERED, BatchState.FAILED}),
     BatchState.FAILED: frozenset({BatchState.PENDING}),

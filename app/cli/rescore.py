@@ -9,7 +9,7 @@ resumes where it stopped (the finished traces carry the new fingerprint).
 from __future__ import annotations
 
 import argparse
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -21,6 +21,7 @@ from app.cli.options import Commands, add_since, command
 from app.cli.progress import Progress
 from app.config import load_config
 from app.db.models import TRACES
+from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import Stage, Trace
 from app.evaluation.environment import Environment
@@ -28,18 +29,18 @@ from app.hub import database
 
 BATCH = 500
 # Traces already handed to training keep their stage; only their scores change.
-SENT = {Stage.BATCHED.value, Stage.DELIVERED.value}
+SENT = {Stage.BATCHED, Stage.DELIVERED}
 
 
-def new_stage(stage: str, rejected: bool) -> str:
+def new_stage(stage: Stage, rejected: bool) -> Stage:
     if stage in SENT:
         return stage
     if rejected:
-        return Stage.REJECTED.value
+        return Stage.REJECTED
     # Un-rejected, or under a threshold that the new reward may pass: back to the
     # start of the background stages, which decide again.
-    if stage in (Stage.REJECTED.value, Stage.BELOW_THRESHOLD.value):
-        return Stage.ACCEPTED.value
+    if stage in (Stage.REJECTED, Stage.BELOW_THRESHOLD):
+        return Stage.ACCEPTED
     return stage
 
 
@@ -70,19 +71,24 @@ async def rescore(
             )).all()
             if not rows:
                 return counts
-            updates = [_update(row, environment, counts) for row in rows]
-            await conn.execute(
-                sa.update(TRACES)
-                .where(TRACES.c.trace_id == sa.bindparam("b_id"),
-                       TRACES.c.stage == sa.bindparam("b_stage"))
-                .values(reward=sa.bindparam("reward"),
-                        reward_breakdown=sa.bindparam("reward_breakdown"),
-                        reject_reasons=sa.bindparam("reject_reasons"),
-                        scored_with=environment.fingerprint,
-                        stage=sa.bindparam("stage"),
-                        updated_at=utcnow()),
-                updates,
-            )
+            # One statement per (stage, new stage): each row is updated only if it is
+            # still in the stage it was read in (a stage may have moved it since).
+            moves: dict[tuple[Stage, Stage], list[dict[str, Any]]] = defaultdict(list)
+            for row in rows:
+                stage, update = _update(row, environment, counts)
+                moves[Stage(row.stage), stage].append(update)
+            for (source, target), updates in moves.items():
+                stmt = (TRACE_STAGES.move(target, expected=[source]) if target != source
+                        else sa.update(TRACES).where(TRACES.c.stage == source.value))
+                await conn.execute(
+                    stmt.where(TRACES.c.trace_id == sa.bindparam("b_id"))
+                    .values(reward=sa.bindparam("reward"),
+                            reward_breakdown=sa.bindparam("reward_breakdown"),
+                            reject_reasons=sa.bindparam("reject_reasons"),
+                            scored_with=environment.fingerprint,
+                            updated_at=utcnow()),
+                    updates,
+                )
         after = (rows[-1].created_at, rows[-1].trace_id)
         on_batch(len(rows))
 
@@ -95,19 +101,20 @@ def _todo(environment: Environment, since: datetime | None) -> list[sa.ColumnEle
     return where
 
 
-def _update(row: Any, environment: Environment, counts: Counter[str]) -> dict[str, Any]:
+def _update(
+    row: Any, environment: Environment, counts: Counter[str]
+) -> tuple[Stage, dict[str, Any]]:
+    """The trace's new stage, and its new scores."""
     evaluation = environment.evaluate(Trace.model_validate(row.trace))
-    stage = new_stage(row.stage, bool(evaluation.reject_reasons))
+    stage = new_stage(Stage(row.stage), bool(evaluation.reject_reasons))
     counts["rescored"] += 1
     if stage != row.stage:
         counts[f"{row.stage}->{stage}"] += 1
-    return {
+    return stage, {
         "b_id": row.trace_id,
-        "b_stage": row.stage,
         "reward": evaluation.reward,
         "reward_breakdown": evaluation.breakdown,
         "reject_reasons": evaluation.reject_reasons,
-        "stage": stage,
     }
 
 

@@ -21,6 +21,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.dialect import dialect_of, insert_ignoring_conflicts
+from app.db.engine import database_refusal
 from app.db.models import TRACES
 from app.errors import Conflict, Invalid, Unavailable
 
@@ -137,7 +138,11 @@ class TraceInserter:
             try:
                 await self._write(batch)
             except Exception as exc:  # the batch failed as a whole: nobody was acknowledged
-                log.error("storing %d traces failed: %s", len(batch), exc)
+                said = database_refusal(exc)
+                if said is None:
+                    log.exception("storing %d traces failed", len(batch))
+                else:
+                    log.error("storing %d traces failed: %s", len(batch), said)
                 for p in batch:
                     if not p.done.done():
                         p.done.set_exception(
