@@ -11,6 +11,7 @@ read as JSON when it parses (numbers, booleans, lists), else as a plain string.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import random
@@ -72,6 +73,24 @@ class TraceServerConfig(_Section):
     # Processes that parse, score and tokenize incoming traces (app/ingest/processes.py);
     # null: one per CPU this process may run on, at most 8 (~120 MB RSS each).
     ingest_processes: int | None = Field(None, ge=1, le=64)
+    # Proxies whose X-Forwarded-For / X-Forwarded-Proto are believed (IPs or networks,
+    # "*" for any): the client address they name is then the one the per-address rate
+    # limit and the logs use. Empty: the headers are ignored, the peer's address counts.
+    forwarded_allow_ips: list[str] = Field(default_factory=list)
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _addresses(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            if entry == "*":
+                continue
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"{entry!r}: an IP address or network (10.0.0.0/8), or *"
+                ) from None
+        return value
 
     @field_validator("endpoint")
     @classmethod
@@ -333,12 +352,15 @@ class AtroposConfig(_Section):
     # Groups waiting (buffered, queued or in a formed batch not yet served); past
     # this, /scored_data answers 503 with Retry-After instead of growing.
     queue_max_groups: int = Field(100_000, gt=0)
-    # The same bound in bytes of stored group JSON; null: no byte limit.
-    queue_max_bytes: int | None = Field(None, gt=0)
+    # The same bound in bytes of stored group JSON (2 GiB); null: no byte limit.
+    queue_max_bytes: int | None = Field(2 * 1024**3, gt=0)
     # How long a batch handed out with GET /batch?ack=1 waits for POST /batch/ack
     # before it is served again.
     ack_timeout_seconds: float = Field(60, gt=0)
     retry_after_seconds: int = Field(5, ge=1)
+    # With auth.enabled: API keys on the Atropos paths too (environments `ingest`,
+    # trainers `train`). Off by default because atroposlib's clients send no key.
+    require_key: bool = False
 
 
 class HubConfig(_Section):
@@ -356,6 +378,13 @@ class HubConfig(_Section):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     # Absent: nothing is pruned but by `atropos prune`.
     retention: RetentionConfig | None = None
+
+    @model_validator(mode="after")
+    def _keys_need_auth(self) -> HubConfig:
+        if self.atropos.require_key and not self.auth.enabled:
+            raise _error("not_a_key", "needs auth.enabled: true (without it no key is checked)",
+                         ("atropos", "require_key"), True)
+        return self
 
 
 PreservedField = Literal["user_instruction", "final_action", "reward_signal", "error_context"]

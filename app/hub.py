@@ -135,6 +135,12 @@ async def running_hub(
             ) as ingest,
         ):
             access = Access(config.auth, engine)
+            if config.auth.enabled and not config.atropos.require_key:
+                log.warning(
+                    "auth.enabled is on but atropos.require_key is off: the Atropos API "
+                    "(/register, /scored_data, /batch, ...) takes no key, so anyone who "
+                    "reaches this port can add groups or take batches (docs/atropos.md)"
+                )
             atropos = Atropos(engine, config.atropos)
             hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos)
             atropos.start()

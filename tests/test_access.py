@@ -215,6 +215,37 @@ def test_rate_limit_without_auth_is_per_address(
     assert db_execute(trace_server, "SELECT trace_id FROM traces WHERE trace_id = 'limited'") == []
 
 
+def test_a_forwarded_address_counts_only_from_a_listed_proxy(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    """X-Forwarded-For let any client on loopback pick its own address and escape the
+    per-address rate limit (issue 17): it is believed only from
+    trace_server.forwarded_allow_ips, which lists none by default."""
+    limit = {"rate_limit_per_second": 0.05}
+    hub = start_hub(trace_server, "--no-workers", auth=limit)
+    with hub.client() as client:
+        assert client.get("/v1/stats", headers={"X-Forwarded-For": "10.0.0.1"}).status_code == 200
+        r = client.get("/v1/stats", headers={"X-Forwarded-For": "10.0.0.2"})
+        assert r.status_code == 429 and "127.0.0.1" in r.json()["error"]["message"]
+
+    proxied = start_hub({**trace_server, "forwarded_allow_ips": ["127.0.0.0/8"]},
+                        "--no-workers", auth=limit)
+    with proxied.client() as client:
+        for address in ("10.0.0.1", "10.0.0.2"):  # two clients behind the proxy
+            r = client.get("/v1/stats", headers={"X-Forwarded-For": address})
+            assert r.status_code == 200, r.text
+        r = client.get("/v1/stats", headers={"X-Forwarded-For": "10.0.0.1"})
+        assert r.status_code == 429 and "10.0.0.1" in r.json()["error"]["message"]
+
+
+def test_forwarded_allow_ips_takes_addresses_and_networks(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text('{"trace_server": {"forwarded_allow_ips": ["proxy.local"]}}')
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "trace_server.forwarded_allow_ips" in result.stderr and "network" in result.stderr
+
+
 def test_an_unguarded_v1_route_stops_start_up() -> None:
     app = FastAPI()
     api = APIRouter()

@@ -23,6 +23,7 @@ from tests.conftest import (
     create_pg_database,
     drop_pg_database,
     make_api_key,
+    run_cli,
     write_config,
 )
 
@@ -407,8 +408,85 @@ def test_with_auth_on_reset_takes_an_admin_key_and_the_rest_stays_open(
             assert client.get("/info").json()["batch_size"] == -1
             reset = client.get("/openapi.json").json()["paths"]["/reset_data"]["get"]
             assert {"401", "403"} <= set(reset["responses"])
+        # Open by choice, and said so once at start-up.
+        assert "atropos.require_key is off" in hub.log
     finally:
         hub.kill()
+
+
+def test_with_require_key_envs_need_ingest_and_trainers_train(tmp_path: Path) -> None:
+    """With auth on, anyone who reached the port could inject groups, take batches
+    (which removes them) or read /latest_example (issue 17). atropos.require_key
+    closes every path but / to requests without a key of the right scope."""
+    trace_server = {"db_path": str(tmp_path / "hub.db")}
+    config = write_config(tmp_path, trace_server, auth={"enabled": True},
+                          atropos={"require_key": True})
+    hub = HubProcess(config).start()
+    keys = {scope: make_api_key(trace_server, scope, name=scope)
+            for scope in ("ingest", "train", "read", "admin")}
+    env, trainer, reader, admin = ({"Authorization": f"Bearer {keys[s]}"}
+                                   for s in ("ingest", "train", "read", "admin"))
+    try:
+        with hub.client() as client:
+            # No key: 401 everywhere, before anything is read or changed.
+            for method, path in [("POST", "/register"), ("GET", "/batch"),
+                                 ("GET", "/latest_example"), ("POST", "/register-env"),
+                                 ("POST", "/scored_data"), ("POST", "/scored_data_list"),
+                                 ("GET", "/status"), ("GET", "/info"), ("GET", "/wandb_info"),
+                                 ("GET", "/status-env"), ("POST", "/disconnect-env"),
+                                 ("POST", "/batch/ack"), ("GET", "/reset_data")]:
+                r = client.request(method, path, json={})
+                assert r.status_code == 401, (path, r.text)
+                assert r.json()["error"]["field"] == "Authorization"
+            assert client.get("/").status_code == 200
+
+            # The trainer's paths take a train key, not an environment's.
+            r = client.post("/register", json=TRAINER, headers=env)
+            assert r.status_code == 403 and "needs train" in r.json()["error"]["message"]
+            assert client.post("/register", json=TRAINER, headers=trainer).status_code == 200
+            assert client.get("/batch", headers=env).status_code == 403
+            assert client.get("/batch", headers=trainer).status_code == 200
+
+            # The environments' paths take an ingest key, not a trainer's.
+            body = {"max_token_length": 512, "desired_name": "env", "weight": 1.0,
+                    "group_size": 2}
+            assert client.post("/register-env", json=body, headers=trainer).status_code == 403
+            env_id = client.post("/register-env", json=body, headers=env).json()["env_id"]
+            g = group(2, env_id)
+            assert client.post("/scored_data", json=g, headers=trainer).status_code == 403
+            assert client.post("/scored_data", json=g, headers=env).status_code == 200
+            assert client.get("/latest_example", headers=env).status_code == 403
+            latest = client.get("/latest_example", headers=trainer).json()
+            assert marker(latest) == marker(g)
+
+            # What both sides read: any key, a read key too.
+            for headers in (env, trainer, reader):
+                assert client.get("/status", headers=headers).json()["queue_size"] == 1
+                assert client.get("/info", headers=headers).json()["batch_size"] == 8
+
+            # Destroying stays admin's.
+            assert client.get("/reset_data", headers=trainer).status_code == 403
+            assert client.get("/reset_data", headers=admin).text == "Reset successful"
+            doc = client.get("/openapi.json").json()["paths"]
+            assert doc["/scored_data"]["post"]["security"] == [{"bearerAuth": ["ingest"]}]
+        assert "atropos.require_key is off" not in hub.log
+    finally:
+        hub.kill()
+
+
+def test_require_key_without_auth_stops_start_up(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"db_path": str(tmp_path / "hub.db")},
+                          atropos={"require_key": True})
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "atropos.require_key: needs auth.enabled: true" in result.stderr
+
+
+def test_the_queue_is_bounded_in_bytes_by_default() -> None:
+    """0.3 MB of gzip became 320 MB on disk with the byte bound off by default."""
+    from app.config import AtroposConfig
+
+    assert AtroposConfig().queue_max_bytes == 2 * 1024**3
 
 
 # --- durability and concurrency under load ---------------------------------------------

@@ -2,6 +2,10 @@
 response keys and defaults; plus GET /batch?ack=1 and POST /batch/ack. Each route
 parses, calls one `Atropos` method, and answers. docs/atropos.md has the details.
 
+Keys: /reset_data needs an admin key whenever auth.enabled is on. With
+atropos.require_key the others need one too: an environment's paths `ingest`, a
+trainer's `train`, and the run's read-only figures (which both sides read) any key.
+
 The routes answer the bytes atroposlib's clients expect (a 128-bit uuid, batches joined
 from stored JSON), rendered here; `response_model=` declares them for the document only
 (app/api/schemas.py)."""
@@ -58,8 +62,14 @@ M = TypeVar("M", bound=BaseModel)
 _GROUPS = TypeAdapter(list[ScoredData])
 
 
-def router() -> APIRouter:
+def router(require_key: bool = False) -> APIRouter:
     api = APIRouter(tags=["atropos"], route_class=GzipRoute)
+
+    def key(*scopes: Scope) -> list[Any]:
+        return [requires(*scopes)] if require_key else []
+
+    env, trainer = key(Scope.INGEST), key(Scope.TRAIN)
+    anyone = key(Scope.INGEST, Scope.TRAIN, Scope.READ)
 
     @api.get("/", response_model=AtroposRoot)
     async def root() -> JSONResponse:
@@ -67,6 +77,7 @@ def router() -> APIRouter:
 
     @api.post(
         "/register",
+        dependencies=trainer,
         response_model=TrainerRegistered,
         openapi_extra=_body_doc(Registration),
         responses=_BODY_ERRORS,
@@ -78,6 +89,7 @@ def router() -> APIRouter:
 
     @api.post(
         "/register-env",
+        dependencies=env,
         response_model=EnvRegistered | WaitForTrainer,
         openapi_extra=_body_doc(RegisterEnv),
         responses=_BODY_ERRORS,
@@ -88,6 +100,7 @@ def router() -> APIRouter:
 
     @api.post(
         "/disconnect-env",
+        dependencies=env,
         response_model=EnvDisconnected,
         openapi_extra=_body_doc(EnvIdentifier),
         responses=_BODY_ERRORS,
@@ -98,6 +111,7 @@ def router() -> APIRouter:
 
     @api.post(
         "/scored_data",
+        dependencies=env,
         response_model=GroupReceived,
         openapi_extra=_body_doc(ScoredData),
         responses=_QUEUE_ERRORS,
@@ -108,6 +122,7 @@ def router() -> APIRouter:
 
     @api.post(
         "/scored_data_list",
+        dependencies=env,
         response_model=GroupsReceived,
         openapi_extra=_body_doc(ScoredData, many=True),
         responses=_QUEUE_ERRORS,
@@ -120,7 +135,10 @@ def router() -> APIRouter:
         return JSONResponse(await hub.atropos.scored_data_list(groups))
 
     @api.get(
-        "/batch", response_model=TrainerBatch | TrainerNotRegistered, responses=errors(422, 503)
+        "/batch",
+        dependencies=trainer,
+        response_model=TrainerBatch | TrainerNotRegistered,
+        responses=errors(422, 503),
     )
     async def batch(
         hub: HubDep,
@@ -132,6 +150,7 @@ def router() -> APIRouter:
 
     @api.post(
         "/batch/ack",
+        dependencies=trainer,
         response_model=BatchAcked,
         openapi_extra=_body_doc(BatchAck),
         responses=_ACK_ERRORS,
@@ -140,16 +159,17 @@ def router() -> APIRouter:
         body = _parse(BatchAck, await _body(request, hub))
         return JSONResponse(await hub.atropos.acknowledge(body.batch_id))
 
-    @api.get("/latest_example", response_model=ScoredData | NoExample)
+    @api.get("/latest_example", dependencies=trainer, response_model=ScoredData | NoExample)
     async def latest_example(hub: HubDep) -> Response:
         return _raw_json(await hub.atropos.latest_example())
 
-    @api.get("/status", response_model=AtroposStatus)
+    @api.get("/status", dependencies=anyone, response_model=AtroposStatus)
     async def status(hub: HubDep) -> JSONResponse:
         return JSONResponse(await hub.atropos.status())
 
     @api.get(
         "/status-env",
+        dependencies=env,
         response_model=AtroposEnvStatus,
         openapi_extra=_body_doc(EnvIdentifier, required=False),
         responses=errors(400, 404, 413, 415, 422),
@@ -167,11 +187,11 @@ def router() -> APIRouter:
         assert env_id is not None
         return JSONResponse(await hub.atropos.status_env(env_id))
 
-    @api.get("/info", response_model=AtroposInfo)
+    @api.get("/info", dependencies=anyone, response_model=AtroposInfo)
     async def info(hub: HubDep) -> JSONResponse:
         return JSONResponse(await hub.atropos.info())
 
-    @api.get("/wandb_info", response_model=WandbInfo)
+    @api.get("/wandb_info", dependencies=anyone, response_model=WandbInfo)
     async def wandb_info(hub: HubDep) -> JSONResponse:
         return JSONResponse(await hub.atropos.wandb_info())
 

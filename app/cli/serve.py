@@ -52,6 +52,11 @@ async def _serve(args: argparse.Namespace) -> int:
             log_config=None,
             access_log=False,
             timeout_graceful_shutdown=30,
+            # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: any local
+            # client could pick its address (and its rate-limit bucket). Only listed
+            # proxies are believed.
+            proxy_headers=bool(ts.forwarded_allow_ips),
+            forwarded_allow_ips=ts.forwarded_allow_ips or None,
         )
     )
     serving = asyncio.create_task(server.serve())
