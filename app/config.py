@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import pwd
 import random
 from collections.abc import Iterable
 from datetime import timedelta
@@ -77,6 +78,9 @@ class TraceServerConfig(_Section):
     # "*" for any): the client address they name is then the one the per-address rate
     # limit and the logs use. Empty: the headers are ignored, the peer's address counts.
     forwarded_allow_ips: list[str] = Field(default_factory=list)
+    # Files the hub creates (database, batch files, logs, exports) are 0600; with a
+    # group named here, 0640 and owned by that group (app/files.py).
+    file_group: str | None = None
 
     @field_validator("forwarded_allow_ips")
     @classmethod
@@ -332,6 +336,26 @@ class RunsConfig(_Section):
     # ATROPOS_HUB_URL as the run's processes get it; null: the address the request
     # that started the run came in on (an address of this machine that reaches the hub).
     hub_url: str | None = None
+    # The user the run's processes run as (the hub must run as root); null: the hub's.
+    # Processes of the hub's own user can read its environment (/proc/PID/environ),
+    # which holds the model keys the environments are not given.
+    user: str | None = None
+
+    @field_validator("user")
+    @classmethod
+    def _user_exists(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            pwd.getpwnam(value)
+        except KeyError:
+            raise ValueError(f"no user {value!r} on this machine") from None
+        if os.geteuid() != 0:
+            raise ValueError(
+                "only a hub running as root can start processes as another user; "
+                "run the hub as root or remove runs.user"
+            )
+        return value
 
     @field_validator("logs_dir")
     @classmethod

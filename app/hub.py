@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app import files
 from app.access.guard import Access
 from app.atropos import Atropos
 from app.compression import ModelSummarizer
@@ -62,6 +63,7 @@ class Hub:
 
 async def open_database(config: HubConfig) -> AsyncEngine:
     """The engine, with the schema brought to the current revision first."""
+    files.use_group(config.trace_server.file_group)
     engine = create_engine(config.trace_server)
     log.info("database %s", redacted(database_url(config.trace_server)))
     await migrate.upgrade(engine)

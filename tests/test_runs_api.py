@@ -5,9 +5,14 @@ and log path, completion, and stopping in reverse order."""
 from __future__ import annotations
 
 import json
+import os
+import pwd
 from datetime import datetime
 from pathlib import Path
 
+import pytest
+
+from tests.conftest import run_cli, write_config
 from tests.runs_support import (
     KEY_ENV,
     RunsEnv,
@@ -228,3 +233,41 @@ def test_start_failures_say_why(runs_env: RunsEnv) -> None:
 
 def _at(iso: str) -> datetime:
     return datetime.fromisoformat(iso)
+
+
+def test_runs_user_keeps_the_processes_out_of_the_hubs_environment(runs_env: RunsEnv) -> None:
+    """A run's processes, as the hub's own user, can read /proc/PID/environ of the hub
+    and so the model keys the environments are not given (issue 17). With runs.user
+    (the hub runs as root) they run as that user and cannot."""
+    if os.geteuid() != 0:
+        pytest.skip("runs.user needs the hub to run as root")
+
+    def peek(hub_pid: int) -> list[str]:
+        return ["/bin/sh", "-c", f"echo uid $(id -u); if cat /proc/{hub_pid}/environ "
+                "> /dev/null 2>&1; then echo 'environ: read'; else echo 'environ: denied'; "
+                "fi; exec sleep 60"]
+
+    seen = {}
+    for user in (None, "nobody"):
+        hub = runs_env.hub(user=user)
+        assert hub.proc is not None
+        body = spec(["/bin/sh", "-c", "exec sleep 60"], peek(hub.proc.pid),
+                    env_health=[{"log": "environ:"}], cwd="/tmp")
+        with hub.client() as client:
+            run_id = start(client, body)
+            run = wait_status(client, run_id, "running")
+            seen[user] = Path(run["processes"][1]["log_path"]).read_text()
+            client.delete(f"/v1/runs/{run_id}")
+            wait_status(client, run_id, "stopped")
+        hub.stop()
+    assert "uid 0" in seen[None] and "environ: read" in seen[None]
+    assert f"uid {pwd.getpwnam('nobody').pw_uid}" in seen["nobody"]
+    assert "environ: denied" in seen["nobody"]
+
+
+def test_runs_user_must_exist(runs_env: RunsEnv) -> None:
+    config = write_config(runs_env.tmp, runs_env.trace_server,
+                          runs={"enabled": True, "user": "no-such-user-here"})
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "runs.user: Value error, no user 'no-such-user-here'" in result.stderr

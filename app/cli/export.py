@@ -21,7 +21,7 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import formats
+from app import files, formats
 from app.cli.options import Commands, add_since, command
 from app.cli.progress import Progress
 from app.config import load_config
@@ -109,11 +109,18 @@ async def _export(args: argparse.Namespace) -> int:
             written = await export_traces(engine, query, sys.stdout.buffer, progress)
         else:
             # Written beside the target and renamed: a reader never sees half an export.
+            # The temporary name is random and created exclusively, never through a
+            # link: a predictable one let anyone who can write the directory plant a
+            # symlink there and have the export overwrite its target.
             out = Path(args.output)
-            tmp = out.with_name(f".{out.name}.tmp")
-            with open(tmp, "wb") as f:
-                written = await export_traces(engine, query, f, progress)
-            os.replace(tmp, out)
+            tmp, f = files.temporary(out.parent, out.name)
+            try:
+                with f:
+                    written = await export_traces(engine, query, f, progress)
+                os.replace(tmp, out)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
         progress.close()
     log.info("exported %d traces as %s to %s", written, args.format, args.output)
     return 0

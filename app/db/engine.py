@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
+from app import files
 from app.config import TraceServerConfig
 from app.db.types import json_text
 from app.errors import ConfigError
@@ -60,7 +62,10 @@ def create_engine(cfg: TraceServerConfig) -> AsyncEngine:
     url = database_url(cfg)
 
     if cfg.storage_backend == "sqlite":
-        Path(cfg.db_path).parent.mkdir(parents=True, exist_ok=True)
+        # Created here, private, so that SQLite (which gives its WAL and SHM files the
+        # database file's mode) never makes a world-readable one.
+        files.make_dir(Path(cfg.db_path).parent)
+        os.close(files.create(cfg.db_path, os.O_RDONLY))
         engine = create_async_engine(url, pool_size=8, max_overflow=8, **_JSON)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine

@@ -262,7 +262,8 @@ class _Run:
             )
             try:
                 proc = RunProcess.spawn(
-                    self.run_id, role, spec.command, cwd=self.spec.cwd, env=env, log_path=path
+                    self.run_id, role, spec.command, cwd=self.spec.cwd, env=env,
+                    log_path=path, user=self.supervisor._config.user,
                 )
             except OSError as exc:
                 return RunStatus.FAILED, f"{_label(role)} could not be started: {exc}"
