@@ -433,6 +433,14 @@ class CompressionConfig(_Section):
     # A trace whose compression failed (a strategy error, the model unreachable) is
     # retried so, then `compression_failed` with its error.
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    # summarize_middle while the model fails: the trace is retried by `retry` (size it
+    # to the outages to ride out), and after its last attempt `retry` leaves it
+    # compression_failed with the model's error, `fallback` compresses it with
+    # key_decision_extract instead (counted in /v1/stats as compression.fallbacks).
+    on_model_failure: Literal["retry", "fallback"] = "retry"
+    # summarize_middle: model calls in flight at once, per worker. Traces that need no
+    # call (skips) never wait for them.
+    max_concurrent_calls: int = Field(4, gt=0)
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> CompressionConfig:

@@ -100,8 +100,6 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
                 on_advance=runner.wake,
             ),
             DistributionStage(engine, config.distributor, on_advance=runner.wake),
-        )
-        runner.add(
             DeliveryStage(
                 engine,
                 build_target(config.distributor, settings.tinker.tinker, http),
@@ -109,7 +107,6 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
                 lease=lease,
                 on_advance=runner.wake,
             ),
-            apart=True,  # a training job takes minutes: the other stages go on meanwhile
         )
         if config.retention is not None:
             runner.add(RetentionStage(engine, config.retention))

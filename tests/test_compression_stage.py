@@ -12,7 +12,9 @@ from typing import Any
 
 import httpx
 
-from tests.conftest import ROOT, native_trace, write_config
+from tests.conftest import ROOT, HubProcess, WorkerProcess, native_trace, write_config
+from tests.fakes.model_server import FakeModel
+from tests.pipeline import wait_until
 from tests.real_traces import OPENHANDS, SWE_AGENT, load
 
 DONE = {"compressed", "compression_skipped", "compression_failed"}
@@ -134,3 +136,181 @@ def test_kill_9_during_the_stage_compresses_every_trace_once(
         records = wait_until_done(client, ids, timeout=5)
     assert {r["stage"] for r in records.values()} <= {"compressed", "compression_skipped"}
     assert "lease lost" not in burst.stderr
+
+
+# --- a failing, hanging or slow model (issue 17) -------------------------------------
+
+KEY_ENV = "FAKE_SUMMARY_KEY"
+FAST_RETRY = {"max_attempts": 3, "base_seconds": 0.3, "max_seconds": 1}
+
+
+def long_trace(trace_id: str, steps: int = 12) -> dict[str, Any]:
+    """About 2,000 tokens: summarize_middle (toward min_tokens_after 200) calls the model."""
+    body = []
+    for i in range(steps):
+        body += [
+            {"type": "thought", "content": f"Step {i}: look at module_{i} next, it may hold the bug."},
+            {"type": "action", "tool": "terminal", "call_id": f"c{i}",
+             "arguments": {"command": f"grep -rn failure src/module_{i}.py"}},
+            {"type": "observation", "call_id": f"c{i}", "exit_code": 0,
+             "content": " ".join(f"src/module_{i}.py:{j}: check value_{j} ok" for j in range(12))},
+        ]
+    body.append({"type": "final", "content": "Fixed the failing check."})
+    return native_trace(trace_id=trace_id, steps=body)
+
+
+def summarizing(tmp_path: Path, model_root: str, monkeypatch: Any, *, timeout: float = 5,
+                **policy: Any) -> list[str]:
+    """The --compression and --tinker arguments of a hub that summarizes with the fake
+    model (no retries inside a call: each attempt of the stage is one request)."""
+    monkeypatch.setenv(KEY_ENV, FakeModel.key)
+    tinker = tmp_path / "tinker.json"
+    tinker.write_text(json.dumps({"tinker": {
+        "base_url": f"{model_root}/v1", "api_key_env": KEY_ENV, "max_retries": 0,
+        "timeout_seconds": timeout}}))
+    settings = {"strategy": "summarize_middle", "min_tokens_after": 200,
+                "summary_target_tokens": 60, "protect_last_n_turns": 2, **policy}
+    return ["--compression", compression_file(tmp_path, **settings), "--tinker", str(tinker)]
+
+
+def warnings_about_the_model(hub: HubProcess) -> list[str]:
+    return [line for line in hub.lines if " WARNING " in line and "summary model" in line]
+
+
+def test_a_model_outage_retries_then_fails_the_trace_and_is_said_once(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
+    model_root: str, monkeypatch: Any,
+) -> None:
+    """on_model_failure `retry` (the default): while the model is down each trace is
+    retried by compression.retry, then compression_failed with the model's error;
+    the outage is one WARNING, and traces are summarized again once it answers."""
+    fake_model.down = "503"
+    hub = start_hub(trace_server, *summarizing(tmp_path, model_root, monkeypatch,
+                                               retry=FAST_RETRY),
+                    environment=ACCEPT_ALL, distributor=NO_BATCHES)
+    with hub.client() as client:
+        for n in range(3):
+            assert client.post("/v1/traces", json=long_trace(f"down-{n}")).status_code == 202
+        records = wait_until_done(client, [f"down-{n}" for n in range(3)])
+        assert {r["stage"] for r in records.values()} == {"compression_failed"}
+        assert len(fake_model.chats()) == 9  # three attempts each
+        stats = client.get("/v1/stats").json()["compression"]
+        assert (stats["failed"], stats["fallbacks"], stats["compressed"]) == (3, 0, 0)
+        assert len(warnings_about_the_model(hub)) == 1
+
+        fake_model.down = None
+        assert client.post("/v1/traces", json=long_trace("back")).status_code == 202
+        back = wait_until_done(client, ["back"])["back"]
+    assert back["stage"] == "compressed"
+    assert (back["compression"]["strategy"], back["compression"]["fallback"]) == (
+        "summarize_middle", None)
+    hub.wait_for_log("the summary model answers again")
+    assert len(warnings_about_the_model(hub)) == 1
+
+
+def test_with_fallback_an_outage_compresses_by_extraction_after_the_retries_and_counts_it(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
+    model_root: str, monkeypatch: Any,
+) -> None:
+    """Traces fell back to key_decision_extract at the model's first failure, silently,
+    and were never summarized once it came back (issue 17). With on_model_failure
+    `fallback` the fallback comes after the retries, is counted in /v1/stats, and the
+    outage is logged at WARNING once, not per trace."""
+    fake_model.down = "503"
+    hub = start_hub(trace_server, *summarizing(tmp_path, model_root, monkeypatch,
+                                               retry=FAST_RETRY, on_model_failure="fallback"),
+                    environment=ACCEPT_ALL, distributor=NO_BATCHES)
+    ids = [f"fb-{n}" for n in range(3)]
+    with hub.client() as client:
+        for trace_id in ids:
+            assert client.post("/v1/traces", json=long_trace(trace_id)).status_code == 202
+        records = wait_until_done(client, ids)
+        for record in records.values():
+            assert record["stage"] == "compressed"
+            info = record["compression"]
+            assert info["strategy"] == "key_decision_extract"
+            assert info["fallback"].startswith("the summary model failed")
+        assert len(fake_model.chats()) == 9  # retried before falling back
+        stats = client.get("/v1/stats").json()["compression"]
+        assert (stats["compressed"], stats["fallbacks"], stats["failed"]) == (3, 3, 0)
+        assert len(warnings_about_the_model(hub)) == 1
+        assert "key_decision_extract (compression.on_model_failure: fallback)" in (
+            warnings_about_the_model(hub)[0])
+    hub.wait_for_log("trace fb-2: compressed with key_decision_extract: the summary model")
+
+
+def test_a_hanging_model_holds_up_no_trace_that_does_not_need_it(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
+    model_root: str, monkeypatch: Any,
+) -> None:
+    """With the model hanging, 14 short traces waited ~85 s behind 2 long ones and
+    batching waited too (issue 17): skips are written at once, and distribution runs
+    on its own schedule."""
+    fake_model.down = ("slow", 120)  # hangs past the client's timeout
+    hub = start_hub({**trace_server, "flush_interval_seconds": 60},
+                    *summarizing(tmp_path, model_root, monkeypatch, timeout=60),
+                    environment=ACCEPT_ALL,
+                    distributor={"target": "jsonl", "output_dir": str(tmp_path / "batches"),
+                                 "batch_size": 14, "min_reward_threshold": -1e9})
+    with hub.client() as client:
+        for trace_id in ("long-0", "long-1"):
+            assert client.post("/v1/traces", json=long_trace(trace_id)).status_code == 202
+        wait_until(lambda: fake_model.in_flight == 2, timeout=10, what="both calls hanging")
+        short = [f"short-{n}" for n in range(14)]
+        for trace_id in short:
+            assert client.post("/v1/traces", json=native_trace(trace_id=trace_id)).status_code == 202
+        # Skipped, batched and delivered (jsonl) while both model calls still hang.
+        wait_until(lambda: client.get("/v1/stats").json()["by_stage"].get("delivered") == 14,
+                   timeout=10, what="the short traces skipped, batched and delivered")
+        assert fake_model.in_flight == 2
+        assert {client.get(f"/v1/traces/long-{n}").json()["stage"] for n in (0, 1)} == {
+            "accepted"}  # still with the model
+
+
+def test_model_calls_run_concurrently_up_to_the_bound(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
+    model_root: str, monkeypatch: Any,
+) -> None:
+    fake_model.delay = 0.5
+    hub = start_hub(trace_server, *summarizing(tmp_path, model_root, monkeypatch,
+                                               max_concurrent_calls=3),
+                    environment=ACCEPT_ALL, distributor=NO_BATCHES)
+    ids = [f"c-{n}" for n in range(7)]
+    with hub.client() as client:
+        for trace_id in ids:
+            assert client.post("/v1/traces", json=long_trace(trace_id)).status_code == 202
+        records = wait_until_done(client, ids)
+    assert {r["compression"]["strategy"] for r in records.values()} == {"summarize_middle"}
+    assert len(fake_model.chats()) == 7
+    assert fake_model.most_in_flight == 3
+
+
+def test_a_model_slower_than_the_lease_summarizes_each_trace_once(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
+    model_root: str, monkeypatch: Any,
+) -> None:
+    """With 8 s model calls and two workers, 26 calls were made for 24 traces: the
+    lease ran out mid-call and the other worker took the trace (issue 17). The lease
+    is renewed while the call runs."""
+    fake_model.delay = 6  # longer than the lease
+    files = summarizing(tmp_path, model_root, monkeypatch, timeout=30, max_concurrent_calls=2)
+    hub = start_hub(trace_server, "--no-workers", environment=ACCEPT_ALL,
+                    distributor=NO_BATCHES)
+    ids = [f"slow-{n}" for n in range(6)]
+    with hub.client() as client:
+        for trace_id in ids:
+            assert client.post("/v1/traces", json=long_trace(trace_id)).status_code == 202
+    config = write_config(tmp_path, {**trace_server, "flush_interval_seconds": 0.2},
+                          workers={"lease_seconds": 5}, environment=ACCEPT_ALL,
+                          distributor=NO_BATCHES)
+    workers = [WorkerProcess(config, *files).start() for _ in range(2)]
+    try:
+        with hub.client() as client:
+            records = wait_until_done(client, ids, timeout=60)
+        assert {r["compression"]["strategy"] for r in records.values()} == {"summarize_middle"}
+        assert len(fake_model.chats()) == len(ids)
+        for worker in workers:
+            assert "lease lost" not in worker.log
+    finally:
+        for worker in workers:
+            worker.kill()

@@ -125,7 +125,9 @@ def test_no_secret_in_logs_responses_or_rows(
         compression = tmp_path / "compression.json"
         compression.write_text(json.dumps({"compression": {
             "strategy": "summarize_middle", "min_tokens_after": 50,
-            "summary_target_tokens": 60, "protect_last_n_turns": 2}}))
+            "summary_target_tokens": 60, "protect_last_n_turns": 2,
+            # The model's error lands in the record at once (a key it echoes would too).
+            "on_model_failure": "fallback", "retry": {"max_attempts": 1}}}))
         config = write_config(
             tmp_path, {**trace_server, "flush_interval_seconds": 0.2},
             auth={"enabled": True, "rate_limit_per_second": 5, "rate_limit_burst": 50,

@@ -177,6 +177,10 @@ class CompressionCounts(BaseModel):
     compressed: int = Field(description="Traces compressed (those that moved on since included)")
     skipped: int = Field(description="Traces that compression left whole")
     failed: int = Field(description="Traces in compression_failed")
+    fallbacks: int = Field(
+        description="Traces compressed with key_decision_extract in place of summarize_middle "
+        "(the model failing, or nothing to summarize: each record's `fallback` says why)"
+    )
     mean_ratio: float | None = Field(description="Mean compressed_tokens / total_tokens")
 
 

@@ -11,7 +11,21 @@ algorithm), `ledger` (per-step token bookkeeping).
 
 from __future__ import annotations
 
-from app.compression.compress import Compressed, Skipped, compress
+from app.compression.compress import (
+    Compressed,
+    Skipped,
+    compress,
+    compression_target,
+    smallest_compressed,
+)
 from app.compression.summarize import ModelSummarizer, Summarizer
 
-__all__ = ["Compressed", "ModelSummarizer", "Skipped", "Summarizer", "compress"]
+__all__ = [
+    "Compressed",
+    "ModelSummarizer",
+    "Skipped",
+    "Summarizer",
+    "compress",
+    "smallest_compressed",
+    "compression_target",
+]

@@ -197,6 +197,7 @@ async def _compression_stats(conn: AsyncConnection, by_stage: dict[str, int]) ->
                 sa.func.avg(sa.cast(c.compressed_tokens, sa.Float) / c.total_tokens).filter(
                     compressed, c.total_tokens > 0
                 ),
+                sa.func.count().filter(c.compression["fallback"].as_string().is_not(None)),
             )
         )
     ).one()
@@ -204,6 +205,7 @@ async def _compression_stats(conn: AsyncConnection, by_stage: dict[str, int]) ->
         "compressed": row[0],
         "skipped": row[1],
         "failed": by_stage.get(Stage.COMPRESSION_FAILED.value, 0),
+        "fallbacks": row[3],
         "mean_ratio": round(float(row[2]), 4) if row[2] is not None else None,
     }
 
