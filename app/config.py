@@ -258,7 +258,8 @@ class LimitsConfig(_Section):
     max_json_depth: int = Field(64, gt=1, le=250)
     # The write path: traces admitted but not yet committed. Past it, and while one
     # write transaction has waited longer than max_write_wait_seconds (a lock held by
-    # another process, a slow disk), new traces get 503 + Retry-After.
+    # another process, a slow disk), new traces get 503 + Retry-After; so does a trace
+    # not committed within max_write_wait_seconds (and it is never written later).
     max_queued_traces: int = Field(10_000, gt=0)
     max_write_wait_seconds: float = Field(5, gt=0)
     retry_after_seconds: int = Field(2, ge=1)

@@ -17,6 +17,7 @@ import asyncpg
 import httpx
 
 from tests.conftest import HubProcess, native_trace
+from tests.pipeline import wait_until
 
 
 @contextmanager
@@ -83,8 +84,8 @@ def test_a_stalled_write_turns_new_traces_away(
         assert client.post("/v1/traces", json=native_trace(trace_id="warm")).status_code == 202
         with write_lock(trace_server):
             first = post(native_trace(trace_id="first"))
-            time.sleep(1.0)
-            assert not first.done()
+            # Its own wait is bounded too: 503 once it has waited 0.5 s for its commit.
+            overloaded(first.result(10), "max_write_wait_seconds", "3")
             started = time.monotonic()
             overloaded(client.post("/v1/traces", json=native_trace(trace_id="second")),
                        "max_write_wait_seconds", "3")
@@ -93,10 +94,52 @@ def test_a_stalled_write_turns_new_traces_away(
             assert time.monotonic() - started < 2
             # Reading goes on meanwhile.
             assert client.get("/v1/stats").status_code == 200
-        assert first.result(20).status_code == 202
+        # The transaction that waited on the lock rolls back: "first" was withdrawn.
+        wait_until(lambda: client.get("/readyz").status_code == 200, what="/readyz 200")
         assert client.post("/v1/traces", json=native_trace(trace_id="fourth")).status_code == 202
-        assert client.get("/v1/traces/second").status_code == 404
-        assert client.get("/v1/stats").json()["traces"] == 3
+        for trace_id in ("first", "second"):  # answered 503: never written
+            assert client.get(f"/v1/traces/{trace_id}").status_code == 404
+        assert client.get("/v1/stats").json()["traces"] == 2
+
+
+def test_no_request_waits_past_the_bound_and_readiness_follows_the_write_path(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    """With another process holding the write lock past SQLite's busy timeout (10 s), a
+    write failed, the timer behind limits.max_write_wait_seconds restarted, and
+    requests admitted then waited 15-38 s; /readyz said 200 throughout (issue 17).
+    Every request is answered within the bound (503, never written afterwards), /readyz
+    says 503 while writes fail and 200 again by itself once they succeed."""
+    hub = start_hub(trace_server, "--no-workers",
+                    limits={"max_write_wait_seconds": 1, "retry_after_seconds": 3})
+    post = in_background(hub)
+    with hub.client() as client:
+        assert client.post("/v1/traces", json=native_trace(trace_id="warm")).status_code == 202
+        assert client.get("/readyz").status_code == 200
+        sent: list[Future[httpx.Response]] = []
+        reasons = set()
+        with write_lock(trace_server):
+            locked_until = time.monotonic() + 11
+            n = 0
+            while time.monotonic() < locked_until:
+                sent.append(post(native_trace(trace_id=f"locked-{n}")))
+                n += 1
+                ready = client.get("/readyz")
+                if ready.status_code == 503:
+                    reasons.add(ready.json()["reason"].split(":")[0])
+                time.sleep(0.5)  # a client sending twice a second
+            for answer in sent:
+                r = answer.result(10)
+                assert r.status_code == 503 and r.headers["retry-after"] == "3", r.text
+                # Answered within the bound (plus parsing and the round trip).
+                assert r.elapsed.total_seconds() < 2.5, (r.elapsed, r.text)
+        assert reasons == {"not taking writes"}
+        # Nothing wrote since: /readyz finds out by itself that writes work again.
+        wait_until(lambda: client.get("/readyz").status_code == 200, timeout=20,
+                   what="/readyz back to 200")
+        assert client.post("/v1/traces", json=native_trace(trace_id="after")).status_code == 202
+        stored = {t["trace_id"] for t in client.get("/v1/traces").json()["traces"]}
+    assert stored == {"warm", "after"}, "a request answered 503 was written later"
 
 
 def test_queued_traces_are_bounded(start_hub: Any, trace_server: dict[str, Any]) -> None:

@@ -175,12 +175,18 @@ async def running_ingest(
     and the inserter that commits them (`atropos serve` and `atropos import` alike).
 
     `admitted`: the work in flight is bounded by config.limits, past which new traces
-    get 503 (the HTTP API); without it (`atropos import`) the callers wait for each
-    chunk and are their own back-pressure. On exit what is queued is committed first,
-    then the processes end."""
+    get 503 (the HTTP API), as is a trace not committed within
+    limits.max_write_wait_seconds; without it (`atropos import`) the callers wait for
+    each chunk and are their own back-pressure. On exit what is queued is committed
+    first, then the processes end."""
     if admitted:
+        limits = config.limits
         inserter = TraceInserter(
-            engine, max_queue=config.limits.max_queued_traces, on_commit=on_commit
+            engine,
+            max_queue=limits.max_queued_traces,
+            max_wait=limits.max_write_wait_seconds,
+            retry_after=limits.retry_after_seconds,
+            on_commit=on_commit,
         )
         admission: Admission | None = Admission(config.limits, inserter.write_wait)
     else:
