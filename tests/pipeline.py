@@ -75,6 +75,22 @@ def ingest(client: httpx.Client, trace_ids: list[str], **overrides: Any) -> None
         assert r.status_code == 202, r.text
 
 
+def long_trace(trace_id: str, steps: int = 60) -> dict[str, Any]:
+    """A native trace of `steps` thought/action/observation rounds (~125 tokens each),
+    long enough to be compressed."""
+    body: list[dict[str, Any]] = []
+    for i in range(steps):
+        body += [
+            {"type": "thought", "content": f"Step {i}: the build of module {i} failed; look."},
+            {"type": "action", "tool": "terminal", "call_id": f"c{i}",
+             "arguments": {"command": f"make target_{i}"}},
+            {"type": "observation", "call_id": f"c{i}", "exit_code": 0,
+             "content": " ".join(f"compiling src/module_{j}.py ok" for j in range(12))},
+        ]
+    body.append({"type": "final", "content": "The build passes now."})
+    return native_trace(trace_id=trace_id, steps=body)
+
+
 def wait_until(check: Callable[[], T], timeout: float = 30, what: str = "condition") -> T:
     deadline = time.monotonic() + timeout
     while True:

@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 
-from tests.conftest import ROOT, HubProcess, WorkerProcess, native_trace, write_config
+from tests.conftest import ROOT, HubProcess, WorkerProcess, native_trace, run_cli, write_config
 from tests.fakes.model_server import FakeModel
-from tests.pipeline import wait_until
+from tests.pipeline import long_trace, wait_until
 from tests.real_traces import OPENHANDS, SWE_AGENT, load
 
 DONE = {"compressed", "compression_skipped", "compression_failed"}
@@ -144,21 +144,6 @@ KEY_ENV = "FAKE_SUMMARY_KEY"
 FAST_RETRY = {"max_attempts": 3, "base_seconds": 0.3, "max_seconds": 1}
 
 
-def long_trace(trace_id: str, steps: int = 12) -> dict[str, Any]:
-    """About 2,000 tokens: summarize_middle (toward min_tokens_after 200) calls the model."""
-    body = []
-    for i in range(steps):
-        body += [
-            {"type": "thought", "content": f"Step {i}: look at module_{i} next, it may hold the bug."},
-            {"type": "action", "tool": "terminal", "call_id": f"c{i}",
-             "arguments": {"command": f"grep -rn failure src/module_{i}.py"}},
-            {"type": "observation", "call_id": f"c{i}", "exit_code": 0,
-             "content": " ".join(f"src/module_{i}.py:{j}: check value_{j} ok" for j in range(12))},
-        ]
-    body.append({"type": "final", "content": "Fixed the failing check."})
-    return native_trace(trace_id=trace_id, steps=body)
-
-
 def summarizing(tmp_path: Path, model_root: str, monkeypatch: Any, *, timeout: float = 5,
                 **policy: Any) -> list[str]:
     """The --compression and --tinker arguments of a hub that summarizes with the fake
@@ -171,6 +156,18 @@ def summarizing(tmp_path: Path, model_root: str, monkeypatch: Any, *, timeout: f
     settings = {"strategy": "summarize_middle", "min_tokens_after": 200,
                 "summary_target_tokens": 60, "protect_last_n_turns": 2, **policy}
     return ["--compression", compression_file(tmp_path, **settings), "--tinker", str(tinker)]
+
+
+def holding_long_traces(
+    start_hub: Any, trace_server: dict[str, Any], ids: list[str]
+) -> HubProcess:
+    """An API without workers (the test runs its own) that has taken long traces `ids`."""
+    hub: HubProcess = start_hub(trace_server, "--no-workers", environment=ACCEPT_ALL,
+                                distributor=NO_BATCHES)
+    with hub.client() as client:
+        for trace_id in ids:
+            assert client.post("/v1/traces", json=long_trace(trace_id, steps=12)).status_code == 202
+    return hub
 
 
 def warnings_about_the_model(hub: HubProcess) -> list[str]:
@@ -190,7 +187,7 @@ def test_a_model_outage_retries_then_fails_the_trace_and_is_said_once(
                     environment=ACCEPT_ALL, distributor=NO_BATCHES)
     with hub.client() as client:
         for n in range(3):
-            assert client.post("/v1/traces", json=long_trace(f"down-{n}")).status_code == 202
+            assert client.post("/v1/traces", json=long_trace(f"down-{n}", steps=12)).status_code == 202
         records = wait_until_done(client, [f"down-{n}" for n in range(3)])
         assert {r["stage"] for r in records.values()} == {"compression_failed"}
         assert len(fake_model.chats()) == 9  # three attempts each
@@ -199,7 +196,7 @@ def test_a_model_outage_retries_then_fails_the_trace_and_is_said_once(
         assert len(warnings_about_the_model(hub)) == 1
 
         fake_model.down = None
-        assert client.post("/v1/traces", json=long_trace("back")).status_code == 202
+        assert client.post("/v1/traces", json=long_trace("back", steps=12)).status_code == 202
         back = wait_until_done(client, ["back"])["back"]
     assert back["stage"] == "compressed"
     assert (back["compression"]["strategy"], back["compression"]["fallback"]) == (
@@ -223,7 +220,7 @@ def test_with_fallback_an_outage_compresses_by_extraction_after_the_retries_and_
     ids = [f"fb-{n}" for n in range(3)]
     with hub.client() as client:
         for trace_id in ids:
-            assert client.post("/v1/traces", json=long_trace(trace_id)).status_code == 202
+            assert client.post("/v1/traces", json=long_trace(trace_id, steps=12)).status_code == 202
         records = wait_until_done(client, ids)
         for record in records.values():
             assert record["stage"] == "compressed"
@@ -254,7 +251,7 @@ def test_a_hanging_model_holds_up_no_trace_that_does_not_need_it(
                                  "batch_size": 14, "min_reward_threshold": -1e9})
     with hub.client() as client:
         for trace_id in ("long-0", "long-1"):
-            assert client.post("/v1/traces", json=long_trace(trace_id)).status_code == 202
+            assert client.post("/v1/traces", json=long_trace(trace_id, steps=12)).status_code == 202
         wait_until(lambda: fake_model.in_flight == 2, timeout=10, what="both calls hanging")
         short = [f"short-{n}" for n in range(14)]
         for trace_id in short:
@@ -271,15 +268,15 @@ def test_model_calls_run_concurrently_up_to_the_bound(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
     model_root: str, monkeypatch: Any,
 ) -> None:
+    """`atropos worker --burst` drains them, model calls in flight included."""
     fake_model.delay = 0.5
-    hub = start_hub(trace_server, *summarizing(tmp_path, model_root, monkeypatch,
-                                               max_concurrent_calls=3),
-                    environment=ACCEPT_ALL, distributor=NO_BATCHES)
+    files = summarizing(tmp_path, model_root, monkeypatch, max_concurrent_calls=3)
     ids = [f"c-{n}" for n in range(7)]
+    hub = holding_long_traces(start_hub, trace_server, ids)
     with hub.client() as client:
-        for trace_id in ids:
-            assert client.post("/v1/traces", json=long_trace(trace_id)).status_code == 202
-        records = wait_until_done(client, ids)
+        burst = run_cli("worker", "--config", str(hub.config), *files, "--burst")
+        assert burst.returncode == 0, burst.stderr
+        records = wait_until_done(client, ids, timeout=1)
     assert {r["compression"]["strategy"] for r in records.values()} == {"summarize_middle"}
     assert len(fake_model.chats()) == 7
     assert fake_model.most_in_flight == 3
@@ -294,12 +291,8 @@ def test_a_model_slower_than_the_lease_summarizes_each_trace_once(
     is renewed while the call runs."""
     fake_model.delay = 6  # longer than the lease
     files = summarizing(tmp_path, model_root, monkeypatch, timeout=30, max_concurrent_calls=2)
-    hub = start_hub(trace_server, "--no-workers", environment=ACCEPT_ALL,
-                    distributor=NO_BATCHES)
     ids = [f"slow-{n}" for n in range(6)]
-    with hub.client() as client:
-        for trace_id in ids:
-            assert client.post("/v1/traces", json=long_trace(trace_id)).status_code == 202
+    hub = holding_long_traces(start_hub, trace_server, ids)
     config = write_config(tmp_path, {**trace_server, "flush_interval_seconds": 0.2},
                           workers={"lease_seconds": 5}, environment=ACCEPT_ALL,
                           distributor=NO_BATCHES)

@@ -15,8 +15,8 @@ from app import formats
 from app.cli import export
 from app.cli.export import ExportQuery, export_traces
 from app.db.models import TRACES
-from tests.conftest import HubProcess, native_trace, run_cli
-from tests.pipeline import database, ingest, set_rewards
+from tests.conftest import HubProcess, run_cli
+from tests.pipeline import database, ingest, long_trace, set_rewards
 
 ATIF_VERSION = re.compile(r"ATIF-v1\.\d+")
 OPENAI_ROLES = {"system", "user", "assistant", "tool"}
@@ -90,20 +90,6 @@ def check_atif(record: dict[str, Any]) -> None:
 
 CHECKS = {"openai": check_openai, "sharegpt": check_sharegpt, "hermes": check_hermes,
           "atif": check_atif}
-
-
-def long_trace(trace_id: str) -> dict[str, Any]:
-    steps: list[dict[str, Any]] = []
-    for i in range(60):
-        steps += [
-            {"type": "thought", "content": f"Step {i}: the build of module {i} failed; look."},
-            {"type": "action", "tool": "terminal", "call_id": f"c{i}",
-             "arguments": {"command": f"make target_{i}"}},
-            {"type": "observation", "call_id": f"c{i}", "exit_code": 0,
-             "content": " ".join(f"compiling src/module_{j}.py ok" for j in range(12))},
-        ]
-    steps.append({"type": "final", "content": "The build passes now."})
-    return native_trace(trace_id=trace_id, steps=steps)
 
 
 def run_export(hub: HubProcess, out: Path, *args: str) -> list[dict[str, Any]]:
