@@ -216,15 +216,33 @@ def _setup_logging() -> None:
     logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
-def _settings(args: argparse.Namespace) -> Settings:
-    return Settings(
+def _settings(args: argparse.Namespace, *, delivers: bool) -> Settings:
+    """The config files; `delivers`: this process will hand batches to the target."""
+    settings = Settings(
         load_config(args.config), load_compression(args.compression), load_tinker(args.tinker)
+    )
+    if delivers:
+        _named_training_service(settings, args.config)
+    return settings
+
+
+def _named_training_service(settings: Settings, config: str) -> None:
+    """The tinker target sends every batch to a training service: only to one the user
+    named. tinker.json's own default (api.openai.com) is not naming one."""
+    if settings.config.distributor.target != "tinker":
+        return
+    if "base_url" in settings.tinker.tinker.model_fields_set:
+        return
+    raise ConfigError(
+        f"{Path(config).name}: distributor.target is tinker, which sends every batch to a "
+        "training service, but no tinker.json names one: pass --tinker FILE with "
+        'tinker.base_url set, or deliver to "jsonl" (files in distributor.output_dir)'
     )
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    settings = _settings(args)
     workers = not args.no_workers
+    settings = _settings(args, delivers=workers)
     # Rules and tokenizer first, then the database: a mistake costs no migration.
     environment = Environment.from_config(settings.config.environment)
     encoding()
@@ -270,7 +288,7 @@ class _Server(uvicorn.Server):
 
 
 async def _worker(args: argparse.Namespace) -> int:
-    settings = _settings(args)
+    settings = _settings(args, delivers=True)
     encoding()  # the compression stage counts tokens
     engine = await open_database(settings.config)
     try:
@@ -401,8 +419,8 @@ async def _rescore(args: argparse.Namespace) -> int:
     finally:
         await engine.dispose()
     print(f"rescored: {counts.pop('rescored', 0)}")
-    for move, n in sorted(counts.items()):
-        print(f"stage {move}: {n}")
+    for key, n in sorted(counts.items()):
+        print(f"stage {key}: {n}" if "->" in key else f"{key}: {n}")
     return 0
 
 

@@ -4,6 +4,13 @@ filters, for when a user changes the weights.
 Traces whose `scored_with` fingerprint differs from the current environment's are
 rescored in batches, oldest first, one transaction per batch; a run that is stopped
 resumes where it stopped (the finished traces carry the new fingerprint).
+
+Traces stored before the hub kept the environment's reward (revision 0006) have no
+`env_reward` and may carry a status the parsers then inferred from that reward (reward
+> 0 was "success"). Rescoring reads their outcome again (`reported_outcome`): from the
+item as received, through today's parser, or, for imports, from what the adapter kept
+in metadata; then `env_reward`, `status` and the stored traces' outcome are updated with
+the scores.
 """
 
 from __future__ import annotations
@@ -16,10 +23,14 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app import formats
 from app.db.models import TRACES
 from app.db.types import utcnow
-from app.domain import Stage, Trace
+from app.domain import Outcome, Stage, Trace
+from app.errors import HubError
 from app.evaluation.environment import Environment
+from app.import_sources import fireact
+from app.import_sources._common import env_reward
 
 BATCH = 500
 # Traces already handed to training keep their stage; only their scores change.
@@ -51,13 +62,18 @@ async def rescore(
     since: datetime | None = None,
     on_batch: Callable[[int], None] = lambda n: None,
 ) -> Counter[str]:
-    """Returns counts: rescored, and the stage moves made (e.g. "accepted->rejected")."""
+    """Returns counts: rescored, the stage moves made (e.g. "accepted->rejected"), and
+    the outcomes read again (traces stored before the environment's reward was kept)."""
     counts: Counter[str] = Counter()
     after: tuple[datetime, str] | None = None
     while True:
         async with engine.begin() as conn:
-            query = sa.select(TRACES.c.trace_id, TRACES.c.created_at, TRACES.c.stage,
-                              TRACES.c.trace).where(*_todo(environment, since))
+            c = TRACES.c
+            query = sa.select(
+                c.trace_id, c.created_at, c.stage, c.trace, c.compressed,
+                # Read only where the environment's reward may still be in it.
+                sa.case((c.env_reward.is_(None), c.original)).label("original"),
+            ).where(*_todo(environment, since))
             if after is not None:
                 query = query.where(sa.tuple_(TRACES.c.created_at, TRACES.c.trace_id) > after)
             rows = (await conn.execute(
@@ -71,6 +87,10 @@ async def rescore(
                 .where(TRACES.c.trace_id == sa.bindparam("b_id"),
                        TRACES.c.stage == sa.bindparam("b_stage"))
                 .values(reward=sa.bindparam("reward"),
+                        env_reward=sa.bindparam("env_reward"),
+                        status=sa.bindparam("status"),
+                        trace=sa.bindparam("trace"),
+                        compressed=sa.bindparam("compressed"),
                         reward_breakdown=sa.bindparam("reward_breakdown"),
                         reject_reasons=sa.bindparam("reject_reasons"),
                         scored_with=environment.fingerprint,
@@ -91,16 +111,63 @@ def _todo(environment: Environment, since: datetime | None) -> list[sa.ColumnEle
 
 
 def _update(row: Any, environment: Environment, counts: Counter[str]) -> dict[str, Any]:
-    evaluation = environment.evaluate(Trace.model_validate(row.trace))
+    trace = Trace.model_validate(row.trace)
+    outcome = reported_outcome(trace, row.original)
+    evaluation = environment.evaluate(trace.model_copy(update={"outcome": outcome}))
     stage = new_stage(row.stage, bool(evaluation.reject_reasons))
     counts["rescored"] += 1
     if stage != row.stage:
         counts[f"{row.stage}->{stage}"] += 1
+    if outcome != trace.outcome:
+        counts["outcomes read again"] += 1
     return {
         "b_id": row.trace_id,
         "b_stage": row.stage,
+        "env_reward": outcome.reward,
+        "status": outcome.status.value,
+        "trace": _with_outcome(row.trace, outcome),
+        "compressed": _with_outcome(row.compressed, outcome),
         "reward": evaluation.reward,
         "reward_breakdown": evaluation.breakdown,
         "reject_reasons": evaluation.reject_reasons,
         "stage": stage,
     }
+
+
+# Imports are stored as native traces; before revision 0006 the adapters kept the
+# environment's reward in metadata (and inferred a status from it).
+_IMPORTED_REWARD: dict[str, Callable[[Trace], float | None]] = {
+    "tau_bench": lambda trace: env_reward(trace.metadata.get("reward")),
+    "atropos_group": lambda trace: env_reward(trace.metadata.get("score")),
+    "fireact": lambda trace: fireact.verdict_outcome(trace.outcome.reason).reward,
+}
+
+
+def reported_outcome(trace: Trace, original: Any) -> Outcome:
+    """The trace's outcome as today's parsers read it: unchanged when it carries the
+    environment's reward; else read again from `original` (the item as received, None
+    when not loaded) or, for an import, from what its adapter kept in metadata."""
+    if trace.outcome.reward is not None:
+        return trace.outcome
+    imported = trace.metadata.get("imported_from")
+    source = imported.get("format") if isinstance(imported, dict) else None
+    if isinstance(source, str):
+        read = _IMPORTED_REWARD.get(source)
+        reward = None if read is None else read(trace)
+        if reward is None:
+            return trace.outcome
+        # The status those adapters wrote was inferred from this very reward.
+        return Outcome(code_runs_ok=trace.outcome.code_runs_ok, reward=reward)
+    if original is None or trace.source_format == "native":
+        return trace.outcome  # native traces could not carry a reward before 0006
+    try:
+        return formats.parse(original, trace.source_format).outcome
+    except HubError:  # an original today's parser refuses: keep what was stored
+        return trace.outcome
+
+
+def _with_outcome(payload: dict[str, Any] | None, outcome: Outcome) -> dict[str, Any] | None:
+    """A stored trace (canonical or compressed) with `outcome`; None stays None."""
+    if payload is None:
+        return None
+    return {**payload, "outcome": outcome.model_dump(mode="json", exclude_none=True)}
