@@ -35,5 +35,5 @@ def test_rescore_applies_new_rules_and_filters(
         good = client.get("/v1/traces/good").json()
         bad = client.get("/v1/traces/bad").json()
     assert good["reward"] == 100
-    assert list(good["reward_breakdown"]) == ["task_success", "env_reward"]
+    assert set(good["reward_breakdown"]) == {"task_success", "env_reward"}
     assert bad["stage"] == "accepted" and bad["reject_reasons"] == []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -69,35 +70,43 @@ async def rescore(
     while True:
         async with engine.begin() as conn:
             c = TRACES.c
+            unfilled = c.env_reward.is_(None)
             query = sa.select(
-                c.trace_id, c.created_at, c.stage, c.trace, c.compressed,
-                # Read only where the environment's reward may still be in it.
-                sa.case((c.env_reward.is_(None), c.original)).label("original"),
+                c.trace_id, c.created_at, c.stage, c.trace,
+                # Read only where the environment's reward may still be missing.
+                sa.case((unfilled, c.original)).label("original"),
+                sa.case((unfilled, c.compressed)).label("compressed"),
             ).where(*_todo(environment, since))
             if after is not None:
-                query = query.where(sa.tuple_(TRACES.c.created_at, TRACES.c.trace_id) > after)
-            rows = (await conn.execute(
-                query.order_by(TRACES.c.created_at, TRACES.c.trace_id).limit(BATCH)
-            )).all()
+                query = query.where(sa.tuple_(c.created_at, c.trace_id) > after)
+            rows = (await conn.execute(query.order_by(c.created_at, c.trace_id).limit(BATCH))).all()
             if not rows:
                 return counts
             updates = [_update(row, environment, counts) for row in rows]
+            same_row = (c.trace_id == sa.bindparam("b_id"), c.stage == sa.bindparam("b_stage"))
             await conn.execute(
                 sa.update(TRACES)
-                .where(TRACES.c.trace_id == sa.bindparam("b_id"),
-                       TRACES.c.stage == sa.bindparam("b_stage"))
+                .where(*same_row)
                 .values(reward=sa.bindparam("reward"),
                         env_reward=sa.bindparam("env_reward"),
                         status=sa.bindparam("status"),
-                        trace=sa.bindparam("trace"),
-                        compressed=sa.bindparam("compressed"),
                         reward_breakdown=sa.bindparam("reward_breakdown"),
                         reject_reasons=sa.bindparam("reject_reasons"),
                         scored_with=environment.fingerprint,
                         stage=sa.bindparam("stage"),
                         updated_at=utcnow()),
-                updates,
+                [u.scores for u in updates],
             )
+            # The stored traces get the outcome read again, so that exports and batches
+            # say what the columns say. The stage was just set to the new one.
+            reread = [u.payloads for u in updates if u.payloads is not None]
+            if reread:
+                await conn.execute(
+                    sa.update(TRACES)
+                    .where(*same_row)
+                    .values(trace=sa.bindparam("trace"), compressed=sa.bindparam("compressed")),
+                    reread,
+                )
         after = (rows[-1].created_at, rows[-1].trace_id)
         on_batch(len(rows))
 
@@ -110,7 +119,14 @@ def _todo(environment: Environment, since: datetime | None) -> list[sa.ColumnEle
     return where
 
 
-def _update(row: Any, environment: Environment, counts: Counter[str]) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class _Update:
+    scores: dict[str, Any]
+    # The canonical and compressed traces with the outcome read again; None: unchanged.
+    payloads: dict[str, Any] | None
+
+
+def _update(row: Any, environment: Environment, counts: Counter[str]) -> _Update:
     trace = Trace.model_validate(row.trace)
     outcome = reported_outcome(trace, row.original)
     evaluation = environment.evaluate(trace.model_copy(update={"outcome": outcome}))
@@ -118,20 +134,26 @@ def _update(row: Any, environment: Environment, counts: Counter[str]) -> dict[st
     counts["rescored"] += 1
     if stage != row.stage:
         counts[f"{row.stage}->{stage}"] += 1
-    if outcome != trace.outcome:
-        counts["outcomes read again"] += 1
-    return {
+    scores = {
         "b_id": row.trace_id,
         "b_stage": row.stage,
         "env_reward": outcome.reward,
         "status": outcome.status.value,
-        "trace": _with_outcome(row.trace, outcome),
-        "compressed": _with_outcome(row.compressed, outcome),
         "reward": evaluation.reward,
         "reward_breakdown": evaluation.breakdown,
         "reject_reasons": evaluation.reject_reasons,
         "stage": stage,
     }
+    if outcome == trace.outcome:
+        return _Update(scores, None)
+    counts["outcomes read again"] += 1
+    payloads = {
+        "b_id": row.trace_id,
+        "b_stage": stage,
+        "trace": _with_outcome(row.trace, outcome),
+        "compressed": _with_outcome(row.compressed, outcome),
+    }
+    return _Update(scores, payloads)
 
 
 # Imports are stored as native traces; before revision 0006 the adapters kept the
