@@ -82,6 +82,13 @@ class TraceServerConfig(_Section):
 
 
 
+class EnvRewardConfig(_Section):
+    """How the environment's own reward (a trace's `env_reward`) enters `reward`:
+    weight x env_reward, its own line in reward_breakdown (docs/environment.md)."""
+
+    weight: float = Field(20, allow_inf_nan=False)
+
+
 class EnvironmentConfig(_Section):
     # Compiled and checked by scoring.RewardRules / filters.Filters at start-up.
     reward_rules: dict[str, Any] = Field(
@@ -96,6 +103,7 @@ class EnvironmentConfig(_Section):
     invalid_trace_filters: list[str] | dict[str, dict[str, Any]] = Field(
         default_factory=lambda: ["repeated_thought", "empty_action", "tool_error_streak"]
     )
+    env_reward: EnvRewardConfig = Field(default_factory=EnvRewardConfig)
 
 
 def _training_record(name: str) -> str:
@@ -146,7 +154,9 @@ class DistributorConfig(_Section):
     """The keys every target shares. Each target (app/targets) adds its own in a
     subclass; HubConfig.distributor is that subclass, chosen by `target`."""
 
-    target: str = "tinker"
+    # jsonl by default: nothing leaves the machine unless the config says where to.
+    # tinker needs a tinker.json naming its base_url (checked by serve and worker).
+    target: str = "jsonl"
     batch_size: int = Field(32, gt=0)
     min_reward_threshold: float = 5
     # The record each trace becomes in a batch (jsonl and http targets; the tinker

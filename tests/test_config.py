@@ -12,7 +12,7 @@ import pytest
 from app.config import load_compression, load_config, load_tinker
 from app.errors import ConfigError
 from app.targets.http import HttpTargetConfig
-from app.targets.tinker import TinkerTargetConfig
+from app.targets.jsonl import JsonlTargetConfig
 from tests.conftest import ROOT, run_cli
 
 
@@ -116,7 +116,7 @@ def test_each_target_gets_its_own_keys(tmp_path: Path) -> None:
     assert isinstance(distributor, HttpTargetConfig)
     assert (distributor.url, distributor.http_timeout_seconds) == ("https://trainer/batches", 5)
     assert "output_dir" not in distributor.model_dump()
-    assert isinstance(load_config(ROOT / "config.json.example").distributor, TinkerTargetConfig)
+    assert isinstance(load_config(ROOT / "config.json.example").distributor, JsonlTargetConfig)
 
 
 def test_home_is_expanded_and_env_overrides_apply(

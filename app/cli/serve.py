@@ -34,8 +34,8 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    settings = load_settings(args)
     workers = not args.no_workers
+    settings = load_settings(args, delivers=workers)
     # Rules and tokenizer first, then the database: a mistake costs no migration.
     environment = Environment.from_config(settings.config.environment)
     encoding()
@@ -83,7 +83,7 @@ class _Server(uvicorn.Server):
 
 
 async def _worker(args: argparse.Namespace) -> int:
-    settings = load_settings(args)
+    settings = load_settings(args, delivers=True)
     encoding()  # the compression stage counts tokens
     async with database(settings.config) as engine, running_stages(settings, engine) as stages:
         if args.burst:

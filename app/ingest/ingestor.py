@@ -67,6 +67,7 @@ class Preparer:
             "total_tokens": count_parts(trace.text_parts()),
             "compressed_tokens": None,
             "reward": evaluation.reward,
+            "env_reward": trace.outcome.reward,
             "reward_breakdown": evaluation.breakdown,
             "reject_reasons": evaluation.reject_reasons,
             "scored_with": self.environment.fingerprint,
