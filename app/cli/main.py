@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -17,12 +16,12 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from app import formats, import_sources
+from app import import_sources
 from app.access import keys
 from app.api.app import create_app
+from app.cli import export as export_command
 from app.cli import importer, rescore
 from app.cli.doctor import diagnose
-from app.cli.export import DEFAULT_STAGES, ExportQuery, count, export_traces
 from app.cli.progress import Progress
 from app.config import load_compression, load_config, load_tinker
 from app.db import migrate
@@ -112,9 +111,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="where the job record, the log and the hyperparameters go")
     train.set_defaults(run=_train)
 
-    export = commands.add_parser("export", help="stored traces to a JSONL training file")
+    export = commands.add_parser("export", help="stored traces to a training file or dataset")
     export.add_argument("--config", required=True, help="config.json")
-    export.add_argument("--format", required=True, choices=sorted(formats.EXPORTS))
+    export_command.add_arguments(export)
     export.add_argument("--compressed", action="store_true",
                         help="the compressed view of each trace that has one")
     export.add_argument("--min-reward", type=float, help="only traces with reward >= R")
@@ -122,8 +121,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="only traces created since: an ISO date/time or an age (7d, 12h)")
     export.add_argument("--stage", action="append", choices=[s.value for s in Stage],
                         help="only traces at this stage (repeatable; default: all but rejected)")
-    export.add_argument("-o", "--output", required=True, help="the file to write ('-': stdout)")
-    export.set_defaults(run=_export)
+    export.add_argument("-o", "--output", required=True,
+                        help="the file to write ('-': stdout), or the dataset directory")
+    export.set_defaults(run=export_command.run)
 
     doctor = commands.add_parser("doctor", help="check the model endpoint set-up")
     doctor.add_argument("--tinker", required=True, help="tinker.json")
@@ -302,29 +302,6 @@ async def _train(args: argparse.Namespace) -> int:
     job = record["receipt"]["job"]
     print(f"job {job['id']} {job['state']}: fine-tuned model {job['model']} "
           f"(record in {args.output / 'job.json'})")
-    return 0
-
-
-async def _export(args: argparse.Namespace) -> int:
-    config = load_config(args.config)
-    query = ExportQuery(args.format, args.compressed, args.min_reward, args.since,
-                        tuple(args.stage) if args.stage else DEFAULT_STAGES)
-    engine = await open_database(config)
-    try:
-        progress = Progress("exported", await count(engine, query))
-        if args.output == "-":
-            written = await export_traces(engine, query, sys.stdout.buffer, progress)
-        else:
-            # Written beside the target and renamed: a reader never sees half an export.
-            out = Path(args.output)
-            tmp = out.with_name(f".{out.name}.tmp")
-            with open(tmp, "wb") as f:
-                written = await export_traces(engine, query, f, progress)
-            os.replace(tmp, out)
-        progress.close()
-    finally:
-        await engine.dispose()
-    log.info("exported %d traces as %s to %s", written, args.format, args.output)
     return 0
 
 

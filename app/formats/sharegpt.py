@@ -9,8 +9,9 @@ Parsing:
 - `from` is system, human/user, gpt/assistant or tool/function/observation.
 - A system turn holding a `<tools>[...]</tools>` list is Hermes' synthetic
   function-calling prompt, not something the agent was told: it gives the tool names
-  (and schemas, kept in `metadata["tool_schemas"]`) and is not a step. Other system
-  turns are message steps.
+  (and schemas, kept in `metadata["tool_schemas"]`) and is not a step; text before
+  "You are a function calling AI model" in it is the agent's own system prompt (as
+  `export_hermes` writes it), a message step. Other system turns are message steps.
 - The first human turn is the task; later ones are message steps.
 - gpt turns: each non-empty `<think>` block is a thought (Hermes pads every turn with
   an empty one); each `<tool_call>{json}</tool_call>` an action (bad JSON: an action
@@ -25,9 +26,13 @@ Parsing:
 - `completed` true/false is success/failure; absent, the `outcome`/`status`/`reward`
   keys of `_common.reported_outcome` apply, else unknown. `partial: true` is the reason.
 
-Exports: `export_hermes` writes what Hermes Agent writes (synthetic system turn with
-`<tools>`, every gpt turn opening with a think block, merged tool turns, `completed`);
-`export` writes plain ShareGPT with the same tags but none of Hermes' envelope.
+Exports, of the chat `_common.chat()` makes (one system turn, every tool turn right
+after the gpt turn whose calls it answers): `export_hermes` writes what Hermes Agent
+writes (one system turn: the trace's own system prompt, then the synthetic prompt whose
+`<tools>` lists the schemas the trace carried or, when it carried none, those its
+calls imply; every gpt turn opening with a think block; merged tool turns;
+`completed`); `export` writes plain ShareGPT with the same tags but none of Hermes'
+envelope.
 """
 
 from __future__ import annotations
@@ -64,8 +69,9 @@ _RUN_KEYS = (
     "tool_stats",
     "tool_error_counts",
 )
+_HERMES_OPENING = "You are a function calling AI model."
 _HERMES_PROMPT = (
-    "You are a function calling AI model. You are provided with function signatures "
+    _HERMES_OPENING + " You are provided with function signatures "
     "within <tools> </tools> XML tags. You may call one or more functions to assist with "
     "the user query. If available tools are not relevant in assisting with user query, "
     "just respond in natural conversational language. Don't make assumptions about what "
@@ -108,8 +114,13 @@ def export(trace: Trace) -> dict[str, Any]:
 
 def export_hermes(trace: Trace) -> dict[str, Any]:
     """One line of a Hermes Agent trajectory file."""
-    system = {"from": "system", "value": _HERMES_PROMPT.format(tools=_hermes_tools(trace))}
-    body: dict[str, Any] = {"conversations": [system, *_conversations(trace, hermes=True)]}
+    prompt = _HERMES_PROMPT.format(tools=_hermes_tools(trace))
+    conversations = _conversations(trace, hermes=True)
+    if conversations and conversations[0]["from"] == "system":
+        # One system turn: what the agent was told, then how to call its tools.
+        prompt = f"{conversations.pop(0)['value']}\n\n{prompt}"
+    system = {"from": "system", "value": prompt}
+    body: dict[str, Any] = {"conversations": [system, *conversations]}
     if isinstance(trace.metadata.get("timestamp"), str):
         body["timestamp"] = trace.metadata["timestamp"]
     if trace.agent.model:
@@ -150,6 +161,9 @@ def _turns(
             names, schemas = found
             if schemas:
                 metadata["tool_schemas"] = schemas
+            own = value[: max(value.find(_HERMES_OPENING), 0)].strip()
+            if own:
+                steps.append(c.message("system", own))
         elif role == "system":
             steps.append(c.message("system", value))
         elif role == "user" and task is None:
@@ -290,7 +304,7 @@ def _exit_code(details: dict[str, Any], block: dict[str, Any]) -> int | None:
 
 def _conversations(trace: Trace, *, hermes: bool) -> list[dict[str, str]]:
     out: list[dict[str, str]] = []
-    for turn in c.turns(trace):
+    for turn in c.chat(trace):
         if turn.role != "assistant":
             out.append(
                 {"from": "human" if turn.role == "user" else turn.role, "value": turn.text or ""}
