@@ -42,7 +42,7 @@ def check_openai(record: dict[str, Any]) -> None:
             for call in m.get("tool_calls", []):
                 assert call["type"] == "function" and isinstance(call["id"], str)
                 assert isinstance(call["function"]["name"], str)
-                json.loads(call["function"]["arguments"])
+                assert isinstance(call["function"]["arguments"], str)
                 calls.add(call["id"])
         elif m["role"] == "tool":
             assert before is not None and before["role"] in ("assistant", "tool")

@@ -56,7 +56,7 @@ DEFAULT_STAGES = tuple(s.value for s in Stage if s not in (Stage.RECEIVED, Stage
 ALL_STAGES = tuple(s.value for s in Stage)
 DATASETS = ("parquet", "dpo")
 FORMATS = (*formats.EXPORTS, *DATASETS)
-SPLITS = ("train", "eval")
+SPLITS = ("train", "test")  # test: the eval split, as `datasets` names it
 
 
 @dataclass(frozen=True)
@@ -207,8 +207,8 @@ async def export_parquet(
     engine: AsyncEngine, query: ExportQuery, directory: Path, eval_fraction: float,
     progress: Progress | None = None,
 ) -> Tally:
-    """A `datasets`-ready directory: `train-*.parquet` (and `eval-*.parquet`), split
-    by task so that runs of one task never sit in both."""
+    """A `datasets`-ready directory: `train-*.parquet` (and, with an eval fraction,
+    `test-*.parquet`), split by task so that runs of one task never sit in both."""
     tally = Tally()
     with _ParquetSplits(directory, dataset.sft_schema()) as splits:
         rows: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
@@ -257,8 +257,9 @@ async def export_dpo(
         records.append((dataset.split_of(chosen.task, eval_fraction), record, chosen, rejected))
     if output == "-" or output.endswith(".jsonl"):
         with _output(output) as out:
-            for _, record, _, _ in records:
-                out.write(orjson.dumps(record) + b"\n")
+            for _, record, chosen, rejected in records:
+                line = {**record, **dataset.pair_scores(chosen, rejected)}
+                out.write(orjson.dumps(line) + b"\n")
                 tally.written["train"] += 1
         return tally
     with _ParquetSplits(Path(output), dataset.dpo_schema()) as splits:
@@ -381,7 +382,7 @@ def _card(directory: Path, args: argparse.Namespace, query: ExportQuery, tally: 
         f"- view: {'compressed where compressed' if query.compressed else 'original'}",
         f"- duplicates removed: {'yes' if query.dedup else 'no'}",
         f"- decontaminated against: {args.decontaminate or 'nothing'}",
-        f"- eval split: {args.eval_fraction:g} of tasks, by the task's hash",
+        f"- eval split (`test`): {args.eval_fraction:g} of the tasks, by the task's hash",
     ]
     if query.fmt == "dpo":
         lines.append(f"- pairs: reward margin >= {args.margin:g}, "
@@ -444,7 +445,7 @@ async def run(args: argparse.Namespace) -> int:
     what = "pairs" if args.format == "dpo" else "traces"
     splits = ", ".join(f"{tally.written[s]} {s}" for s in SPLITS)
     print(f"exported {tally.total} {what} as {args.format} to {args.output}"
-          + (f" ({splits})" if tally.written["eval"] else ""), file=sys.stderr)
+          + (f" ({splits})" if tally.written["test"] else ""), file=sys.stderr)
     print(tally.summary(), file=sys.stderr)
     return 0
 

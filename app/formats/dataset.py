@@ -150,9 +150,10 @@ def task_key(trace: Trace) -> str:
 
 
 def split_of(key: str, eval_fraction: float) -> str:
-    """`train` or `eval`, by the task key's hash: deterministic, and every run of a
-    task lands in the same split."""
-    return "eval" if int(key[:12], 16) / 16**12 < eval_fraction else "train"
+    """`train`, or `test` for the eval split (the name `datasets` gives a file named
+    eval or test, and `train_test_split` gives its held-out part), by the task key's
+    hash: deterministic, and every run of a task lands in the same split."""
+    return "test" if int(key[:12], 16) / 16**12 < eval_fraction else "train"
 
 
 def content_key(trace: Trace) -> str:
@@ -230,16 +231,24 @@ def dpo_record(chosen: Trace, rejected: Trace) -> dict[str, Any]:
     return record
 
 
+def pair_scores(chosen: Run, rejected: Run) -> dict[str, Any]:
+    """Which runs a pair holds and their rewards, beside TRL's columns."""
+    return {
+        "chosen_reward": chosen.reward,
+        "rejected_reward": rejected.reward,
+        "chosen_trace_id": chosen.trace_id,
+        "rejected_trace_id": rejected.trace_id,
+    }
+
+
 def dpo_row(record: dict[str, Any], chosen: Run, rejected: Run) -> dict[str, Any]:
+    """One parquet row of a pair (tool calls and schemas as JSON text)."""
     return {
         "prompt": [_message(m) for m in record["prompt"]],
         "chosen": [_message(m) for m in record["chosen"]],
         "rejected": [_message(m) for m in record["rejected"]],
         "tools": _json_text(record.get("tools", [])),
-        "chosen_reward": chosen.reward,
-        "rejected_reward": rejected.reward,
-        "chosen_trace_id": chosen.trace_id,
-        "rejected_trace_id": rejected.trace_id,
+        **pair_scores(chosen, rejected),
     }
 
 

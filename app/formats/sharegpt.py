@@ -9,9 +9,9 @@ Parsing:
 - `from` is system, human/user, gpt/assistant or tool/function/observation.
 - A system turn holding a `<tools>[...]</tools>` list is Hermes' synthetic
   function-calling prompt, not something the agent was told: it gives the tool names
-  (and schemas, kept in `metadata["tool_schemas"]`) and is not a step; text before
-  "You are a function calling AI model" in it is the agent's own system prompt (as
-  `export_hermes` writes it), a message step. Other system turns are message steps.
+  (and schemas, kept in `metadata["tool_schemas"]`) and is not a step; text after
+  the prompt's closing example is the agent's own system prompt (as `export_hermes`
+  writes it), a message step. Other system turns are message steps.
 - The first human turn is the task; later ones are message steps.
 - gpt turns: each non-empty `<think>` block is a thought (Hermes pads every turn with
   an empty one); each `<tool_call>{json}</tool_call>` an action (bad JSON: an action
@@ -28,9 +28,9 @@ Parsing:
 
 Exports, of the chat `_common.chat()` makes (one system turn, every tool turn right
 after the gpt turn whose calls it answers): `export_hermes` writes what Hermes Agent
-writes (one system turn: the trace's own system prompt, then the synthetic prompt whose
-`<tools>` lists the schemas the trace carried or, when it carried none, those its
-calls imply; every gpt turn opening with a think block; merged tool turns;
+writes (one system turn: the synthetic prompt, whose `<tools>` lists the schemas the
+trace carried or, when it carried none, those its calls imply, then the trace's own
+system prompt; every gpt turn opening with a think block; merged tool turns;
 `completed`); `export` writes plain ShareGPT with the same tags but none of Hermes'
 envelope.
 """
@@ -69,9 +69,8 @@ _RUN_KEYS = (
     "tool_stats",
     "tool_error_counts",
 )
-_HERMES_OPENING = "You are a function calling AI model."
 _HERMES_PROMPT = (
-    _HERMES_OPENING + " You are provided with function signatures "
+    "You are a function calling AI model. You are provided with function signatures "
     "within <tools> </tools> XML tags. You may call one or more functions to assist with "
     "the user query. If available tools are not relevant in assisting with user query, "
     "just respond in natural conversational language. Don't make assumptions about what "
@@ -85,6 +84,8 @@ _HERMES_PROMPT = (
     "Each function call should be enclosed within <tool_call> </tool_call> XML tags.\n"
     "Example:\n<tool_call>\n{{'name': <function-name>,'arguments': <args-dict>}}\n</tool_call>"
 )
+# Where the synthetic prompt ends: after it, export_hermes writes the agent's own.
+_HERMES_END = "<args-dict>}\n</tool_call>"
 
 
 def looks_like(item: dict[str, Any]) -> bool:
@@ -117,8 +118,8 @@ def export_hermes(trace: Trace) -> dict[str, Any]:
     prompt = _HERMES_PROMPT.format(tools=_hermes_tools(trace))
     conversations = _conversations(trace, hermes=True)
     if conversations and conversations[0]["from"] == "system":
-        # One system turn: what the agent was told, then how to call its tools.
-        prompt = f"{conversations.pop(0)['value']}\n\n{prompt}"
+        # One system turn: how to call the tools, then what the agent was told.
+        prompt = f"{prompt}\n\n{conversations.pop(0)['value']}"
     system = {"from": "system", "value": prompt}
     body: dict[str, Any] = {"conversations": [system, *conversations]}
     if isinstance(trace.metadata.get("timestamp"), str):
@@ -161,7 +162,8 @@ def _turns(
             names, schemas = found
             if schemas:
                 metadata["tool_schemas"] = schemas
-            own = value[: max(value.find(_HERMES_OPENING), 0)].strip()
+            end = value.find(_HERMES_END)
+            own = value[end + len(_HERMES_END) :].strip() if end >= 0 else ""
             if own:
                 steps.append(c.message("system", own))
         elif role == "system":

@@ -35,8 +35,8 @@ class HttpTarget:
             "created_at": batch.created_at.isoformat(),
             "format": self._fmt,
             "traces": [
-                {**item.record(self._fmt), "trace_id": item.trace_id, "reward": item.reward}
-                for item in batch.items
+                {**record, "trace_id": item.trace_id, "reward": item.reward}
+                for item, record in batch.records(self._fmt)
             ],
         }
         try:
