@@ -253,3 +253,19 @@ def test_dedup_and_arguments_from_the_agent_byte_for_byte(
     assert call["function"]["arguments"] == arguments
     assert json.loads(row["tools"])[0]["function"]["parameters"]["properties"] == {
         "path": {"type": "string"}, "opts": {"type": "object"}}
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--format", "openai", "--eval-fraction", "0.1", "-o", "x.jsonl"], "needs a dataset directory"),
+    (["--format", "parquet", "-o", "-"], "-o DIR, not -"),
+    (["--format", "parquet", "--eval-fraction", "1", "-o", "d"], "under 1"),
+    (["--format", "dpo", "--margin", "0", "-o", "p.jsonl"], "above 0"),
+])
+def test_bad_export_options_are_refused_with_one_line(
+    tmp_path: Path, args: list[str], said: str
+) -> None:
+    config = write_config(tmp_path, {"storage_backend": "sqlite",
+                                     "db_path": str(tmp_path / "traces.db")})
+    done = run_cli("export", "--config", str(config), *args)
+    assert done.returncode == 2 and said in done.stderr
+    assert "Traceback" not in done.stderr

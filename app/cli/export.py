@@ -425,6 +425,8 @@ async def run(args: argparse.Namespace) -> int:
     """The command: select, write, and say what was left out and why."""
     config = load_config(args.config)
     query = _query(args, config.distributor.min_reward_threshold)
+    if args.format == "parquet" and args.output == "-":
+        raise ConfigError("--format parquet writes a dataset directory: -o DIR, not -")
     if args.eval_fraction and not _to_directory(args):
         raise ConfigError("--eval-fraction needs a dataset directory: --format parquet, "
                           "or --format dpo with -o DIR")
