@@ -384,3 +384,23 @@ async def test_summarize_middle_falls_back_when_the_model_fails(
 async def test_summarize_middle_without_a_summarizer_falls_back() -> None:
     result = await compressed(load(OPENHANDS[2]), SUMMARIZE)
     assert result.strategy == "key_decision_extract" and "no summarizer" in (result.fallback or "")
+
+
+async def test_a_conversation_without_a_place_for_a_summary_falls_back_quickly() -> None:
+    """A pure question-and-answer chat has no span a summary (a user turn) may replace:
+    summarize_middle says so, in one pass over the turns, and key_decision_extract
+    takes over (it drops questions with their answers)."""
+    steps = [Step(type=StepType.MESSAGE, role="system", content="policy")]
+    for n in range(400):
+        steps += [Step(type=StepType.MESSAGE, role="assistant", content=f"question {n} " * 20),
+                  Step(type=StepType.MESSAGE, role="user", content=f"answer {n} " * 20)]
+    trace = Trace(task="Help me.", steps=steps)
+    result = await compressed(trace, SUMMARIZE, summarizer=_Unused())
+    assert result.strategy == "key_decision_extract"
+    assert result.fallback == "nothing to summarize between the protected head and tail turns"
+    assert result.removed["exploration_steps"] % 2 == 0  # pairs
+
+
+class _Unused:
+    async def __call__(self, prompt: str, *, max_tokens: int) -> str:
+        raise AssertionError("no span, so no summary is asked for")

@@ -164,6 +164,7 @@ class Ledger:
         self.removed: Counter[str] = Counter()
         self.listed: dict[str, list[int]] = {}
         self._touched: set[tuple[str, int]] = set()
+        self._crossed: list[bool] | None = None  # per boundary, for can_replace
 
     @classmethod
     def of(cls, trace: Trace) -> Ledger:
@@ -193,8 +194,34 @@ class Ledger:
         return replaced
 
     def can_replace(self, start: int, end: int) -> bool:
-        """Whether steps[start:end] may become one user message (a summary)."""
-        return self._keeps_conversation(set(range(start, end)), "user")
+        """Whether steps[start:end] may become one user message (a summary): a span
+        no link crosses (a call and its result, a question and its answer), after
+        which the summary meets neither a user turn nor a result. Both ends are
+        independent, so a search can test each once (`opens_span`, `closes_span`)."""
+        return start < end and self.opens_span(start) and self.closes_span(end)
+
+    def opens_span(self, start: int) -> bool:
+        return self._uncut(start) and _may_follow(self._said_before(start, set()), "user")
+
+    def closes_span(self, end: int) -> bool:
+        return self._uncut(end) and _may_follow("user", self._said_after(end - 1, set()))
+
+    def _uncut(self, boundary: int) -> bool:
+        """No link joins a step before `boundary` to one at or after it (spans are cut
+        from the trace as it arrived, before any drop)."""
+        if self._crossed is None:
+            depth = [0] * (len(self.steps) + 2)
+            links = self.links
+            pairs = [*links.owner.items(), *links.partner.items()]
+            for i, j in pairs:
+                low, high = min(i, j), max(i, j)
+                depth[low + 1] += 1
+                depth[high + 1] -= 1
+            running, self._crossed = 0, []
+            for d in depth[: len(self.steps) + 1]:
+                running += d
+                self._crossed.append(running > 0)
+        return not self._crossed[boundary]
 
     def excess(self, budget: Budget) -> int:
         return self.total - budget.aim
@@ -233,9 +260,9 @@ class Ledger:
                 group.add(links.partner[j])
         return sorted(group)
 
-    def _keeps_conversation(self, group: set[int], replacement: Speaker | None = None) -> bool:
-        """Whether removing `group` (replaced by one step said by `replacement`, if
-        given) leaves a valid chat: nothing it needs left behind, and no bad seam."""
+    def _keeps_conversation(self, group: set[int]) -> bool:
+        """Whether removing `group` leaves a valid chat: nothing it needs left behind,
+        and no bad seam."""
         links = self.links
         for i in group:
             needed = [links.partner.get(i), links.owner.get(i), *links.results.get(i, [])]
@@ -249,14 +276,10 @@ class Ledger:
                 seams[-1] = (seams[-1][0], i)
             else:
                 seams.append((i, i))
-        for first, last in seams:
-            before, after = self._said_before(first, group), self._said_after(last, group)
-            if replacement is None:
-                if not _may_follow(before, after):
-                    return False
-            elif not (_may_follow(before, replacement) and _may_follow(replacement, after)):
-                return False
-        return True
+        return all(
+            _may_follow(self._said_before(first, group), self._said_after(last, group))
+            for first, last in seams
+        )
 
     def _said_before(self, i: int, group: set[int]) -> str | None:
         """Who speaks last before step i once `group` is gone ("action" for a call);

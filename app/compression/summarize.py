@@ -149,16 +149,20 @@ def _span(
     head = [t for t in protected if t < n // 2]
     tail = [t for t in protected if t >= n // 2]
     lo, hi = (max(head) + 1 if head else 0), (min(tail) if tail else n)
+    closes = [t for t in range(lo + 1, hi + 1) if ledger.closes_span(turns[t - 1].end)]
     for start in range(lo, hi):
+        if not ledger.opens_span(turns[start].start):
+            continue
         taken, end = 0, start
         while end < hi and taken < need:
             turn = turns[end]
             taken += sum(ledger.tokens[turn.start : turn.end])
             end += 1
-        # Forward first (a call's results go with it), then back.
-        for stop in [*range(end, hi + 1), *range(end - 1, start, -1)]:
-            if ledger.can_replace(turns[start].start, turns[stop - 1].end):
-                return turns[start].start, turns[stop - 1].end
+        # The nearest valid end: forward first (a call's results go with it), then back.
+        ahead = [t for t in closes if t >= end]
+        behind = [t for t in closes if start < t < end]
+        for stop in ahead[:1] or behind[-1:]:
+            return turns[start].start, turns[stop - 1].end
     return None
 
 
