@@ -21,7 +21,6 @@ from tests.conftest import HubProcess, native_trace, run_cli, write_config
 from tests.real_traces import REAL
 from tests.test_export import check_hermes, check_openai, check_sharegpt
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 SFT_COLUMNS = ["messages", "tools", "reward", "env_reward", "status", "trace_id", "env",
                "model", "source_format"]
 

@@ -13,7 +13,9 @@ and detection. Detection looks, in this order, for `schema_version` (atif),
 shape gets that format's precise error rather than "unknown format".
 
 Every failure is an `app.errors.HubError`: `Invalid` (422) with the JSON path in
-`field`, or `UnknownFormat` (400).
+`field`, or `UnknownFormat` (400); `export` raises `Unexportable` for a trace the
+format cannot hold (an OpenAI training record needs an assistant turn). The training
+datasets built on these exports (parquet, DPO pairs) are in `dataset`.
 """
 
 from __future__ import annotations
