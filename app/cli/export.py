@@ -72,14 +72,13 @@ class ExportQuery:
     decontaminate: dataset.Contamination | None = None
 
     def clauses(self) -> list[sa.ColumnElement[bool]]:
-        clauses = [*self._window()]
-        c = TRACES.c
-        clauses.append(c.stage.in_(self.stages))
+        clauses = [*self.window(), TRACES.c.stage.in_(self.stages)]
         if self.min_reward is not None:
-            clauses.append(c.reward >= self.min_reward)
+            clauses.append(TRACES.c.reward >= self.min_reward)
         return clauses
 
-    def _window(self) -> list[sa.ColumnElement[bool]]:
+    def window(self) -> list[sa.ColumnElement[bool]]:
+        """--since: the traces an export looks at, selected or left out."""
         return [] if self.since is None else [TRACES.c.created_at >= self.since]
 
     def reason(self) -> sa.ColumnElement[Any]:
@@ -128,7 +127,7 @@ async def count(engine: AsyncEngine, query: ExportQuery) -> int:
 
 async def left_out_by_selection(engine: AsyncEngine, query: ExportQuery) -> Counter[str]:
     reason = query.reason().label("reason")
-    select = sa.select(reason, sa.func.count()).where(*query._window()).group_by(reason)
+    select = sa.select(reason, sa.func.count()).where(*query.window()).group_by(reason)
     async with engine.connect() as conn:
         rows = (await conn.execute(select)).all()
     return Counter({why: n for why, n in rows if why is not None})
