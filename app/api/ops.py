@@ -40,8 +40,9 @@ async def readyz(hub: HubDep) -> JSONResponse:
 
 
 @router.get("/v1/stats", dependencies=[requires(Scope.READ)])
-async def stats(conn: ConnDep) -> JSONResponse:
-    return JSONResponse(await trace_queries.stats(conn))
+async def stats(conn: ConnDep, hub: HubDep) -> JSONResponse:
+    figures = await trace_queries.stats(conn)
+    return JSONResponse({**figures, "atropos": {"envs": await hub.atropos.env_stats()}})
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

@@ -225,11 +225,14 @@ def _settings(args: argparse.Namespace) -> Settings:
 async def _serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     workers = not args.no_workers
-    # Rules and tokenizer first, then the database: a mistake costs no migration.
+    # Rules first, then the database: a mistake costs no migration. The tokenizer
+    # loads once the server answers (see running_hub).
     environment = Environment.from_config(settings.config.environment)
-    encoding()
     engine = await open_database(settings.config)
-    app = create_app(settings, environment=environment, engine=engine, workers=workers)
+    answering = asyncio.Event()
+    app = create_app(
+        settings, environment=environment, engine=engine, workers=workers, answering=answering
+    )
     ts = settings.config.trace_server
     server = _Server(
         uvicorn.Config(
@@ -247,8 +250,13 @@ async def _serve(args: argparse.Namespace) -> int:
     if server.started:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         log.info("Trace server listening on %s:%s", host, port)
-        if workers:
-            log.info("Compression pipeline ready")
+        try:
+            await asyncio.to_thread(encoding)
+        except StartupError:
+            server.should_exit = True
+            await serving
+            raise
+        answering.set()
     await serving
     return 0 if server.started else 1
 

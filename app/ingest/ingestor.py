@@ -112,6 +112,11 @@ class Ingestor:
             Preparer(environment, limits or LimitsConfig()), processes or min(_cpus(), 8)
         )
 
+    @property
+    def processes(self) -> IngestProcesses:
+        """Shared with the Atropos API, whose groups are validated there too."""
+        return self._processes
+
     def start(self) -> None:
         self._processes.start()
 
