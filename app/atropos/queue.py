@@ -40,9 +40,6 @@ log = logging.getLogger("atropos.queue")
 # One transaction takes at most this much JSON, so that a burst of large groups is
 # committed in several steps rather than held in memory as one.
 _MAX_COMMIT_BYTES = 16 * 1024 * 1024
-# Rows per multi-row INSERT: 7 columns each stays far below SQLite's 32,766
-# parameters.
-_ROWS_PER_INSERT = 500
 # Requests waiting for the writer; more are answered 503 at once.
 _MAX_PENDING = 512
 
@@ -309,11 +306,12 @@ def _copy_of(group_id: int) -> sa.Select[Any]:
 
 
 def _insert_many(conn: sa.Connection, table: sa.Table, rows: list[dict[str, Any]]) -> None:
-    """Multi-row INSERTs: one statement per chunk instead of one per row, because this
-    runs in a thread that gives up the GIL at every statement and, while requests
-    are being validated, may wait for it again each time."""
-    for start in range(0, len(rows), _ROWS_PER_INSERT):
-        conn.execute(sa.insert(table).values(rows[start : start + _ROWS_PER_INSERT]))
+    """Multi-row INSERTs: one statement per 1,000 rows instead of one per row, because
+    this runs in a thread that gives up the GIL at every statement and may wait for
+    it again each time. With RETURNING, SQLAlchemy sends the rows so ("insertmanyvalues")
+    from SQL it compiled once; `.values(rows)` was compiled anew on every call
+    (~2.5 ms for 20 rows, the largest part of a commit's CPU)."""
+    conn.execute(sa.insert(table).returning(table.c.id), rows)
 
 
 def _row(

@@ -53,7 +53,7 @@ def gzip_join(segments: Sequence[Segment]) -> bytes:
     """One gzip member holding the segments' texts, in order."""
     crc, size = 0, 0
     for segment in segments:
-        crc = crc32_combine(crc, segment.crc, segment.size)
+        crc = isal_zlib.crc32_combine(crc, segment.crc, segment.size)
         size += segment.size
     trailer = struct.pack("<II", crc, size & 0xFFFFFFFF)
     return b"".join([_GZIP_HEADER, *(s.data for s in segments), _FINAL_BLOCK, trailer])
@@ -61,47 +61,3 @@ def gzip_join(segments: Sequence[Segment]) -> bytes:
 
 def plain_join(segments: Sequence[Segment]) -> bytes:
     return b"".join(inflate(s) for s in segments)
-
-
-# --- CRC-32 of a concatenation from the parts' CRCs (zlib's crc32_combine) ------------
-
-_POLY = 0xEDB88320  # CRC-32, reflected
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a * b modulo the CRC polynomial (both reflected)."""
-    m = 1 << 31
-    product = 0
-    while True:
-        if a & m:
-            product ^= b
-            if a & (m - 1) == 0:
-                return product
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _x2n_table() -> list[int]:
-    table = [1 << 30]  # x^1
-    for _ in range(31):
-        table.append(_multmodp(table[-1], table[-1]))
-    return table
-
-
-_X2N = _x2n_table()  # x^(2^n) modulo the polynomial
-
-
-def _x2nmodp(n: int, k: int) -> int:
-    """x^(n * 2^k) modulo the polynomial."""
-    p = 1 << 31  # x^0
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return p
-
-
-def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The CRC-32 of A + B from CRC-32(A), CRC-32(B) and len(B)."""
-    return _multmodp(_x2nmodp(len2, 3), crc1) ^ crc2
