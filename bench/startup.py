@@ -8,7 +8,9 @@ atroposlib's `run-api` started the same way.
 atroposlib's `BaseEnv.get_status` gives up after three tries over about 1.5-3 s, and
 its env process exits: a hub that restarts must answer well within that. Each start
 is timed from just before the process is spawned to the first 200, polling every
-10 ms; the process is then stopped with SIGTERM. The hub is started as `atropos serve`
+10 ms; the CPU time its process tree had used by then is read too (on a machine
+shared with other work, the wall time varies with the load; the CPU time much
+less). The process is then stopped with SIGTERM. The hub is started as `atropos serve`
 with its background stages (the default), so the tokenizer and the ingest processes
 load as they do in production.
 """
@@ -73,8 +75,28 @@ def hub_starter(workdir: Path) -> Starter:
     return start
 
 
-def time_start(start: Starter) -> float:
-    """Seconds from spawning to the first 200 on /status."""
+def cpu_seconds(root: int) -> float:
+    """User + system CPU time of a process and its descendants."""
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        pid = int(stat.parent.name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        ticks[pid] = int(fields[11]) + int(fields[12])
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += ticks.get(pid, 0)
+        todo.extend(children.get(pid, []))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def time_start(start: Starter) -> tuple[float, float]:
+    """Seconds from spawning to the first 200 on /status, and the CPU seconds used."""
     port = free_port()
     began = time.perf_counter()
     proc = start(port)
@@ -86,7 +108,7 @@ def time_start(start: Starter) -> float:
                     raise SystemExit(f"the server exited with {proc.returncode}")
                 try:
                     if client.get(f"http://127.0.0.1:{port}/status").status_code == 200:
-                        return time.perf_counter() - began
+                        return time.perf_counter() - began, cpu_seconds(proc.pid)
                 except httpx.TransportError:
                     pass
                 time.sleep(0.01)
@@ -108,7 +130,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["original", "hub"])
     parser.add_argument("--atroposlib", type=Path, help="a directory atroposlib is installed in")
     args = parser.parse_args()
-    results: dict[str, list[float]] = {}
+    results: dict[str, list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         starters: dict[str, Starter] = {}
@@ -121,10 +143,14 @@ def main() -> None:
             for name, start in starters.items():
                 results.setdefault(name, []).append(time_start(start))
     print(f"start -> first 200 on GET /status, {args.runs} starts each (seconds)")
-    print(f"{'':24}{'median':>10}{'p90':>10}{'max':>10}")
-    for name, times in results.items():
+    print(f"{'':24}{'median':>10}{'p90':>10}{'max':>10}{'CPU median':>12}")
+    for name, runs in results.items():
+        times = [wall for wall, _ in runs]
         p90 = statistics.quantiles(times, n=10)[-1] if len(times) > 1 else times[0]
-        print(f"{name:24}{statistics.median(times):10.2f}{p90:10.2f}{max(times):10.2f}")
+        cpu = statistics.median(cpu for _, cpu in runs)
+        print(
+            f"{name:24}{statistics.median(times):10.2f}{p90:10.2f}{max(times):10.2f}{cpu:12.2f}"
+        )
     print("reproduce: python bench/startup.py " + " ".join(sys.argv[1:]))
 
 
