@@ -63,8 +63,9 @@ class TraceServerConfig(_Section):
     database_url: str | None = None
     max_trace_tokens: int = Field(50000, gt=0)
     flush_interval_seconds: float = Field(30, gt=0)
-    # Processes that parse, score and tokenize incoming traces (app/ingest/processes.py);
-    # null: one per CPU this process may run on, at most 8 (~120 MB RSS each).
+    # Processes that parse, score and tokenize incoming traces and validate and deflate
+    # Atropos groups (app/ingest/processes.py); null: one per CPU this process may run
+    # on, at most 8 (~120 MB RSS each).
     ingest_processes: int | None = Field(None, ge=1, le=64)
 
     @field_validator("endpoint")
