@@ -8,7 +8,6 @@ import json
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query, Request
-from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.responses import PlainTextResponse, Response
 
@@ -28,7 +27,7 @@ from app.atropos.models import (
     ScoredData,
 )
 from app.atropos.segments import Segment, gzip_join, plain_join
-from app.errors import BadRequest
+from app.errors import BadRequest, Invalid
 from app.ingest.body import read_body
 
 _BODY_ERRORS = errors(400, 413, 415, 422)
@@ -150,8 +149,7 @@ def _parse(model: type[M], raw: bytes) -> M:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        # Rendered by the one validation handler, like FastAPI's own body errors.
-        raise RequestValidationError(exc.errors(include_url=False)) from None
+        raise Invalid.from_pydantic(exc.errors(include_url=False)) from None
 
 
 def _raw_json(body: bytes) -> Response:
