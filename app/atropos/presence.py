@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 
 from app.atropos.tables import ENVS
+from app.db.dialect import dialect_of, picked_once
 
 # last_seen_at is written at most this often per env and hub (a fraction of the
 # timeout), so that an env polling /status-env does not cost a commit each time.
@@ -29,9 +30,17 @@ def counts(connected: bool, last_seen: datetime, now: datetime, timeout: float) 
 
 
 def record(conn: sa.Connection, env_ids: Iterable[int], now: datetime) -> None:
+    """last_seen_at = now. An env row another transaction holds (PostgreSQL: another
+    hub storing its groups, which records it too) is passed over, not waited for: a
+    group commit never waits on, or deadlocks with, another over an env's row."""
     ids = sorted(set(env_ids))
     if ids:
-        conn.execute(sa.update(ENVS).where(ENVS.c.env_id.in_(ids)).values(last_seen_at=now))
+        free = picked_once(sa.select(ENVS.c.env_id).where(ENVS.c.env_id.in_(ids)), dialect_of(conn))
+        conn.execute(
+            sa.update(ENVS)
+            .where(ENVS.c.env_id.in_(sa.select(free.c.env_id)))
+            .values(last_seen_at=now)
+        )
 
 
 class Presence:
