@@ -69,8 +69,9 @@ class TraceServerConfig(_Section):
     database_url: str | None = None
     max_trace_tokens: int = Field(50000, gt=0)
     flush_interval_seconds: float = Field(30, gt=0)
-    # Processes that parse, score and tokenize incoming traces (app/ingest/processes.py);
-    # null: one per CPU this process may run on, at most 8 (~120 MB RSS each).
+    # Processes that parse, score and tokenize incoming traces and validate and deflate
+    # Atropos groups (app/ingest/processes.py); null: one per CPU this process may run
+    # on, at most 8 (~120 MB RSS each).
     ingest_processes: int | None = Field(None, ge=1, le=64)
 
     @field_validator("endpoint")
@@ -349,6 +350,14 @@ class AtroposConfig(_Section):
     # before it is served again.
     ack_timeout_seconds: float = Field(60, gt=0)
     retry_after_seconds: int = Field(5, ge=1)
+    # Serve invented inference_logprobs (1.0 at prompt positions, 0.0 elsewhere) for
+    # groups sent without any. Off: a trainer that computes importance ratios against
+    # them optimises a different objective without knowing (docs/atropos.md).
+    fill_missing_logprobs: bool = False
+    # An env not heard from (/scored_data, /scored_data_list, /status-env) for this
+    # long stops counting for weights and minimum allocations until it is heard again:
+    # atroposlib's envs never disconnect, and a dead one would hold batches back.
+    env_timeout_seconds: float = Field(120, gt=0)
 
 
 class HubConfig(_Section):

@@ -224,6 +224,53 @@ def test_weights_and_minimum_allocation(api: httpx.Client) -> None:
     assert api.get("/status").json() == {"current_step": 1, "queue_size": 4}
 
 
+def test_a_dead_env_stops_holding_batches_back(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    """atroposlib's envs never call /disconnect-env. An env that was killed while
+    owed half of every batch stops counting once silent for env_timeout_seconds: the
+    env that replaced it gets its batches; heard from again, it counts again."""
+    timeout = 1.5
+    hub: HubProcess = start_hub(trace_server, atropos={"env_timeout_seconds": timeout})
+    client = hub.client()
+    register(client, batch_size=4)
+    start(client)
+    dead = register_env(client, group_size=2, min_batch_allocation=0.5)["env_id"]
+    last_words = group(2, dead)
+    post(client, last_words)
+    # The env dies; the hub restarts too (the ghost is in the database); a new env
+    # registers and sends.
+    killed_at = time.monotonic()
+    client = restart(hub, client)
+    new = register_env(client, group_size=2, desired_name="again")["env_id"]
+    sent = [marker(g) for g in (group(2, new) for _ in range(2)) if post(client, g)]
+    status = client.get("/status-env", params={"env_id": new}).json()
+    if time.monotonic() - killed_at < timeout:
+        assert status["env_weight"] == 0.5  # the dead env still counts: no batch yet
+        assert batch_markers(client) is None
+    deadline = killed_at + timeout + 10
+    while (got := batch_markers(client)) is None:
+        assert time.monotonic() < deadline, "no batch after the dead env's timeout"
+        time.sleep(0.1)
+    assert time.monotonic() - killed_at >= timeout
+    # Without the minimum, the queue order: the dead env's group, then the new one's.
+    assert got == [marker(last_words), sent[0]]
+    status = client.get("/status-env", params={"env_id": new}).json()
+    assert status["env_weight"] == 1.0 and status["unallocated_fraction"] == 1.0
+    envs = {e["env_id"]: e for e in client.get("/v1/stats").json()["atropos"]["envs"]}
+    assert envs[dead]["counting"] is False and envs[new]["counting"] is True
+    assert envs[dead]["last_seen"] < envs[new]["last_seen"] <= status["last_seen"]
+    # Heard from again (its /status-env), the env counts again under its id: owed
+    # half of the batch, with nothing queued, it holds the batch until it sends.
+    assert client.get("/status-env", params={"env_id": dead}).json()["env_weight"] == 0.5
+    assert client.get("/v1/stats").json()["atropos"]["envs"][dead]["counting"] is True
+    assert batch_markers(client) is None
+    back = group(2, dead)
+    post(client, back)
+    assert batch_markers(client) == [marker(back), sent[1]]
+    client.close()
+
+
 def test_mixed_group_sizes_are_buffered_per_env(api: httpx.Client) -> None:
     register(api, batch_size=8)
     start(api)
@@ -249,19 +296,37 @@ def test_mixed_group_sizes_are_buffered_per_env(api: httpx.Client) -> None:
     assert batch_markers(api) == [marker(g) for g in (g1, g2, whole, o1, o2)]
 
 
-def test_inference_logprobs_are_filled_when_absent(api: httpx.Client) -> None:
+def test_inference_logprobs_are_served_as_sent(api: httpx.Client) -> None:
+    """None invented: atroposlib's GRPO trainer must see that an env sent none."""
     register(api, batch_size=2)
     start(api)
-    sent = group(1, masks=[[-100, -100, 12]], tokens=[[1, 11, 12, 13]])
-    post(api, sent)
+    without = group(1)
+    post(api, without)
     with_logprobs = group(1, inference_logprobs=[[1.0, 1.0, -0.5, -0.25]])
     post(api, with_logprobs)
-    assert api.get("/latest_example").json()["inference_logprobs"] == [[1.0, 1.0, -0.5, -0.25]]
     served = api.get("/batch").json()["batch"]
+    assert served == [_as_served(without), _as_served(with_logprobs)]
+    assert served[0]["inference_logprobs"] is None
+
+
+def test_missing_logprobs_are_filled_when_asked(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    hub: HubProcess = start_hub(trace_server, atropos={"fill_missing_logprobs": True})
+    with hub.client() as client:
+        register(client, batch_size=2)
+        start(client)
+        sent = group(1, masks=[[-100, -100, 12]], tokens=[[1, 11, 12, 13]])
+        post(client, sent)
+        with_logprobs = group(1, inference_logprobs=[[1.0, 1.0, -0.5, -0.25]])
+        post(client, with_logprobs)
+        assert client.get("/latest_example").json()["inference_logprobs"] == [
+            [1.0, 1.0, -0.5, -0.25]
+        ]
+        served = client.get("/batch", headers={"accept-encoding": "identity"}).json()["batch"]
     # Prompt positions (mask -100) get 1.0, the others 0.0, beyond the mask too.
-    assert served[0]["inference_logprobs"] == [[1.0, 1.0, 0.0, 0.0]]
-    assert served[1]["inference_logprobs"] == [[1.0, 1.0, -0.5, -0.25]]
     assert served[0] == _as_served(sent) | {"inference_logprobs": [[1.0, 1.0, 0.0, 0.0]]}
+    assert served[1] == _as_served(with_logprobs)
 
 
 def _as_served(g: dict[str, Any]) -> dict[str, Any]:
@@ -351,7 +416,7 @@ def test_queue_bound_answers_503_with_retry_after(
 
 
 def test_gzip_in_and_out(api: httpx.Client) -> None:
-    register(api, batch_size=1)
+    register(api, batch_size=2)
     big = group(1, messages=[[{"role": "user", "content": "y" * 3000}]])
     r = api.post(
         "/scored_data",
@@ -368,6 +433,17 @@ def test_gzip_in_and_out(api: httpx.Client) -> None:
     assert "content-encoding" not in r.headers
     r = api.get("/info", headers={"accept-encoding": "gzip"})  # under 1000 bytes
     assert "content-encoding" not in r.headers
+    # A batch is spliced from the stored groups into one gzip stream: the same JSON.
+    start(api)
+    small = group(1)
+    post(api, small)
+    with api.stream("GET", "/batch", params={"ack": 1}, headers={"accept-encoding": "gzip"}) as r:
+        assert r.headers["content-encoding"] == "gzip"
+        leased = json.loads(gzip.decompress(b"".join(r.iter_raw())))
+    assert leased["batch"] == [_as_served(big), _as_served(small)]
+    assert len(leased["batch_id"]) == 32
+    r = api.get("/latest_example", headers={"accept-encoding": "identity"})
+    assert r.json() == _as_served(small)
 
 
 def test_bad_input_gets_4xx(api: httpx.Client) -> None:

@@ -201,6 +201,21 @@ class EnvRewardStats(BaseModel):
     mean: float | None = Field(description="Its mean over them")
 
 
+class AtroposEnvPresence(BaseModel):
+    env_id: int
+    name: str
+    connected: bool
+    counting: bool = Field(
+        description="Counts for weights and minimum allocations: heard from within "
+        "atropos.env_timeout_seconds"
+    )
+    last_seen: Timestamp = Field(description="When the env was last heard from (UTC)")
+
+
+class AtroposStats(BaseModel):
+    envs: list[AtroposEnvPresence]
+
+
 class TraceStats(BaseModel):
     """Counts over every stored trace and batch."""
 
@@ -218,6 +233,7 @@ class TraceStats(BaseModel):
     )
     rule_firings: dict[str, int] = Field(description="Traces on which each reward rule fired")
     reward_histogram: list[RewardBucket]
+    atropos: AtroposStats = Field(description="The Atropos API's registered envs")
 
 
 # --- runs --------------------------------------------------------------------------
@@ -358,6 +374,9 @@ class AtroposEnvStatus(BaseModel):
     self_queue_size: int = Field(description="This env's own groups in the queue")
     max_group_size: int
     env_weight: float
+    last_seen: Timestamp | None = Field(
+        None, description="When this env was last heard from (UTC)"
+    )
 
 
 class AtroposInfo(BaseModel):

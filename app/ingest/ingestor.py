@@ -118,6 +118,11 @@ class Ingestor:
             Preparer(environment, limits or LimitsConfig()), processes or min(_cpus(), 8)
         )
 
+    @property
+    def processes(self) -> IngestProcesses:
+        """Shared with the Atropos API, whose groups are validated there too."""
+        return self._processes
+
     def start(self) -> None:
         self._processes.start()
 
@@ -171,14 +176,16 @@ async def running_ingest(
     *,
     admitted: bool,
     on_commit: Callable[[], None] | None = None,
+    start: bool = True,
 ) -> AsyncIterator[IngestPath]:
     """The ingest path of one process, running: the ingest processes that prepare rows
     and the inserter that commits them (`atropos serve` and `atropos import` alike).
 
     `admitted`: the work in flight is bounded by config.limits, past which new traces
     get 503 (the HTTP API); without it (`atropos import`) the callers wait for each
-    chunk and are their own back-pressure. On exit what is queued is committed first,
-    then the processes end."""
+    chunk and are their own back-pressure. `start`: start the ingest processes now; else
+    the caller does (`ingestor.start()`), and items wait for them. On exit what is
+    queued is committed first, then the processes end."""
     if admitted:
         inserter = TraceInserter(
             engine, max_queue=config.limits.max_queued_traces, on_commit=on_commit
@@ -194,7 +201,8 @@ async def running_ingest(
         processes=config.trace_server.ingest_processes,
     )
     inserter.start()
-    ingestor.start()
+    if start:
+        ingestor.start()
     try:
         yield IngestPath(inserter, ingestor)
     finally:
