@@ -11,7 +11,8 @@ import pytest
 
 from app.config import load_compression, load_config, load_tinker
 from app.errors import ConfigError
-from tests.conftest import ROOT, run_cli
+from tests.support import ROOT
+from tests.support.processes import run_cli
 
 
 @pytest.mark.parametrize(
