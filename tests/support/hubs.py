@@ -33,8 +33,9 @@ from tests.support.waiting import wait_until, wait_until_async
 T = TypeVar("T")
 # As `atropos serve` formats its log lines (app/cli/main.py).
 LOG_FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-# The address of an in-process hub's clients: no socket listens there.
-ASGI_URL = "http://hub.test"
+# The address of an in-process hub's clients: no socket listens there. A port, as a
+# server's address has one (the runs API hands it to the run's processes).
+ASGI_URL = "http://hub.test:8000"
 
 
 def write_config(directory: Path, trace_server: dict[str, Any], **sections: Any) -> Path:
@@ -239,7 +240,7 @@ class InProcessHub(HubUnderTest):
                       ) -> httpx.Response:
         transport = httpx.ASGITransport(app=app, client=("127.0.0.1", 50000))
         response = await transport.handle_async_request(request)
-        body = await response.aread()
+        body = b"".join([part async for part in response.aiter_raw()])  # still encoded
         return httpx.Response(response.status_code, headers=response.headers,
                               stream=httpx.ByteStream(body))
 
