@@ -8,6 +8,7 @@ import pytest
 from app.domain import Step, Trace
 from app.errors import ConfigError
 from app.evaluation.filters import SIMILARITY_WINDOW, Filters, RejectReason, find_reject_reasons
+from tests.support import checks
 from tests.support.builders import action, final, message, observation, thought, trace
 
 
@@ -23,11 +24,7 @@ def hit(steps: list[Step], filters: Any) -> int | None | bool:
 
 
 def config_error(filters: Any) -> str:
-    with pytest.raises(ConfigError) as caught:
-        Filters.from_config(filters)
-    message = str(caught.value)
-    assert "\n" not in message
-    return message
+    return checks.config_error(Filters.from_config, filters)
 
 
 # --- the reasons ------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from app.domain import Status, Step, StepType, Trace
 from app.errors import ConfigError
 from app.evaluation.filters import Filters, find_reject_reasons
 from app.evaluation.scoring import MATCH_WINDOW, RewardRules, RuleResult, score
+from tests.support import checks
 from tests.support.builders import action, final, observation, thought, trace
 
 DEFAULT_RULES = {
@@ -27,11 +28,7 @@ def result(t: Trace, rules: dict[str, Any], name: str | None = None) -> RuleResu
 
 
 def config_error(rules: Any) -> str:
-    with pytest.raises(ConfigError) as caught:
-        RewardRules.from_config(rules)
-    message = str(caught.value)
-    assert "\n" not in message
-    return message
+    return checks.config_error(RewardRules.from_config, rules)
 
 
 # --- the score --------------------------------------------------------------------------
