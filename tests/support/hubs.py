@@ -14,6 +14,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
+from concurrent.futures import CancelledError as FutureCancelled
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
@@ -62,7 +63,10 @@ class HubUnderTest:
         return "".join(self.lines)
 
     def wait_for_log(self, text: str, timeout: float = 10) -> None:
-        wait_until(lambda: text in self.log, timeout, what=f"{text!r} in the log:\n{self.log}")
+        try:
+            wait_until(lambda: text in self.log, timeout, what=f"{text!r} in the log")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}:\n{self.log}") from None
 
     def client(self, **kwargs: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=30, **kwargs)
@@ -104,6 +108,7 @@ class InProcessHub(HubUnderTest):
     def start(self, timeout: float = 60) -> InProcessHub:
         options = serve_options(self.args)
         self.lines = []
+        self._state = {}
         self._error = None
         _logs.attach(self.lines)
         ready = threading.Event()
@@ -166,8 +171,10 @@ class InProcessHub(HubUnderTest):
             self._app = manager.app
             self.url = ASGI_URL
             ready.set()
-            await self._stopping.wait()
-        self._app = None
+            try:
+                await self._stopping.wait()
+            finally:
+                self._app = None  # requests from now on find the hub stopped
 
     @property
     def internals(self) -> Hub:
@@ -207,7 +214,7 @@ class InProcessHub(HubUnderTest):
             thread.join(timeout)
             if thread.is_alive():
                 raise AssertionError(f"hub did not stop in {timeout} s:\n{self.log}")
-            self._thread = None
+            self._thread = self._loop = self._stopping = None
             _logs.detach(self.lines)
             gc.unfreeze()  # running_hub froze what lived then; let it be collected again
         error, self._error = self._error, None
@@ -266,6 +273,9 @@ class _ToHubLoop(httpx.BaseTransport):
         except FutureTimeout:
             answer.cancel()
             raise httpx.ReadTimeout("the hub did not answer in time", request=request) from None
+        except FutureCancelled:
+            raise httpx.RemoteProtocolError("the hub stopped before answering",
+                                            request=request) from None
 
 
 class _ToHubLoopAsync(httpx.AsyncBaseTransport):
