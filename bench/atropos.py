@@ -46,7 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.upstream_atroposlib import install_atroposlib, start_run_api  # noqa: E402
+from tests.support.atroposlib import install_atroposlib, start_run_api  # noqa: E402
 
 GROUP_SIZE = 8
 TOKENS = 512

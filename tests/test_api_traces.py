@@ -9,7 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import REAL, native_trace
+from tests.support import REAL
+from tests.support.builders import native_trace
 
 
 def post(client: httpx.Client, body: Any, **kwargs: Any) -> httpx.Response:

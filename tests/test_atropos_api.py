@@ -1,6 +1,6 @@
 """The Atropos trajectory API on a live hub, over both databases: the handshake,
 batching (weights, minimum allocations, mixed group sizes), the ack lease, the
-queue bound, and kill -9 at each step."""
+queue bound, and kill -9 at each step (those tests start hub processes)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import (
-    PG_ADMIN_URL,
-    HubProcess,
-    create_pg_database,
-    drop_pg_database,
-    make_api_key,
-    write_config,
-)
+from tests.support.databases import PG_ADMIN_URL, create_pg_database, drop_pg_database, make_api_key
+from tests.support.hubs import InProcessHub, write_config
+from tests.support.processes import HubProcess
+from tests.support.waiting import wait_until
 
 TRAINER = {
     "wandb_group": "group",
@@ -43,22 +39,22 @@ _NO_PG = pytest.mark.skipif(not PG_ADMIN_URL, reason="no PostgreSQL: set ATROPOS
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("postgresql", marks=_NO_PG)])
 def shared_hub(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[HubProcess]:
+) -> Iterator[InProcessHub]:
     """One hub per database for the tests that need no restart or special config."""
     directory = tmp_path_factory.mktemp("atropos")
     if request.param == "sqlite":
         trace_server = {"storage_backend": "sqlite", "db_path": str(directory / "hub.db")}
     else:
         trace_server = {"storage_backend": "postgresql", "database_url": create_pg_database()}
-    hub = HubProcess(write_config(directory, trace_server)).start()
+    hub = InProcessHub(write_config(directory, trace_server)).start()
     yield hub
-    hub.kill()
+    hub.stop()
     if request.param == "postgresql":
         drop_pg_database(trace_server["database_url"])
 
 
 @pytest.fixture
-def api(shared_hub: HubProcess) -> Iterator[httpx.Client]:
+def api(shared_hub: InProcessHub) -> Iterator[httpx.Client]:
     """A client of the shared hub, reset to no registered trainer."""
     with shared_hub.client() as client:
         assert client.get("/reset_data").text == "Reset successful"
@@ -125,7 +121,10 @@ def restart(hub: HubProcess, client: httpx.Client) -> httpx.Client:
 # --- handshake ------------------------------------------------------------------------
 
 
-def test_handshake_killed_at_each_step(hub: HubProcess) -> None:
+def test_handshake_killed_at_each_step(
+    start_hub_process: Any, trace_server: dict[str, Any]
+) -> None:
+    hub: HubProcess = start_hub_process(trace_server)
     client = hub.client()
     assert client.get("/info").json() == {"batch_size": -1, "max_token_len": -1}
     assert client.get("/wandb_info").json() == {"group": None, "project": None}
@@ -181,7 +180,10 @@ def test_status_env_needs_a_registered_env(api: httpx.Client) -> None:
 # --- batching -------------------------------------------------------------------------
 
 
-def test_first_batch_forms_every_batch_then_serves_one_per_call(hub: HubProcess) -> None:
+def test_first_batch_forms_every_batch_then_serves_one_per_call(
+    start_hub_process: Any, trace_server: dict[str, Any]
+) -> None:
+    hub: HubProcess = start_hub_process(trace_server)
     client = hub.client()
     register(client, batch_size=4)
     start(client)
@@ -351,8 +353,8 @@ def test_latest_example_is_the_group_as_sent(api: httpx.Client) -> None:
 # --- the ack lease --------------------------------------------------------------------
 
 
-def test_ack_lease_and_redelivery(start_hub: Any, trace_server: dict[str, Any]) -> None:
-    hub: HubProcess = start_hub(trace_server, atropos={"ack_timeout_seconds": 0.5})
+def test_ack_lease_and_redelivery(start_hub_process: Any, trace_server: dict[str, Any]) -> None:
+    hub: HubProcess = start_hub_process(trace_server, atropos={"ack_timeout_seconds": 0.5})
     client = hub.client()
     register(client, batch_size=2)
     start(client)
@@ -372,13 +374,13 @@ def test_ack_lease_and_redelivery(start_hub: Any, trace_server: dict[str, Any]) 
     lost = client.get("/batch", params={"ack": "true"}).json()
     assert [marker(g) for g in lost["batch"]] == [marker(second)]
     client = restart(hub, client)
-    time.sleep(0.6)
+    time.sleep(0.6)  # not a wait for anything: ack_timeout_seconds passes
     # Back at the front of the queue: served again before anything else.
     assert batch_markers(client) == [marker(second)]
     r = client.post("/batch/ack", json={"batch_id": lost["batch_id"]})
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_batch"
     late = client.get("/batch", params={"ack": 1}).json()
-    time.sleep(0.6)
+    time.sleep(0.6)  # not a wait for anything: the ack below comes after the lease ran out
     # Acknowledged after its lease ran out, but before anyone else got it: taken.
     assert client.post("/batch/ack", json={"batch_id": late["batch_id"]}).status_code == 200
     assert batch_markers(client) is None
@@ -393,7 +395,7 @@ def test_queue_bound_answers_503_with_retry_after(
     start_hub: Any, trace_server: dict[str, Any]
 ) -> None:
     limits = {"queue_max_groups": 3, "queue_max_bytes": 5000, "retry_after_seconds": 7}
-    hub: HubProcess = start_hub(trace_server, atropos=limits)
+    hub: InProcessHub = start_hub(trace_server, atropos=limits)
     client = hub.client()
     register(client, batch_size=2)
     start(client)
@@ -467,7 +469,7 @@ def test_with_auth_on_reset_takes_an_admin_key_and_the_rest_stays_open(
     """atroposlib clients send no key: with auth.enabled only /reset_data, the one path
     that destroys, asks for one, an API key with the admin scope like /v1/runs."""
     trace_server = {"db_path": str(tmp_path / "hub.db")}
-    hub = HubProcess(write_config(tmp_path, trace_server, auth={"enabled": True})).start()
+    hub = InProcessHub(write_config(tmp_path, trace_server, auth={"enabled": True})).start()
     ingest_key = make_api_key(trace_server, "ingest")
     admin_key = make_api_key(trace_server, "admin")
     try:
@@ -484,19 +486,19 @@ def test_with_auth_on_reset_takes_an_admin_key_and_the_rest_stays_open(
             reset = client.get("/openapi.json").json()["paths"]["/reset_data"]["get"]
             assert {"401", "403"} <= set(reset["responses"])
     finally:
-        hub.kill()
+        hub.stop()
 
 
 # --- durability and concurrency under load ---------------------------------------------
 
 
 def test_kill_9_under_load_loses_no_group_and_acks_each_once(
-    start_hub: Any, trace_server: dict[str, Any]
+    start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
     """Envs post and a trainer takes leased batches while the hub is killed -9 and
     restarted: every group the hub acknowledged is delivered, each is acknowledged
     exactly once, and a group is delivered again only if its ack never arrived."""
-    hub: HubProcess = start_hub(trace_server, atropos={"ack_timeout_seconds": 1})
+    hub: HubProcess = start_hub_process(trace_server, atropos={"ack_timeout_seconds": 1})
     with hub.client() as client:
         register(client, batch_size=2)  # any group stored, acknowledged or not, is a batch
         start(client)
@@ -539,12 +541,10 @@ def test_kill_9_under_load_loses_no_group_and_acks_each_once(
     trainers = [threading.Thread(target=trainer) for _ in range(2)]
     for t in workers + trainers:
         t.start()
-    while len(posted) < 60:
-        time.sleep(0.01)
+    wait_until(lambda: len(posted) >= 60, 60, what="60 groups posted", poll=0.01)
     hub.kill()
     hub.start()
-    while len(posted) < 120:
-        time.sleep(0.01)
+    wait_until(lambda: len(posted) >= 120, 60, what="120 groups posted", poll=0.01)
     stop_posting.set()
     for t in workers:
         t.join()
@@ -567,9 +567,9 @@ def test_kill_9_under_load_loses_no_group_and_acks_each_once(
 
 
 def test_two_hubs_on_one_database_serve_each_group_once(
-    start_hub: Any, trace_server: dict[str, Any]
+    start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
-    hubs: list[HubProcess] = [start_hub(trace_server), start_hub(trace_server)]
+    hubs: list[HubProcess] = [start_hub_process(trace_server), start_hub_process(trace_server)]
     with hubs[0].client() as client:
         register(client, batch_size=4)
         start(client)
@@ -587,8 +587,10 @@ def test_two_hubs_on_one_database_serve_each_group_once(
                 posted.append(marker(g))
 
     def trainer(hub: HubProcess) -> None:
+        deadline = time.monotonic() + 120
         with hub.client() as c:
             while not done.is_set() or c.get("/status").json()["queue_size"]:
+                assert time.monotonic() < deadline, "the queue never drained"
                 r = c.get("/batch")
                 assert r.status_code == 200, r.text
                 batch = r.json()["batch"]

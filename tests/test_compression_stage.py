@@ -6,14 +6,20 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import sqlalchemy as sa
 
-from tests.conftest import ROOT, native_trace, write_config
-from tests.real_traces import OPENHANDS, SWE_AGENT, load
+from app.db.models import TRACES
+from app.db.types import utcnow
+from tests.support import ROOT
+from tests.support.builders import native_trace
+from tests.support.databases import db_execute
+from tests.support.hubs import write_config
+from tests.support.real_traces import OPENHANDS, SWE_AGENT, load
+from tests.support.waiting import wait_until
 
 DONE = {"compressed", "compression_skipped", "compression_failed"}
 # Some real runs are rejected by the default filters (error streaks); these tests are
@@ -36,14 +42,19 @@ def compression_file(tmp_path: Path, **policy: Any) -> str:
 
 
 def wait_until_done(client: httpx.Client, trace_ids: list[str], timeout: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
     records: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        records = {t: client.get(f"/v1/traces/{t}").json() for t in trace_ids}
-        if all(r["stage"] in DONE for r in records.values()):
-            return records
-        time.sleep(0.2)
-    raise AssertionError({t: r["stage"] for t, r in records.items()})
+
+    def done() -> bool:
+        records.update({t: client.get(f"/v1/traces/{t}").json() for t in trace_ids})
+        return all(r["stage"] in DONE for r in records.values())
+
+    wait_until(done, timeout, what="compression to finish", poll=0.2)
+    return records
+
+
+def leases_expired(trace_server: dict[str, Any]) -> bool:
+    [row] = db_execute(trace_server, sa.select(sa.func.max(TRACES.c.lease_expires_at).label("until")))
+    return row["until"] is None or row["until"] <= utcnow()
 
 
 def test_long_real_traces_are_compressed_and_short_ones_skipped(
@@ -120,13 +131,11 @@ def test_kill_9_during_the_stage_compresses_every_trace_once(
     cmd = [sys.executable, "-m", "app.cli", "worker", "--config", str(config)]
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     with hub.client() as client:
-        deadline = time.monotonic() + 60
-        while client.get("/v1/stats").json()["compression"]["compressed"] < 5:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: client.get("/v1/stats").json()["compression"]["compressed"] >= 5,
+                   60, what="five traces compressed")
     first.kill()
     first.communicate()
-    time.sleep(1.2)  # the dead worker's leases run out
+    wait_until(lambda: leases_expired(trace_server), 10, what="the dead worker's leases to expire")
     burst = subprocess.run([*cmd, "--burst"], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=120)
     assert burst.returncode == 0, burst.stderr

@@ -13,7 +13,8 @@ from app.config import load_compression, load_config, load_tinker
 from app.errors import ConfigError
 from app.targets.http import HttpTargetConfig
 from app.targets.jsonl import JsonlTargetConfig
-from tests.conftest import ROOT, run_cli
+from tests.support import ROOT
+from tests.support.processes import run_cli
 
 
 @pytest.mark.parametrize(

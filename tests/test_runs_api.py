@@ -8,19 +8,16 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from tests.runs_support import (
+from tests.support.runs import (
     KEY_ENV,
     RunsEnv,
     alive,
     free_port,
     run_tables,
-    runs_env,
     spec,
     start,
     wait_status,
 )
-
-__all__ = ["runs_env"]  # the fixture, imported for pytest
 
 
 def test_runs_are_refused_unless_enabled(runs_env: RunsEnv) -> None:

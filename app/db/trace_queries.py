@@ -178,7 +178,7 @@ async def _name_counts(
     conn: AsyncConnection, query: Callable[[Dialect], sa.TextClause]
 ) -> dict[str, int]:
     rows = await conn.execute(query(dialect_of(conn)))
-    return {name: n for name, n in rows.tuples()}
+    return {name: n for name, n in rows}
 
 
 async def _reward_histogram(conn: AsyncConnection) -> list[dict[str, Any]]:
@@ -190,7 +190,7 @@ async def _reward_histogram(conn: AsyncConnection) -> list[dict[str, Any]]:
         .group_by(TRACES.c.reward)
     )
     buckets: Counter[float] = Counter()
-    for reward, n in rows.tuples():
+    for reward, n in rows:
         buckets[math.floor(reward / HISTOGRAM_BUCKET) * HISTOGRAM_BUCKET] += n
     return [
         {"from": low, "to": low + HISTOGRAM_BUCKET, "traces": buckets[low]}
@@ -232,7 +232,7 @@ async def batch_counts(conn: AsyncConnection) -> dict[str, int]:
 
 async def _count_by(conn: AsyncConnection, column: sa.Column[Any]) -> dict[str, int]:
     rows = await conn.execute(sa.select(column, sa.func.count()).group_by(column))
-    return {key: count for key, count in rows.tuples()}
+    return {key: count for key, count in rows}
 
 
 def _summary(row: Any) -> dict[str, Any]:
