@@ -71,8 +71,9 @@ class TraceServerConfig(_Section):
     database_url: str | None = None
     max_trace_tokens: int = Field(50000, gt=0)
     flush_interval_seconds: float = Field(30, gt=0)
-    # Processes that parse, score and tokenize incoming traces (app/ingest/processes.py);
-    # null: one per CPU this process may run on, at most 8 (~120 MB RSS each).
+    # Processes that parse, score and tokenize incoming traces and validate and deflate
+    # Atropos groups (app/ingest/processes.py); null: one per CPU this process may run
+    # on, at most 8 (~120 MB RSS each).
     ingest_processes: int | None = Field(None, ge=1, le=64)
     # Proxies whose X-Forwarded-For / X-Forwarded-Proto are believed (IPs or networks,
     # "*" for any): the client address they name is then the one the per-address rate
@@ -105,6 +106,13 @@ class TraceServerConfig(_Section):
 
 
 
+class EnvRewardConfig(_Section):
+    """How the environment's own reward (a trace's `env_reward`) enters `reward`:
+    weight x env_reward, its own line in reward_breakdown (docs/environment.md)."""
+
+    weight: float = Field(20, allow_inf_nan=False)
+
+
 class EnvironmentConfig(_Section):
     # Compiled and checked by scoring.RewardRules / filters.Filters at start-up.
     reward_rules: dict[str, Any] = Field(
@@ -119,6 +127,7 @@ class EnvironmentConfig(_Section):
     invalid_trace_filters: list[str] | dict[str, dict[str, Any]] = Field(
         default_factory=lambda: ["repeated_thought", "empty_action", "tool_error_streak"]
     )
+    env_reward: EnvRewardConfig = Field(default_factory=EnvRewardConfig)
 
 
 def _training_record(name: str) -> str:
@@ -169,7 +178,9 @@ class DistributorConfig(_Section):
     """The keys every target shares. Each target (app/targets) adds its own in a
     subclass; HubConfig.distributor is that subclass, chosen by `target`."""
 
-    target: str = "tinker"
+    # jsonl by default: nothing leaves the machine unless the config says where to.
+    # tinker needs a tinker.json naming its base_url (checked by serve and worker).
+    target: str = "jsonl"
     batch_size: int = Field(32, gt=0)
     min_reward_threshold: float = 5
     # The record each trace becomes in a batch (jsonl and http targets; the tinker
@@ -383,6 +394,14 @@ class AtroposConfig(_Section):
     # before it is served again.
     ack_timeout_seconds: float = Field(60, gt=0)
     retry_after_seconds: int = Field(5, ge=1)
+    # Serve invented inference_logprobs (1.0 at prompt positions, 0.0 elsewhere) for
+    # groups sent without any. Off: a trainer that computes importance ratios against
+    # them optimises a different objective without knowing (docs/atropos.md).
+    fill_missing_logprobs: bool = False
+    # An env not heard from (/scored_data, /scored_data_list, /status-env) for this
+    # long stops counting for weights and minimum allocations until it is heard again:
+    # atroposlib's envs never disconnect, and a dead one would hold batches back.
+    env_timeout_seconds: float = Field(120, gt=0)
     # With auth.enabled: API keys on the Atropos paths too (environments `ingest`,
     # trainers `train`). Off by default because atroposlib's clients send no key.
     require_key: bool = False
@@ -413,7 +432,9 @@ class HubConfig(_Section):
 
 
 PreservedField = Literal["user_instruction", "final_action", "reward_signal", "error_context"]
-DroppedField = Literal["intermediate_thoughts", "repeated_observations", "redundant_tool_outputs"]
+DroppedField = Literal[
+    "intermediate_thoughts", "repeated_observations", "redundant_tool_outputs", "system_prompt"
+]
 
 
 class CompressionConfig(_Section):
@@ -425,7 +446,11 @@ class CompressionConfig(_Section):
     preserve_fields: list[PreservedField] = Field(
         default_factory=lambda: list(get_args(PreservedField))
     )
-    drop_fields: list[DroppedField] = Field(default_factory=lambda: list(get_args(DroppedField)))
+    # `system_prompt` (cut the system prompt when nothing else is left) is not a default:
+    # the prompt defines the tools and the policy every step follows.
+    drop_fields: list[DroppedField] = Field(
+        default_factory=lambda: [f for f in get_args(DroppedField) if f != "system_prompt"]
+    )
     dedup_window: int = Field(5, ge=0)
     # summarize_middle: turns kept verbatim at the end, and the summary's size (Hermes'
     # trajectory_compressor defaults).

@@ -4,6 +4,7 @@ all of them through the API's lifespan; `atropos worker` only the stages."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -123,14 +124,20 @@ async def running_hub(
     *,
     engine: AsyncEngine | None = None,
     workers: bool = True,
+    answering: asyncio.Event | None = None,
 ) -> AsyncIterator[Hub]:
+    """The hub, serving. `answering`, when given, is set by the caller once the server
+    answers HTTP and the tokenizer is loaded; the ingest processes and the stages start
+    only then, so that a restarted hub answers within a second (atroposlib's envs give
+    up after three tries in 1.5-3 s). A trace that arrives earlier waits for them."""
     engine = engine or await open_database(settings.config)
     try:
         config = settings.config
         async with (
             running_stages(settings, engine) as stages,
             running_ingest(
-                engine, config, environment, admitted=True, on_commit=stages.wake
+                engine, config, environment, admitted=True, on_commit=stages.wake,
+                start=False,  # _start_background starts the processes
             ) as ingest,
         ):
             access = Access(config.auth, engine)
@@ -140,11 +147,12 @@ async def running_hub(
                     "(/register, /scored_data, /batch, ...) takes no key, so anyone who "
                     "reaches this port can add groups or take batches (docs/atropos.md)"
                 )
-            atropos = Atropos(engine, config.atropos)
+            atropos = Atropos(engine, config.atropos, ingest.ingestor.processes)
             hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos)
             atropos.start()
-            if workers:
-                stages.start()
+            background = asyncio.create_task(
+                _start_background(hub, workers, answering), name="hub-background"
+            )
             try:
                 if config.runs.enabled:
                     hub.runs = RunSupervisor(engine, config.runs, settings.tinker.tinker)
@@ -155,8 +163,19 @@ async def running_hub(
                 gc.freeze()
                 yield hub
             finally:
+                background.cancel()
+                await asyncio.gather(background, return_exceptions=True)
                 if hub.runs is not None:
                     await hub.runs.close()  # the runs' processes keep running
                 await atropos.stop()
     finally:
         await engine.dispose()
+
+
+async def _start_background(hub: Hub, workers: bool, answering: asyncio.Event | None) -> None:
+    if answering is not None:
+        await answering.wait()
+    hub.ingestor.start()
+    if workers:
+        hub.stages.start()
+        log.info("Compression pipeline ready")

@@ -16,8 +16,9 @@ from typing import Any
 import asyncpg
 import httpx
 
-from tests.conftest import HubProcess, native_trace
-from tests.pipeline import wait_until
+from tests.support.builders import native_trace
+from tests.support.hubs import InProcessHub
+from tests.support.waiting import wait_until
 
 
 @contextmanager
@@ -55,7 +56,7 @@ def write_lock(trace_server: dict[str, Any]) -> Iterator[None]:
         holder.join(10)
 
 
-def in_background(hub: HubProcess) -> Callable[[Any], Future[httpx.Response]]:
+def in_background(hub: InProcessHub) -> Callable[[Any], Future[httpx.Response]]:
     pool = ThreadPoolExecutor(4)
 
     def post(body: Any) -> httpx.Response:
@@ -147,15 +148,20 @@ def test_queued_traces_are_bounded(start_hub: Any, trace_server: dict[str, Any])
                     limits={"max_queued_traces": 4, "max_traces_per_request": 4,
                             "max_write_wait_seconds": 60})
     post = in_background(hub)
+
+    def admitted() -> int:
+        """Traces holding a place on the write path (the hub's own count)."""
+        return int(hub.internals.ingestor._admission.pending)
+
     with hub.client() as client:
         assert client.post("/v1/traces", json=native_trace(trace_id="warm")).status_code == 202
         with write_lock(trace_server):
             batch = post([native_trace(trace_id=f"b-{i}") for i in range(3)])
-            time.sleep(0.5)
+            wait_until(lambda: admitted() == 3, what="the batch admitted")
             overloaded(client.post("/v1/traces", json=[native_trace(), native_trace()]),
                        "max_queued_traces", "2")
             single = post(native_trace(trace_id="fits"))  # 3 + 1: still admitted
-            time.sleep(0.5)
+            wait_until(lambda: admitted() == 4, what="the single trace admitted")
             overloaded(client.post("/v1/traces", json=native_trace(trace_id="over")),
                        "max_queued_traces", "2")
             assert not batch.done() and not single.done()

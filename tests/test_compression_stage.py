@@ -6,16 +6,22 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import sqlalchemy as sa
 
-from tests.conftest import ROOT, HubProcess, WorkerProcess, native_trace, run_cli, write_config
-from tests.fakes.model_server import FakeModel
-from tests.pipeline import long_trace, wait_until
-from tests.real_traces import OPENHANDS, SWE_AGENT, load
+from app.db.models import TRACES
+from app.db.types import utcnow
+from tests.support import ROOT
+from tests.support.builders import long_trace, native_trace
+from tests.support.databases import db_execute
+from tests.support.fakes.model_server import FakeModel
+from tests.support.hubs import InProcessHub, write_config
+from tests.support.processes import WorkerProcess, run_cli
+from tests.support.real_traces import OPENHANDS, SWE_AGENT, load
+from tests.support.waiting import wait_until
 
 DONE = {"compressed", "compression_skipped", "compression_failed"}
 # Some real runs are rejected by the default filters (error streaks); these tests are
@@ -38,14 +44,19 @@ def compression_file(tmp_path: Path, **policy: Any) -> str:
 
 
 def wait_until_done(client: httpx.Client, trace_ids: list[str], timeout: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
     records: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        records = {t: client.get(f"/v1/traces/{t}").json() for t in trace_ids}
-        if all(r["stage"] in DONE for r in records.values()):
-            return records
-        time.sleep(0.2)
-    raise AssertionError({t: r["stage"] for t, r in records.items()})
+
+    def done() -> bool:
+        records.update({t: client.get(f"/v1/traces/{t}").json() for t in trace_ids})
+        return all(r["stage"] in DONE for r in records.values())
+
+    wait_until(done, timeout, what="compression to finish", poll=0.2)
+    return records
+
+
+def leases_expired(trace_server: dict[str, Any]) -> bool:
+    [row] = db_execute(trace_server, sa.select(sa.func.max(TRACES.c.lease_expires_at).label("until")))
+    return row["until"] is None or row["until"] <= utcnow()
 
 
 def test_long_real_traces_are_compressed_and_short_ones_skipped(
@@ -122,13 +133,11 @@ def test_kill_9_during_the_stage_compresses_every_trace_once(
     cmd = [sys.executable, "-m", "app.cli", "worker", "--config", str(config)]
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     with hub.client() as client:
-        deadline = time.monotonic() + 60
-        while client.get("/v1/stats").json()["compression"]["compressed"] < 5:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: client.get("/v1/stats").json()["compression"]["compressed"] >= 5,
+                   60, what="five traces compressed")
     first.kill()
     first.communicate()
-    time.sleep(1.2)  # the dead worker's leases run out
+    wait_until(lambda: leases_expired(trace_server), 10, what="the dead worker's leases to expire")
     burst = subprocess.run([*cmd, "--burst"], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=120)
     assert burst.returncode == 0, burst.stderr
@@ -160,9 +169,9 @@ def summarizing(tmp_path: Path, model_root: str, monkeypatch: Any, *, timeout: f
 
 def holding_long_traces(
     start_hub: Any, trace_server: dict[str, Any], ids: list[str]
-) -> HubProcess:
+) -> InProcessHub:
     """An API without workers (the test runs its own) that has taken long traces `ids`."""
-    hub: HubProcess = start_hub(trace_server, "--no-workers", environment=ACCEPT_ALL,
+    hub: InProcessHub = start_hub(trace_server, "--no-workers", environment=ACCEPT_ALL,
                                 distributor=NO_BATCHES)
     with hub.client() as client:
         for trace_id in ids:
@@ -170,7 +179,7 @@ def holding_long_traces(
     return hub
 
 
-def warnings_about_the_model(hub: HubProcess) -> list[str]:
+def warnings_about_the_model(hub: InProcessHub) -> list[str]:
     return [line for line in hub.lines if " WARNING " in line and "summary model" in line]
 
 

@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 from app import files
-from tests.conftest import HubProcess, native_trace, run_cli, write_config
-from tests.pipeline import wait_until
-from tests.runs_support import spec, start, wait_status
+from tests.support.builders import native_trace
+from tests.support.hubs import write_config
+from tests.support.processes import HubProcess, run_cli
+from tests.support.runs import spec, start, wait_status
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
@@ -90,7 +92,7 @@ def test_export_writes_through_a_random_name_and_never_a_link(
 ) -> None:
     """`atropos export -o out.jsonl` wrote `.out.jsonl.tmp` and followed a symlink
     planted there, overwriting its target (issue 17)."""
-    hub: HubProcess = start_hub({"db_path": str(tmp_path / "traces.db")}, "--no-workers")
+    hub = start_hub({"db_path": str(tmp_path / "traces.db")}, "--no-workers")
     with hub.client() as client:
         assert client.post("/v1/traces", json=native_trace()).status_code == 202
     victim = tmp_path / "victim"

@@ -3,20 +3,18 @@ against the facts SOURCES.md states."""
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import REAL, ROOT, write_config
+from tests.support import REAL
+from tests.support.hubs import write_config
+from tests.support.processes import run_cli
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=300)
+    return run_cli(*args, timeout=300)
 
 
 def summary(stdout: str) -> dict[str, str]:
@@ -42,8 +40,9 @@ def test_the_whole_corpus_is_stored_or_reported(tmp_path: Path) -> None:
             return conn.execute(sql).fetchone()[0]
 
         origin = "json_extract(trace, '$.metadata.imported_from.location')"
+        # tau-bench's reward is the environment's: its own column, no status made of it.
         assert one(f"SELECT count(*) FROM traces WHERE {origin} LIKE '%tau-bench%' "
-                   "AND status = 'success'") == 84
+                   "AND env_reward = 1 AND status = 'unknown'") == 84
         # The KnowAgent run that repeats one action 46 times (line 4) loops.
         assert one(f"SELECT json_extract(reward_breakdown, '$.loop_detected.fired') FROM traces "
                    f"WHERE {origin} LIKE '%KnowAgent%:4'") == 1
@@ -63,14 +62,15 @@ def test_the_whole_corpus_is_stored_or_reported(tmp_path: Path) -> None:
 
 def test_import_through_a_running_hub(start_hub: Any, trace_server: dict[str, Any],
                                       tmp_path: Path) -> None:
-    hub = start_hub(trace_server, "--no-workers")
+    hub = start_hub(trace_server, "--no-workers", listen=True)  # `import --url`: a socket
     config = write_config(tmp_path, trace_server)
     result = run("import", "--config", str(config), "--url", hub.url, str(REAL / "tau-bench"))
     assert result.returncode == 0, result.stderr
     assert summary(result.stdout)["stored"] == "200"
     with hub.client() as client:
         stats = client.get("/v1/stats").json()
-        assert stats["traces"] == 200 and stats["by_status"]["success"] == 84
+        assert stats["traces"] == 200 and stats["by_status"] == {"unknown": 200}
+        assert stats["env_reward"] == {"traces": 200, "mean": 84 / 200}
 
 
 def test_unknown_format_name_is_one_line(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from app.config import LimitsConfig
 from app.errors import Invalid, PayloadTooLarge
 from app.ingest.limits import check_item, json_depth
-from tests.conftest import native_trace
+from tests.support.builders import native_trace
 
 LIMITS = {"max_traces_per_request": 3, "max_steps_per_trace": 6, "max_step_chars": 300,
           "max_json_depth": 8, "max_queued_traces": 50}

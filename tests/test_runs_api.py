@@ -12,20 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, write_config
-from tests.runs_support import (
+from tests.support.hubs import write_config
+from tests.support.processes import run_cli
+from tests.support.runs import (
     KEY_ENV,
     RunsEnv,
     alive,
     free_port,
     run_tables,
-    runs_env,
     spec,
     start,
     wait_status,
 )
-
-__all__ = ["runs_env"]  # the fixture, imported for pytest
 
 
 def test_runs_are_refused_unless_enabled(runs_env: RunsEnv) -> None:
@@ -249,7 +247,7 @@ def test_runs_user_keeps_the_processes_out_of_the_hubs_environment(runs_env: Run
 
     seen = {}
     for user in (None, "nobody"):
-        hub = runs_env.hub(user=user)
+        hub = runs_env.hub_process(user=user)  # its own process, with its own environment
         assert hub.proc is not None
         body = spec(["/bin/sh", "-c", "exec sleep 60"], peek(hub.proc.pid),
                     env_health=[{"log": "environ:"}], cwd="/tmp")

@@ -3,7 +3,6 @@ identity by start time, stopping a whole process group, log tails and log scanni
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 import time
@@ -14,6 +13,7 @@ import pytest
 from app.runs.health import _LogScanner
 from app.runs.logs import tail
 from app.runs.process import RunProcess, describe_exit, is_running, start_ticks
+from tests.support.waiting import wait_until_async
 
 
 def _spawn(tmp_path: Path, code: str, role: str = "trainer") -> RunProcess:
@@ -24,10 +24,7 @@ def _spawn(tmp_path: Path, code: str, role: str = "trainer") -> RunProcess:
 
 
 async def _ended(proc: RunProcess, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while proc.running():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.02)
+    await wait_until_async(lambda: not proc.running(), timeout, what="the process to end")
 
 
 @pytest.mark.parametrize(
@@ -81,8 +78,8 @@ async def test_stop_reaches_the_whole_group_and_kills_what_ignores_sigterm(
         f"subprocess.Popen([sys.executable, '-c', {ignorer!r}]); time.sleep(60)"
     )
     proc = _spawn(tmp_path, code)
-    while not helper.exists() or not helper.read_text():
-        await asyncio.sleep(0.02)
+    await wait_until_async(lambda: helper.exists() and helper.read_text(), 20,
+                           what="the helper's pid")
     helper_pid = int(helper.read_text())
     began = time.monotonic()
     await proc.stop(0.5)

@@ -22,9 +22,13 @@ from app.targets.tinker import TinkerTarget
 from app.training import Example, TrainerLog, TrainingFailed, TrainingRun
 from app.training.openai_api import OpenAIFineTuning
 from app.training.tinker_sdk import TinkerSDK
-from tests.conftest import ROOT, HubProcess, WorkerProcess, native_trace, run_cli, write_config
-from tests.fakes.model_server import FakeModel
-from tests.pipeline import set_rewards, wait_until
+from tests.support import ROOT
+from tests.support.builders import native_trace
+from tests.support.fakes.model_server import FakeModel
+from tests.support.hubs import InProcessHub, write_config
+from tests.support.pipeline import set_rewards
+from tests.support.processes import HubProcess, WorkerProcess, run_cli
+from tests.support.waiting import wait_until
 
 KEY = FakeModel.key
 KEY_ENV = "FAKE_TRAINING_KEY"
@@ -78,19 +82,18 @@ async def test_tinker_target_trains_each_batch_and_smoke_tests_the_model(
     config = write_config(tmp_path, trace_server,
                           distributor={"target": "tinker", "batch_size": 2,
                                        "min_reward_threshold": 0})
-    hub = HubProcess(config, "--no-workers").start()
+    hub = InProcessHub(config, "--no-workers", "--tinker",
+                       str(tinker_file(model_root, tmp_path))).start()
     try:
         with hub.client() as client:
             for t in ("m1", "m2"):
                 assert client.post("/v1/traces", json=native_trace(trace_id=t)).status_code == 202
         await set_rewards(trace_server, {"m1": 1.0, "m2": 1.0})
-        done = run_cli("worker", "--config", str(config), "--tinker",
-                       str(tinker_file(model_root, tmp_path)), "--burst", env={KEY_ENV: KEY})
-        assert done.returncode == 0, done.stderr
+        hub.drain()  # the delivery stage trains, as `atropos worker --burst` would
         with hub.client() as client:
             [batch] = client.get("/v1/batches").json()["batches"]
     finally:
-        hub.kill()
+        hub.stop()
 
     assert batch["state"] == "delivered" and batch["target"] == "tinker"
     job = batch["receipt"]["job"]
@@ -110,7 +113,7 @@ async def test_tinker_target_trains_each_batch_and_smoke_tests_the_model(
     assert [r.body["model"] for r in smoke] == [job["model"]]
     log = (tmp_path / "logs" / f"trainer_{batch['batch_id']}.log").read_text()
     assert SMOKE_LINE in log and f"job {job['id']}: validating_files -> running" in log
-    assert SMOKE_LINE in done.stderr
+    assert SMOKE_LINE in hub.log
 
 
 async def test_a_redelivery_resumes_the_job_instead_of_training_twice(
@@ -288,7 +291,7 @@ async def test_tinker_sdk_trains_lora_with_adam_then_saves_and_smoke_tests(
     assert [c[0] for c in service.client.calls] == ["save_weights_for_sampler"]
 
 
-FAKE_SDK_PACKAGE = Path(__file__).parent / "fakes" / "tinker_sdk"  # `import tinker` there
+FAKE_SDK_PACKAGE = Path(__file__).parent / "support" / "fakes" / "tinker_sdk"  # `import tinker` there
 
 
 def test_a_worker_killed_mid_steps_resumes_at_the_next_step(

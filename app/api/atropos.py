@@ -16,14 +16,13 @@ import json
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query, Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import PlainTextResponse, Response
 
 from app.access.keys import Scope
 from app.api.auth import requires
 from app.api.deps import HubDep
-from app.api.gzipped import GzipRoute
+from app.api.gzipped import GzipRoute, wants_gzip
 from app.api.openapi import errors
 from app.api.responses import JSONResponse
 from app.api.schemas import (
@@ -52,14 +51,14 @@ from app.atropos.models import (
     Registration,
     ScoredData,
 )
-from app.errors import BadRequest
+from app.atropos.segments import Segment, gzip_join, plain_join
+from app.errors import BadRequest, Invalid
 from app.ingest.body import read_body
 
 _BODY_ERRORS = errors(400, 413, 415, 422)
 _QUEUE_ERRORS = errors(400, 413, 415, 422, 503)
 _ACK_ERRORS = errors(400, 404, 413, 415, 422, 503)
 M = TypeVar("M", bound=BaseModel)
-_GROUPS = TypeAdapter(list[ScoredData])
 
 
 def router(require_key: bool = False) -> APIRouter:
@@ -117,8 +116,8 @@ def router(require_key: bool = False) -> APIRouter:
         responses=_QUEUE_ERRORS,
     )
     async def scored_data(request: Request, hub: HubDep) -> JSONResponse:
-        body = _parse(ScoredData, await _body(request, hub))
-        return JSONResponse(await hub.atropos.scored_data(body))
+        # Validated (as ScoredData) where it is deflated: in an ingest process.
+        return JSONResponse(await hub.atropos.scored_data(await _body(request, hub)))
 
     @api.post(
         "/scored_data_list",
@@ -128,11 +127,7 @@ def router(require_key: bool = False) -> APIRouter:
         responses=_QUEUE_ERRORS,
     )
     async def scored_data_list(request: Request, hub: HubDep) -> JSONResponse:
-        try:
-            groups = _GROUPS.validate_json(await _body(request, hub))
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors(include_url=False)) from None
-        return JSONResponse(await hub.atropos.scored_data_list(groups))
+        return JSONResponse(await hub.atropos.scored_data_list(await _body(request, hub)))
 
     @api.get(
         "/batch",
@@ -141,12 +136,13 @@ def router(require_key: bool = False) -> APIRouter:
         responses=errors(422, 503),
     )
     async def batch(
+        request: Request,
         hub: HubDep,
         ack: Annotated[
             bool, Query(description="lease the batch; confirm it with POST /batch/ack")
         ] = False,
     ) -> Response:
-        return _raw_json(await hub.atropos.next_batch(ack=ack))
+        return _segments_json(request, await hub.atropos.next_batch(ack=ack))
 
     @api.post(
         "/batch/ack",
@@ -160,8 +156,8 @@ def router(require_key: bool = False) -> APIRouter:
         return JSONResponse(await hub.atropos.acknowledge(body.batch_id))
 
     @api.get("/latest_example", dependencies=trainer, response_model=ScoredData | NoExample)
-    async def latest_example(hub: HubDep) -> Response:
-        return _raw_json(await hub.atropos.latest_example())
+    async def latest_example(request: Request, hub: HubDep) -> Response:
+        return _segments_json(request, await hub.atropos.latest_example())
 
     @api.get("/status", dependencies=anyone, response_model=AtroposStatus)
     async def status(hub: HubDep) -> JSONResponse:
@@ -223,12 +219,20 @@ def _parse(model: type[M], raw: bytes) -> M:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        # Rendered by the one validation handler, like FastAPI's own body errors.
-        raise RequestValidationError(exc.errors(include_url=False)) from None
+        raise Invalid.from_pydantic(exc.errors(include_url=False)) from None
 
 
 def _raw_json(body: bytes) -> Response:
     return Response(body, media_type="application/json")
+
+
+def _segments_json(request: Request, segments: list[Segment]) -> Response:
+    """Stored JSON as a client takes it: the segments spliced into one gzip answer
+    when it accepts gzip (as GzipRoute would send a body of that size), else inflated."""
+    if wants_gzip(request, sum(s.size for s in segments)):
+        headers = {"content-encoding": "gzip", "vary": "Accept-Encoding"}
+        return Response(gzip_join(segments), media_type="application/json", headers=headers)
+    return _raw_json(plain_join(segments))
 
 
 def _body_doc(

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from app.api.responses import JSONResponse
-from app.errors import HubError
+from app.errors import HubError, Invalid
 
 log = logging.getLogger("atropos.api")
 
@@ -25,12 +25,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        loc = [str(part) for part in first.get("loc", ()) if part not in ("query", "body", "path")]
-        field = ".".join(loc) or None
-        message = f"{field}: {first['msg']}" if field else str(first["msg"])
-        body = {"error": {"code": "invalid", "message": message, "field": field}}
-        return JSONResponse(body, status_code=422)
+        invalid = Invalid.from_pydantic(exc.errors())
+        # "field" is always present here, null when the error has no location.
+        body = {"error": {"code": invalid.code, "message": invalid.message, "field": invalid.field}}
+        return JSONResponse(body, status_code=invalid.status)
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:

@@ -54,8 +54,11 @@ def _not_ready(reason: str) -> JSONResponse:
 
 
 @router.get("/v1/stats", dependencies=[requires(Scope.READ)])
-async def stats(conn: ConnDep) -> TraceStats:
-    return TraceStats.model_validate(await trace_queries.stats(conn))
+async def stats(conn: ConnDep, hub: HubDep) -> TraceStats:
+    figures = await trace_queries.stats(conn)
+    return TraceStats.model_validate(
+        {**figures, "atropos": {"envs": await hub.atropos.env_stats()}}
+    )
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

@@ -14,6 +14,7 @@ import uvicorn
 
 from app.api.app import create_app
 from app.cli.options import Commands, add_hub_files, command, load_settings
+from app.errors import StartupError
 from app.evaluation.environment import Environment
 from app.hub import database, open_database, running_stages
 from app.ingest.tokens import encoding
@@ -34,15 +35,18 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    settings = load_settings(args)
     workers = not args.no_workers
-    # Rules and tokenizer first, then the database: a mistake costs no migration.
+    settings = load_settings(args, delivers=workers)
+    # Rules first, then the database: a mistake costs no migration. The tokenizer
+    # loads once the server answers (see running_hub).
     environment = Environment.from_config(settings.config.environment)
-    encoding()
     # Opened here so that a database it cannot reach stops start-up; the app's
     # lifespan owns it from then on.
     engine = await open_database(settings.config)
-    app = create_app(settings, environment=environment, engine=engine, workers=workers)
+    answering = asyncio.Event()
+    app = create_app(
+        settings, environment=environment, engine=engine, workers=workers, answering=answering
+    )
     ts = settings.config.trace_server
     server = _Server(
         uvicorn.Config(
@@ -65,8 +69,13 @@ async def _serve(args: argparse.Namespace) -> int:
     if server.started:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         log.info("Trace server listening on %s:%s", host, port)
-        if workers:
-            log.info("Compression pipeline ready")
+        try:
+            await asyncio.to_thread(encoding)
+        except StartupError:
+            server.should_exit = True
+            await serving
+            raise
+        answering.set()
     await serving
     return 0 if server.started else 1
 
@@ -88,7 +97,7 @@ class _Server(uvicorn.Server):
 
 
 async def _worker(args: argparse.Namespace) -> int:
-    settings = load_settings(args)
+    settings = load_settings(args, delivers=True)
     encoding()  # the compression stage counts tokens
     async with database(settings.config) as engine, running_stages(settings, engine) as stages:
         if args.burst:

@@ -67,6 +67,7 @@ class Preparer:
             "total_tokens": count_parts(trace.text_parts()),
             "compressed_tokens": None,
             "reward": evaluation.reward,
+            "env_reward": trace.outcome.reward,
             "reward_breakdown": evaluation.breakdown,
             "reject_reasons": evaluation.reject_reasons,
             "scored_with": self.environment.fingerprint,
@@ -116,6 +117,11 @@ class Ingestor:
         self._processes = IngestProcesses(
             Preparer(environment, limits or LimitsConfig()), processes or min(_cpus(), 8)
         )
+
+    @property
+    def processes(self) -> IngestProcesses:
+        """Shared with the Atropos API, whose groups are validated there too."""
+        return self._processes
 
     def start(self) -> None:
         self._processes.start()
@@ -170,6 +176,7 @@ async def running_ingest(
     *,
     admitted: bool,
     on_commit: Callable[[], None] | None = None,
+    start: bool = True,
 ) -> AsyncIterator[IngestPath]:
     """The ingest path of one process, running: the ingest processes that prepare rows
     and the inserter that commits them (`atropos serve` and `atropos import` alike).
@@ -177,8 +184,9 @@ async def running_ingest(
     `admitted`: the work in flight is bounded by config.limits, past which new traces
     get 503 (the HTTP API), as is a trace not committed within
     limits.max_write_wait_seconds; without it (`atropos import`) the callers wait for
-    each chunk and are their own back-pressure. On exit what is queued is committed
-    first, then the processes end."""
+    each chunk and are their own back-pressure. `start`: start the ingest processes now;
+    else the caller does (`ingestor.start()`), and items wait for them. On exit what is
+    queued is committed first, then the processes end."""
     if admitted:
         limits = config.limits
         inserter = TraceInserter(
@@ -199,7 +207,8 @@ async def running_ingest(
         processes=config.trace_server.ingest_processes,
     )
     inserter.start()
-    ingestor.start()
+    if start:
+        ingestor.start()
     try:
         yield IngestPath(inserter, ingestor)
     finally:

@@ -48,6 +48,7 @@ RESULT_COLUMNS = (
     TRACES.c.status,
     TRACES.c.total_tokens,
     TRACES.c.reward,
+    TRACES.c.env_reward,
     TRACES.c.reward_breakdown,
     TRACES.c.reject_reasons,
 )
@@ -62,6 +63,7 @@ class Stored:
     status: str
     total_tokens: int
     reward: float | None
+    env_reward: float | None
     reward_breakdown: dict[str, Any] | None
     reject_reasons: list[dict[str, Any]] | None
     duplicate: bool = False
@@ -73,6 +75,7 @@ class Stored:
             "status": self.status,
             "total_tokens": self.total_tokens,
             "reward": self.reward,
+            "env_reward": self.env_reward,
             "reward_breakdown": self.reward_breakdown,
             "reject_reasons": self.reject_reasons or [],
             "duplicate": self.duplicate,
@@ -318,6 +321,7 @@ def _stored(row: dict[str, Any], *, duplicate: bool) -> Stored:
         status=row["status"],
         total_tokens=row["total_tokens"],
         reward=row["reward"],
+        env_reward=row["env_reward"],
         reward_breakdown=row["reward_breakdown"],
         reject_reasons=row["reject_reasons"],
         duplicate=duplicate,

@@ -1,5 +1,6 @@
-"""The ingest processes: where parsing, scoring and tokenizing run, beside the event
-loop rather than contending with it for the GIL.
+"""The ingest processes: where parsing, scoring and tokenizing of traces run, and the
+validation and deflating of Atropos groups, beside the event loop rather than
+contending with it for the GIL.
 
 Each process is fed over a socket pair straight from the event loop (length-prefixed
 pickles; replies come back in the order sent), without the two helper threads of a
@@ -19,9 +20,10 @@ import signal
 import socket
 import struct
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from app.errors import HubError, Unavailable
 from app.ingest.tokens import encoding
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 
 Row = dict[str, Any]
 Reply = list[Row | HubError]
+R = TypeVar("R")
 
 log = logging.getLogger("atropos.ingest")
 _HEAD = struct.Struct("!I")  # frame length; bodies are bounded by limits.max_body_bytes
@@ -39,7 +42,7 @@ _HEAD = struct.Struct("!I")  # frame length; bodies are bounded by limits.max_bo
 # hub's code and loaded the tokenizer once, not as forks of a process that runs an
 # event loop and threads.
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["app.ingest.ingestor", "app.ingest.preload"])
+_CONTEXT.set_forkserver_preload(["app.ingest.ingestor", "app.atropos.queue", "app.ingest.preload"])
 
 
 @dataclass(eq=False)
@@ -47,7 +50,7 @@ class _Process:
     process: BaseProcess
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
-    waiting: deque[tuple[int, asyncio.Future[Reply]]] = field(default_factory=deque)
+    waiting: deque[tuple[int, asyncio.Future[Any]]] = field(default_factory=deque)
     items: int = 0  # items sent and not yet answered: the next call goes to the fewest
     task: asyncio.Task[None] | None = None  # reads the replies
 
@@ -79,12 +82,17 @@ class IngestProcesses:
 
     async def rows(self, items: list[Any], fmt: str | None) -> Reply:
         """Each item's row or the HubError that refuses it, in order."""
+        return await self.call(_rows, items, fmt, weight=len(items))
+
+    async def call(self, work: Callable[..., R], *args: Any, weight: int = 1) -> R:
+        """work(*args) in an ingest process: `work` is a module-level function (sent
+        by name), args and result are pickled. What it raises is raised here."""
         proc = await self._least_busy()
-        done: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        frame = pickle.dumps((items, fmt), protocol=pickle.HIGHEST_PROTOCOL)
+        done: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        frame = pickle.dumps((work, args), protocol=pickle.HIGHEST_PROTOCOL)
         proc.writer.write(_HEAD.pack(len(frame)) + frame)
-        proc.waiting.append((len(items), done))
-        proc.items += len(items)
+        proc.waiting.append((weight, done))
+        proc.items += weight
         return await done
 
     async def _least_busy(self) -> _Process:
@@ -120,8 +128,10 @@ class IngestProcesses:
                 proc.items -= count
                 if done.done():
                     continue
-                if isinstance(reply, BaseException):
-                    done.set_exception(reply)  # a bug in preparing: a 500, as in-process
+                if isinstance(reply, _Raised):
+                    # A HubError refuses the input; anything else is a bug: a 500, as
+                    # in-process.
+                    done.set_exception(reply.exception)
                 else:
                     done.set_result(reply)
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -164,9 +174,26 @@ class IngestProcesses:
             proc.writer.close()
 
 
+@dataclass(frozen=True, slots=True)
+class _Raised:
+    """What a call raised (a reply may itself be an exception, as `rows` answers)."""
+
+    exception: BaseException
+
+
+_preparer: Preparer | None = None  # in an ingest process: the one it was started with
+
+
+def _rows(items: list[Any], fmt: str | None) -> Reply:
+    assert _preparer is not None
+    return _preparer.rows(items, fmt)
+
+
 def _serve(sock: socket.socket, preparer: Preparer) -> None:
-    """An ingest process: reads (items, fmt), answers their rows, until EOF (the serving
-    process closed its end or died)."""
+    """An ingest process: reads (work, args), answers work(*args), until EOF (the
+    serving process closed its end or died)."""
+    global _preparer
+    _preparer = preparer
     # A terminal's Ctrl-C and systemd's stop signal every process of the job: the
     # serving process decides when its ingest processes stop (EOF), once it has answered
     # what it accepted.
@@ -176,14 +203,14 @@ def _serve(sock: socket.socket, preparer: Preparer) -> None:
     with sock, sock.makefile("rb") as stream:
         while head := stream.read(_HEAD.size):
             (length,) = _HEAD.unpack(head)
-            items, fmt = pickle.loads(stream.read(length))
-            reply: Reply | BaseException
+            work, args = pickle.loads(stream.read(length))
+            reply: Any
             try:
-                reply = preparer.rows(items, fmt)
+                reply = work(*args)
             except Exception as exc:
-                reply = exc
+                reply = _Raised(exc)
             try:
                 frame = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # an exception that does not pickle
-                frame = pickle.dumps(RuntimeError(f"{type(reply).__name__}: {exc}"))
+                frame = pickle.dumps(_Raised(RuntimeError(f"{type(reply).__name__}: {exc}")))
             sock.sendall(_HEAD.pack(len(frame)) + frame)

@@ -1,5 +1,5 @@
 """A stand-in for Thinking Machines' `tinker` SDK (unreachable from here), importable
-as `tinker` by a hub process run with tests/fakes/tinker_sdk on its PYTHONPATH.
+as `tinker` by a hub process run with tests/support/fakes/tinker_sdk on its PYTHONPATH.
 
 It speaks the part of the SDK the hub uses (ServiceClient, a LoRA TrainingClient,
 forward_backward, optim_step, save_state, load_state_with_optimizer,

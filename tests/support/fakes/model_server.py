@@ -36,6 +36,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tests.support.waiting import wait_until
+
 Fault = str | tuple[str, float]
 
 
@@ -221,10 +223,9 @@ def serve(fake: FakeModel) -> Iterator[str]:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        while not server.started:
-            if not thread.is_alive():
-                raise RuntimeError("fake model server did not start")
-            threading.Event().wait(0.01)
+        wait_until(lambda: server.started or not thread.is_alive(), 30, what="the fake server")
+        if not server.started:
+            raise RuntimeError("fake model server did not start")
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
