@@ -88,6 +88,16 @@ def create(path: str | Path, flags: int = os.O_WRONLY | os.O_APPEND) -> int:
     return fd
 
 
+def create_missing(path: str | Path) -> None:
+    """`path`, empty, with file_mode(), unless it exists: an existing file is never
+    opened (closing a descriptor of a SQLite database drops every lock this process
+    holds on it, its open connections' included)."""
+    try:
+        os.close(create(path, os.O_RDONLY | os.O_EXCL))
+    except FileExistsError:
+        pass
+
+
 def open_new(path: str | Path, mode: str = "ab", **kwargs: Any) -> IO[Any]:
     """open(path, mode) for writing ("a", "w", "x", binary or text), creating the file
     as `create` does."""

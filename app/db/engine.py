@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +64,7 @@ def create_engine(cfg: TraceServerConfig) -> AsyncEngine:
         # Created here, private, so that SQLite (which gives its WAL and SHM files the
         # database file's mode) never makes a world-readable one.
         files.make_dir(Path(cfg.db_path).parent)
-        os.close(files.create(cfg.db_path, os.O_RDONLY))
+        files.create_missing(cfg.db_path)
         engine = create_async_engine(url, pool_size=8, max_overflow=8, **_JSON)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
