@@ -131,6 +131,9 @@ class LimitsConfig(_Section):
     max_step_chars: int = Field(1_000_000, gt=0)
     # Nesting of one trace's JSON. orjson cannot store more than 254 levels.
     max_json_depth: int = Field(64, gt=1, le=250)
+    # The longest an ingest process may spend on one trace (parsing, scoring, counting
+    # its tokens): past it the trace is refused with 422 and the process replaced.
+    max_item_seconds: float = Field(10, gt=0)
     # The write path: traces admitted but not yet committed. Past it, and while one
     # write transaction has waited longer than max_write_wait_seconds (a lock held by
     # another process, a slow disk), new traces get 503 + Retry-After.

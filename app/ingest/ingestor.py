@@ -22,7 +22,7 @@ from app import formats
 from app.config import LimitsConfig
 from app.db.types import EncodedJSON, utcnow
 from app.domain import Stage, Trace
-from app.errors import HubError, Invalid
+from app.errors import BadRequest, HubError, Invalid
 from app.evaluation.environment import Environment
 from app.ingest.admission import Admission
 from app.ingest.inserter import Stored, TraceInserter
@@ -81,16 +81,13 @@ class Preparer:
             "attempts": 0,
         }
 
-    def rows(self, items: list[Any], fmt: str | None) -> list[dict[str, Any] | HubError]:
-        """Each item's row, or the HubError that refuses it. An item may come as its
+    def prepare(self, item: Any, fmt: str | None) -> dict[str, Any] | HubError:
+        """The item's row, or the HubError that refuses it. An item may come as its
         JSON text (bytes), which is cheaper to send to a process than the parsed value."""
-        out: list[dict[str, Any] | HubError] = []
-        for item in items:
-            try:
-                out.append(self.row(orjson.loads(item) if isinstance(item, bytes) else item, fmt))
-            except HubError as exc:
-                out.append(exc)
-        return out
+        try:
+            return self.row(_decoded(item) if isinstance(item, bytes) else item, fmt)
+        except HubError as exc:
+            return exc
 
 
 class Ingestor:
@@ -163,6 +160,13 @@ async def _result(waiting: asyncio.Future[Stored]) -> Stored | HubError:
         return await waiting
     except HubError as exc:
         return exc
+
+
+def _decoded(text: bytes) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the trace is not valid JSON: {exc}", code="malformed_json") from None
 
 
 def content_hash(item: Any) -> str:
