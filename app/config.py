@@ -233,8 +233,11 @@ class AtroposConfig(_Section):
     # Groups waiting (buffered, queued or in a formed batch not yet served); past
     # this, /scored_data answers 503 with Retry-After instead of growing.
     queue_max_groups: int = Field(100_000, gt=0)
-    # The same bound in bytes of stored group JSON; null: no byte limit.
+    # The same bound in bytes of stored group JSON; null: no byte limit. A submission
+    # larger than this alone could never be queued: 413.
     queue_max_bytes: int | None = Field(None, gt=0)
+    # Groups in one /scored_data_list request, counted before any is parsed; past it 413.
+    max_groups_per_request: int = Field(10_000, gt=0)
     # How long a batch handed out with GET /batch?ack=1 waits for POST /batch/ack
     # before it is served again.
     ack_timeout_seconds: float = Field(60, gt=0)

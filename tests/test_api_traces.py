@@ -114,6 +114,47 @@ def test_gzip_body(client: httpx.Client) -> None:
     assert r.json()["trace_id"] == "gz"
 
 
+def test_gzip_of_several_members_is_read_whole(client: httpx.Client) -> None:
+    """`gzip -c a.jsonl b.jsonl` writes one member per file (RFC 1952); the second one
+    was dropped without a word."""
+    a, b = (json.dumps(native_trace(trace_id=name)).encode() + b"\n" for name in ("a", "b"))
+    r = client.post(
+        "/v1/traces",
+        content=gzip.compress(a) + gzip.compress(b) + b"\x00" * 8,  # padding, as tapes do
+        headers={"content-type": "application/x-ndjson", "content-encoding": "gzip"},
+    )
+    assert r.status_code == 207, r.text
+    assert [item["trace_id"] for item in r.json()["results"]] == ["a", "b"]
+    r = client.post(
+        "/v1/traces",
+        content=gzip.compress(a) + b"not gzip",
+        headers={"content-type": "application/x-ndjson", "content-encoding": "gzip"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_gzip"
+
+
+def test_batch_envelope_and_array_are_taken_apart_item_by_item(client: httpx.Client) -> None:
+    openai = {"messages": [{"role": "user", "content": "2+2?"},
+                           {"role": "assistant", "content": "4"}]}
+    body = {"note": {"traces": []}, "traces": [{**openai, "trace_id": "o-1"}],
+            "format": "openai"}
+    r = post(client, body)
+    assert r.status_code == 207 and r.json()["results"][0]["trace_id"] == "o-1"
+    # A trace that mentions "traces" is still one trace.
+    r = post(client, native_trace(trace_id="one", task='count the "traces"'))
+    assert r.status_code == 202 and r.json()["trace_id"] == "one"
+    for bad in (b'[{"task": "x"} {"task": "y"}]', b'{"traces": [{}]} trailing',
+                b'[{"task": "x"}', b'{"traces": [], "a": }'):
+        r = client.post("/v1/traces", content=bad, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "malformed_json", bad
+    # An item that is JSON to some parsers only: refused alone, its neighbours stored.
+    r = client.post("/v1/traces", content=b'[{"task": "x", "steps": [], "n": NaN}, '
+                    + json.dumps(native_trace(trace_id="after-nan")).encode() + b"]",
+                    headers={"content-type": "application/json"})
+    first, second = r.json()["results"]
+    assert first["error"]["code"] == "malformed_json" and second["trace_id"] == "after-nan"
+
+
 @pytest.mark.parametrize(
     "content, headers, status, code",
     [

@@ -4,12 +4,14 @@ parses, calls one `Atropos` method, and answers. docs/atropos.md has the details
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import PlainTextResponse, Response
 
 from app.access.keys import Scope
@@ -23,18 +25,24 @@ from app.atropos.models import (
     INT32_MIN,
     BatchAck,
     EnvIdentifier,
+    InvalidGroups,
     RegisterEnv,
     Registration,
     ScoredData,
+    parse_group,
+    parse_groups,
 )
-from app.errors import BadRequest
-from app.ingest.body import read_body
+from app.errors import BadRequest, PayloadTooLarge
+from app.ingest.body import json_array, read_body
 
 _BODY_ERRORS = errors(400, 413, 415, 422)
 _QUEUE_ERRORS = errors(400, 413, 415, 422, 503)
 _ACK_ERRORS = errors(400, 404, 413, 415, 422, 503)
 M = TypeVar("M", bound=BaseModel)
-_GROUPS = TypeAdapter(list[ScoredData])
+T = TypeVar("T")
+# Groups in a body of this size or more are validated in a thread, one at a time, so
+# that the event loop serves other requests between them.
+_THREAD_FROM = 256 * 1024
 
 
 def router() -> APIRouter:
@@ -62,8 +70,9 @@ def router() -> APIRouter:
 
     @api.post("/scored_data", openapi_extra=_body_doc(ScoredData), responses=_QUEUE_ERRORS)
     async def scored_data(request: Request, hub: HubDep) -> JSONResponse:
-        body = _parse(ScoredData, await _body(request, hub))
-        return JSONResponse(await hub.atropos.scored_data(body))
+        body = await _body(request, hub)
+        group = await _validated(parse_group, body, large=len(body) >= _THREAD_FROM)
+        return JSONResponse(await hub.atropos.scored_data(group))
 
     @api.post(
         "/scored_data_list",
@@ -71,10 +80,16 @@ def router() -> APIRouter:
         responses=_QUEUE_ERRORS,
     )
     async def scored_data_list(request: Request, hub: HubDep) -> JSONResponse:
-        try:
-            groups = _GROUPS.validate_json(await _body(request, hub))
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors(include_url=False)) from None
+        body = await _body(request, hub)
+        limit = hub.config.atropos.max_groups_per_request
+        too_many = PayloadTooLarge(
+            f"more than {limit} groups in one list; atropos.max_groups_per_request is "
+            f"{limit}: send them in several requests",
+            field="atropos.max_groups_per_request",
+        )
+        # Counted before any group is built.
+        texts = json_array(body, limit, too_many)
+        groups = await _validated(parse_groups, texts, large=len(body) >= _THREAD_FROM)
         return JSONResponse(await hub.atropos.scored_data_list(groups))
 
     @api.get("/batch", responses=errors(422, 503))
@@ -155,6 +170,15 @@ def _parse(model: type[M], raw: bytes) -> M:
     except ValidationError as exc:
         # Rendered by the one validation handler, like FastAPI's own body errors.
         raise RequestValidationError(exc.errors(include_url=False)) from None
+
+
+async def _validated(parse: Callable[[Any], T], raw: Any, *, large: bool) -> T:
+    """`parse(raw)`, in a thread when `large`; its InvalidGroups rendered like FastAPI's
+    own body errors."""
+    try:
+        return await asyncio.to_thread(parse, raw) if large else parse(raw)
+    except InvalidGroups as exc:
+        raise RequestValidationError(exc.errors) from None
 
 
 def _raw_json(body: bytes) -> Response:

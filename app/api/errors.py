@@ -25,10 +25,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        first = errors[0]
         loc = [str(part) for part in first.get("loc", ()) if part not in ("query", "body", "path")]
         field = ".".join(loc) or None
         message = f"{field}: {first['msg']}" if field else str(first["msg"])
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more)"
         body = {"error": {"code": "invalid", "message": message, "field": field}}
         return JSONResponse(body, status_code=422)
 

@@ -30,7 +30,7 @@ from app.atropos.tables import ENVS, GROUPS, PAYLOADS, WAITING, AtroposDb, Atrop
 from app.config import AtroposConfig
 from app.db.dialect import Dialect, for_update, reserve_ids
 from app.db.types import utcnow
-from app.errors import HubError, Invalid, Unavailable
+from app.errors import HubError, Invalid, PayloadTooLarge, Unavailable
 
 log = logging.getLogger("atropos.queue")
 
@@ -109,11 +109,11 @@ class GroupWriter:
         """Store the groups (all or none); returns once they are committed."""
         if not self._tasks:
             raise Unavailable("the Atropos queue writer is not running", retry_after=1)
+        nbytes = sum(g.nbytes for g in groups)
+        self._check_fits_empty(len(groups), nbytes)
         if len(self._pending) >= _MAX_PENDING:
             raise self._overloaded("too many submissions are waiting to be stored")
-        request = _Request(
-            groups, sum(g.nbytes for g in groups), asyncio.get_running_loop().create_future()
-        )
+        request = _Request(groups, nbytes, asyncio.get_running_loop().create_future())
         self._pending.append(request)
         self._wake.set()
         return await request.done
@@ -186,6 +186,22 @@ class GroupWriter:
                 results.append((request, [placer.place(g) for g in request.groups]))
             placer.flush()
         return results
+
+    def _check_fits_empty(self, groups: int, nbytes: int) -> None:
+        """A submission that would not fit even an empty queue: retrying cannot help."""
+        config = self._config
+        if config.queue_max_bytes is not None and nbytes > config.queue_max_bytes:
+            raise PayloadTooLarge(
+                f"{groups} group(s) of {nbytes} bytes could never be queued: "
+                f"atropos.queue_max_bytes is {config.queue_max_bytes}",
+                field="atropos.queue_max_bytes",
+            )
+        if groups > config.queue_max_groups:
+            raise PayloadTooLarge(
+                f"{groups} groups could never be queued: atropos.queue_max_groups is "
+                f"{config.queue_max_groups}; send them in several requests",
+                field="atropos.queue_max_groups",
+            )
 
     def _fits(self, groups: int, nbytes: int) -> bool:
         limit_bytes = self._config.queue_max_bytes
