@@ -66,6 +66,12 @@ class TraceServerConfig(_Section):
     # Processes that parse, score and tokenize incoming traces (app/ingest/processes.py);
     # null: one per CPU this process may run on, at most 8 (~120 MB RSS each).
     ingest_processes: int | None = Field(None, ge=1, le=64)
+    # Slow clients (app/api/server.py): a request's headers must be in this long after
+    # its first byte, and its body may stall at most body_timeout_seconds (else 408);
+    # past max_connections open connections, requests get 503.
+    header_timeout_seconds: float = Field(10, gt=0)
+    body_timeout_seconds: float = Field(60, gt=0)
+    max_connections: int = Field(4096, gt=0)
 
     @field_validator("endpoint")
     @classmethod

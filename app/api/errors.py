@@ -7,6 +7,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from app.api.responses import JSONResponse
 from app.errors import HubError
@@ -41,6 +42,13 @@ def install_error_handlers(app: FastAPI) -> None:
         code = codes.get(exc.status_code, "http_error")
         body = {"error": {"code": code, "message": str(exc.detail)}}
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect) -> JSONResponse:
+        # The client left mid-body, or was timed out (app/api/server.py): nobody is
+        # there to read this.
+        body = {"error": {"code": "client_disconnected", "message": "the client went away"}}
+        return JSONResponse(body, status_code=400)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -20,6 +20,7 @@ import uvicorn
 from app import formats, import_sources
 from app.access import keys
 from app.api.app import create_app
+from app.api.server import server_config
 from app.cli import importer, rescore
 from app.cli.doctor import diagnose
 from app.cli.export import DEFAULT_STAGES, ExportQuery, count, export_traces
@@ -232,14 +233,7 @@ async def _serve(args: argparse.Namespace) -> int:
     app = create_app(settings, environment=environment, engine=engine, workers=workers)
     ts = settings.config.trace_server
     server = _Server(
-        uvicorn.Config(
-            app,
-            host=ts.host,
-            port=ts.port,
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=30,
-        )
+        server_config(app, ts, log_config=None, access_log=False, timeout_graceful_shutdown=30)
     )
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():
