@@ -93,8 +93,12 @@ class RunSupervisor:
 
     async def create(self, spec: RunSpec, hub_url: str) -> RunRecord:
         """Record a pending run and start launching it; answers at once."""
-        cwd = Path(spec.cwd or os.getcwd()).expanduser().resolve()
-        if not cwd.is_dir():
+        try:
+            cwd = Path(spec.cwd or os.getcwd()).expanduser().resolve()
+            found = cwd.is_dir()
+        except OSError as exc:  # a name too long, a directory we may not enter
+            raise Invalid(f"cwd: {exc.strerror}", field="cwd") from None
+        if not found:
             raise Invalid(f"cwd: {spec.cwd} is not a directory on the hub's machine", field="cwd")
         spec = spec.model_copy(update={"cwd": str(cwd)})
         run_id = uuid.uuid4().hex[:12]
