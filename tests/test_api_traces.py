@@ -186,6 +186,40 @@ def test_bad_input_is_a_clear_4xx(
     assert client.get("/v1/stats").json()["traces"] == 0
 
 
+def test_nul_characters_get_the_same_422_on_both_databases(client: httpx.Client) -> None:
+    """PostgreSQL's text and jsonb cannot hold NUL, SQLite can: refused on both, the
+    field named, the other traces of a batch stored."""
+    bad = native_trace(trace_id="nul", steps=[{"type": "thought", "content": "a\x00b"}])
+    r = post(client, bad)
+    assert r.status_code == 422 and r.json()["error"]["field"] == "steps[0].content", r.text
+    r = post(client, native_trace(trace_id="nul-key", metadata={"k\x00": 1}))
+    assert r.status_code == 422 and r.json()["error"]["field"] == "metadata.k\x00", r.text
+    # The text \\u0000 (a backslash, then u0000) is no NUL.
+    assert post(client, native_trace(trace_id="text", task="say \\u0000")).status_code == 202
+    r = post(client, [bad, native_trace(trace_id="fine")])
+    first, second = r.json()["results"]
+    assert first["error"]["field"] == "steps[0].content" and second["trace_id"] == "fine"
+    # Too long for a String(200) column: PostgreSQL refused it, SQLite stored it.
+    r = post(client, native_trace(trace_id="long-env", env="e" * 201))
+    assert r.status_code == 422 and r.json()["error"]["field"] == "env"
+    assert client.get("/v1/stats").json()["traces"] == 2
+
+
+def test_trace_ids_with_slashes_are_read_back_and_control_characters_refused(
+    client: httpx.Client,
+) -> None:
+    for trace_id in ("swe-bench/django-1234/run-3", "a/b", "x%2Fy", "a b"):
+        assert post(client, native_trace(trace_id=trace_id)).status_code == 202, trace_id
+        quoted = httpx.URL(f"/v1/traces/{trace_id.replace('%', '%25').replace('/', '%2F')}")
+        for path in (f"/v1/traces/{trace_id.replace('%', '%25')}", quoted):
+            r = client.get(path)
+            assert r.status_code == 200 and r.json()["trace_id"] == trace_id, (path, r.text)
+    # A trace_id goes into log lines: one that could forge a line is refused.
+    for trace_id in ("a\nERROR forged", "a\rb", "a\x1b[31mred", "a\u2028b", "a\u202eb"):
+        r = post(client, native_trace(trace_id=trace_id))
+        assert r.status_code == 422 and r.json()["error"]["field"] == "trace_id", trace_id
+
+
 def test_body_limit(start_hub: Any, trace_server: dict[str, Any]) -> None:
     hub = start_hub(trace_server, limits={"max_body_bytes": 2000})
     with hub.client() as client:

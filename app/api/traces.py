@@ -80,7 +80,9 @@ def router(endpoint: str) -> APIRouter:
         return JSONResponse({"traces": records, "next_cursor": next_cursor})
 
     @api.get(
-        endpoint + "/{trace_id}", dependencies=[requires(Scope.READ)], responses=errors(404)
+        # :path, so that a trace_id holding "/" (raw or as %2F) is read back too.
+        endpoint + "/{trace_id:path}", dependencies=[requires(Scope.READ)],
+        responses=errors(404),
     )
     async def get(trace_id: str, conn: ConnDep, view: View = "canonical") -> JSONResponse:
         return JSONResponse(await get_trace(conn, trace_id, view))

@@ -31,6 +31,9 @@ from app.ingest.processes import IngestProcesses
 from app.ingest.tokens import count_parts
 
 MAX_TRACE_ID_LENGTH = 200
+# env, agent.model, agent.name, policy_version: String(200) columns, which PostgreSQL
+# holds to their length and SQLite does not; checked here, so both answer the same.
+MAX_LABEL_LENGTH = 200
 # The items of a batch go to the ingest processes in chunks of this many: one round
 # trip each, and a large batch still spreads over every process.
 CHUNK = 32
@@ -51,6 +54,7 @@ class Preparer:
         trace = formats.parse(item, fmt)
         check_trace(trace, self.limits)
         trace_id = _trace_id(trace)
+        _fits_columns(trace)
         evaluation = self.environment.evaluate(trace)
         now = utcnow()
         return {
@@ -172,19 +176,71 @@ def _decoded(text: bytes) -> Any:
 def content_hash(item: Any) -> str:
     """The same content hashes the same whatever the key order or whitespace. Raises
     Invalid for what cannot be stored as JSON: lone surrogates and integers past 64
-    bits, which JSON read by the standard library (`atropos import`) can hold."""
+    bits, which JSON read by the standard library (`atropos import`) can hold; and the
+    NUL character, which PostgreSQL's text and jsonb cannot hold, refused on SQLite
+    too so that a trace gets the same answer from either (docs/decisions.md)."""
     try:
         encoded = orjson.dumps(item, option=orjson.OPT_SORT_KEYS)
     except (orjson.JSONEncodeError, TypeError) as exc:
         raise Invalid(f"the trace cannot be stored as JSON: {exc}") from None
+    if b"\\u0000" in encoded:  # how orjson writes NUL (and a written-out "\\u0000")
+        where = _nul_at(item, "")
+        if where is not None:
+            raise Invalid(
+                f"{where or 'the trace'}: holds a NUL character (\\u0000), which the "
+                "database cannot store; remove it or escape it before sending",
+                field=where or None,
+            )
     return hashlib.sha256(encoded).hexdigest()
 
 
+def _nul_at(value: Any, where: str) -> str | None:
+    """The JSON path of the first string (or key) holding a NUL; nesting is bounded by
+    limits.max_json_depth, checked before."""
+    if isinstance(value, str):
+        return where if "\x00" in value else None
+    if isinstance(value, dict):
+        for key, child in value.items():
+            path = f"{where}.{key}" if where else str(key)
+            if "\x00" in key:
+                return path
+            found = _nul_at(child, path)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            found = _nul_at(child, f"{where}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _fits_columns(trace: Trace) -> None:
+    labels = (
+        ("env", trace.env),
+        ("agent.model", trace.agent.model),
+        ("agent.name", trace.agent.name),
+        ("policy_version", trace.policy_version),
+    )
+    for field, value in labels:
+        if value is not None and len(value) > MAX_LABEL_LENGTH:
+            raise Invalid(f"{field} must be at most {MAX_LABEL_LENGTH} characters", field=field)
+
+
 def _trace_id(trace: Trace) -> str:
+    """The id the trace gave, or a new one. Any printable text up to the length bound,
+    "/" included (GET /v1/traces/{trace_id} takes it, raw or as %2F); no control, line
+    separator or invisible format characters, which ids carry into log lines."""
     if trace.trace_id is None:
         return uuid.uuid4().hex
     if not trace.trace_id or len(trace.trace_id) > MAX_TRACE_ID_LENGTH:
         raise Invalid(
             f"trace_id must be 1 to {MAX_TRACE_ID_LENGTH} characters", field="trace_id"
+        )
+    if not trace.trace_id.isprintable():
+        raise Invalid(
+            "trace_id must be printable text: no control characters, line separators or "
+            "invisible format characters",
+            field="trace_id",
         )
     return trace.trace_id

@@ -5,6 +5,12 @@ Requests hand their row to `TraceInserter.insert` and wait. One task drains what
 is queued (up to `max_batch` rows), inserts it with ON CONFLICT DO NOTHING, looks up
 the trace_ids that already existed, commits, and only then resolves the waiters. The
 queue holds only unacknowledged work: a crash loses nothing that was answered.
+
+When the database refuses a row of the batch (app/db/errors.py), the transaction is
+rolled back (on PostgreSQL nothing more can be done in it) and the batch written again
+with a savepoint per row, so that the refused row sinks alone. When the write fails
+for any other reason (a lock, a full disk, a lost connection), every row of the batch
+is answered 503: none was written.
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.dialect import dialect_of, insert_ignoring_conflicts
+from app.db.errors import database_error, refuses_row
 from app.db.models import TRACES
-from app.errors import Conflict, Invalid, Unavailable
+from app.errors import Conflict, Unavailable
 
 log = logging.getLogger("atropos.ingest")
 
@@ -154,12 +161,16 @@ class TraceInserter:
         first: dict[str, _Pending] = {}
         for p in batch:
             first.setdefault(p.row["trace_id"], p)
-        async with self._engine.begin() as conn:
-            try:
+        try:
+            async with self._engine.begin() as conn:
                 new_ids = await _insert(conn, [p.row for p in first.values()])
-            except SQLAlchemyError:
+                known = await _lookup(conn, [tid for tid in first if tid not in new_ids])
+        except SQLAlchemyError as exc:
+            if not refuses_row(exc):
+                raise
+            async with self._engine.begin() as conn:
                 new_ids = await _insert_one_by_one(conn, first.values())
-            known = await _lookup(conn, [tid for tid in first if tid not in new_ids])
+                known = await _lookup(conn, [tid for tid in first if tid not in new_ids])
         if self._on_commit is not None:
             self._on_commit()
         for p in batch:
@@ -191,15 +202,19 @@ async def _insert(conn: AsyncConnection, rows: list[dict[str, Any]]) -> set[str]
 
 
 async def _insert_one_by_one(conn: AsyncConnection, pending: Any) -> set[str]:
-    """A row the database refused sinks only itself: one savepoint per row."""
+    """A row the database refused sinks only itself: one savepoint per row, the first
+    included. Any other failure ends the transaction (503 for all)."""
     new_ids: set[str] = set()
     for p in pending:
         try:
             async with conn.begin_nested():
                 new_ids |= await _insert(conn, [p.row])
-        except DBAPIError as exc:
-            log.warning("trace %s refused by the database: %s", p.row["trace_id"], exc.orig)
-            p.done.set_exception(Invalid(f"the database refused this trace: {exc.orig}"))
+        except SQLAlchemyError as exc:
+            if not refuses_row(exc):
+                raise
+            refusal = database_error(exc)
+            log.warning("trace %r refused by the database: %s", p.row["trace_id"], refusal)
+            p.done.set_exception(refusal)
     return new_ids
 
 
