@@ -117,6 +117,8 @@ class IngestProcesses:
         proc.items += len(frame.items)
 
     async def _least_busy(self) -> _Process:
+        if self._closing:
+            raise Unavailable("the hub is stopping; retry shortly", retry_after=1)
         if len(self._processes) < self._size:
             await self._fill()  # not started yet, or one died
         return min(self._processes, key=lambda p: p.items)
