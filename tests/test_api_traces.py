@@ -186,23 +186,29 @@ def test_bad_input_is_a_clear_4xx(
     assert client.get("/v1/stats").json()["traces"] == 0
 
 
-def test_nul_characters_get_the_same_422_on_both_databases(client: httpx.Client) -> None:
-    """PostgreSQL's text and jsonb cannot hold NUL, SQLite can: refused on both, the
-    field named, the other traces of a batch stored."""
-    bad = native_trace(trace_id="nul", steps=[{"type": "thought", "content": "a\x00b"}])
-    r = post(client, bad)
-    assert r.status_code == 422 and r.json()["error"]["field"] == "steps[0].content", r.text
-    r = post(client, native_trace(trace_id="nul-key", metadata={"k\x00": 1}))
-    assert r.status_code == 422 and r.json()["error"]["field"] == "metadata.k\x00", r.text
-    # The text \\u0000 (a backslash, then u0000) is no NUL.
+def test_nul_characters_are_stored_the_same_on_both_databases(client: httpx.Client) -> None:
+    """PostgreSQL's text and jsonb cannot hold NUL, SQLite can: a trace with one sank its
+    whole group commit on PostgreSQL (issue 17). Agents write them (smolagents reading a
+    binary file, in the real corpus): stored as U+FFFD on both, everywhere."""
+    nul = native_trace(trace_id="nul", env="sh\x00ell",
+                       steps=[{"type": "observation", "content": "PK\x03\x04\x00\x00"}],
+                       metadata={"k\x00": "v"})
+    r = post(client, [nul, native_trace(trace_id="beside")])
+    assert [item.get("trace_id") for item in r.json()["results"]] == ["nul", "beside"], r.text
+    for view in ("canonical", "original"):
+        stored = client.get("/v1/traces/nul", params={"view": view}).json()
+        text = json.dumps(stored)  # every character past ASCII as \\uXXXX
+        assert "\\u0000" not in text and "PK\\u0003\\u0004\\ufffd\\ufffd" in text, (view, text)
+        assert "sh\\ufffdell" in text and "k\\ufffd" in text
+    # Sent again, it is the same trace.
+    assert post(client, nul).json()["duplicate"] is True
+    # The text \\u0000 (a backslash, then u0000) is no NUL, and is kept as sent.
     assert post(client, native_trace(trace_id="text", task="say \\u0000")).status_code == 202
-    r = post(client, [bad, native_trace(trace_id="fine")])
-    first, second = r.json()["results"]
-    assert first["error"]["field"] == "steps[0].content" and second["trace_id"] == "fine"
+    assert client.get("/v1/traces/text").json()["trace"]["task"] == "say \\u0000"
     # Too long for a String(200) column: PostgreSQL refused it, SQLite stored it.
     r = post(client, native_trace(trace_id="long-env", env="e" * 201))
     assert r.status_code == 422 and r.json()["error"]["field"] == "env"
-    assert client.get("/v1/stats").json()["traces"] == 2
+    assert client.get("/v1/stats").json()["traces"] == 3
 
 
 def test_trace_ids_with_slashes_are_read_back_and_control_characters_refused(

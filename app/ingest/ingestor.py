@@ -50,7 +50,10 @@ class Preparer:
     def row(self, item: Any, fmt: str | None = None) -> dict[str, Any]:
         # The limits are checked first, so that a trace over one costs no parsing.
         check_item(item, self.limits)
-        digest = content_hash(item)  # also: refuses what the `original` column cannot hold
+        canonical = canonical_json(item)  # refuses what the `original` column cannot hold
+        digest = hashlib.sha256(canonical).hexdigest()
+        if b"\\u0000" in canonical:  # how orjson writes NUL (or the text \\u0000)
+            item = _without_nul(item)
         trace = formats.parse(item, fmt)
         check_trace(trace, self.limits)
         trace_id = _trace_id(trace)
@@ -173,46 +176,33 @@ def _decoded(text: bytes) -> Any:
         raise BadRequest(f"the trace is not valid JSON: {exc}", code="malformed_json") from None
 
 
-def content_hash(item: Any) -> str:
-    """The same content hashes the same whatever the key order or whitespace. Raises
-    Invalid for what cannot be stored as JSON: lone surrogates and integers past 64
-    bits, which JSON read by the standard library (`atropos import`) can hold; and the
-    NUL character, which PostgreSQL's text and jsonb cannot hold, refused on SQLite
-    too so that a trace gets the same answer from either (docs/decisions.md)."""
+def canonical_json(item: Any) -> bytes:
+    """The JSON whose sha256 is the `content_hash` column: the same content encodes the
+    same whatever the key order or whitespace (the item as received, NUL included).
+    Raises Invalid for what cannot be stored as JSON: lone surrogates and integers past
+    64 bits, which JSON read by the standard library (`atropos import`) can hold."""
     try:
-        encoded = orjson.dumps(item, option=orjson.OPT_SORT_KEYS)
+        return orjson.dumps(item, option=orjson.OPT_SORT_KEYS)
     except (orjson.JSONEncodeError, TypeError) as exc:
         raise Invalid(f"the trace cannot be stored as JSON: {exc}") from None
-    if b"\\u0000" in encoded:  # how orjson writes NUL (and a written-out "\\u0000")
-        where = _nul_at(item, "")
-        if where is not None:
-            raise Invalid(
-                f"{where or 'the trace'}: holds a NUL character (\\u0000), which the "
-                "database cannot store; remove it or escape it before sending",
-                field=where or None,
-            )
-    return hashlib.sha256(encoded).hexdigest()
 
 
-def _nul_at(value: Any, where: str) -> str | None:
-    """The JSON path of the first string (or key) holding a NUL; nesting is bounded by
-    limits.max_json_depth, checked before."""
+# What a NUL character is stored as: PostgreSQL's text and jsonb cannot hold one
+# (SQLite can), and agents do write them (a tool that printed a binary file), so the
+# same trace is stored the same on both, with U+FFFD, Unicode's "replacement character".
+NUL_STORED_AS = "\ufffd"
+
+
+def _without_nul(value: Any) -> Any:
+    """`value` with every NUL in its strings and keys replaced by NUL_STORED_AS (its
+    nesting is bounded by limits.max_json_depth, checked before)."""
     if isinstance(value, str):
-        return where if "\x00" in value else None
+        return value.replace("\x00", NUL_STORED_AS)
     if isinstance(value, dict):
-        for key, child in value.items():
-            path = f"{where}.{key}" if where else str(key)
-            if "\x00" in key:
-                return path
-            found = _nul_at(child, path)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for index, child in enumerate(value):
-            found = _nul_at(child, f"{where}[{index}]")
-            if found is not None:
-                return found
-    return None
+        return {_without_nul(key): _without_nul(child) for key, child in value.items()}
+    if isinstance(value, list):
+        return [_without_nul(child) for child in value]
+    return value
 
 
 def _fits_columns(trace: Trace) -> None:

@@ -61,7 +61,9 @@ class HealthCheck(_Spec):
 
 
 class ProcessSpec(_Spec):
-    command: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1)]
+    command: Annotated[
+        list[Annotated[str, Field(min_length=1), AfterValidator(_no_nul)]], Field(min_length=1)
+    ]
     health: HealthCheck | None = None
     # How long the health check may take before the run fails.
     start_timeout: Annotated[float, Field(gt=0)] = 120
