@@ -82,6 +82,12 @@ class TraceServerConfig(_Section):
     # Files the hub creates (database, batch files, logs, exports) are 0600; with a
     # group named here, 0640 and owned by that group (app/files.py).
     file_group: str | None = None
+    # Slow clients (app/api/server.py): a request's headers must be in this long after
+    # its first byte, and its body may stall at most body_timeout_seconds (else 408);
+    # past max_connections open connections, requests get 503.
+    header_timeout_seconds: float = Field(10, gt=0)
+    body_timeout_seconds: float = Field(60, gt=0)
+    max_connections: int = Field(4096, gt=0)
 
     @field_validator("forwarded_allow_ips")
     @classmethod
@@ -103,7 +109,6 @@ class TraceServerConfig(_Section):
         if not value.startswith("/"):
             raise ValueError("must start with '/', e.g. /v1/traces")
         return value.rstrip("/") or "/"
-
 
 
 class EnvRewardConfig(_Section):
@@ -267,6 +272,9 @@ class LimitsConfig(_Section):
     max_step_chars: int = Field(1_000_000, gt=0)
     # Nesting of one trace's JSON. orjson cannot store more than 254 levels.
     max_json_depth: int = Field(64, gt=1, le=250)
+    # The longest an ingest process may spend on one trace (parsing, scoring, counting
+    # its tokens): past it the trace is refused with 422 and the process replaced.
+    max_item_seconds: float = Field(10, gt=0)
     # The write path: traces admitted but not yet committed. Past it, and while one
     # write transaction has waited longer than max_write_wait_seconds (a lock held by
     # another process, a slow disk), new traces get 503 + Retry-After; so does a trace
@@ -388,8 +396,11 @@ class AtroposConfig(_Section):
     # Groups waiting (buffered, queued or in a formed batch not yet served); past
     # this, /scored_data answers 503 with Retry-After instead of growing.
     queue_max_groups: int = Field(100_000, gt=0)
-    # The same bound in bytes of stored group JSON (2 GiB); null: no byte limit.
+    # The same bound in bytes of stored group JSON (2 GiB); null: no byte limit. A
+    # submission larger than this alone could never be queued: 413.
     queue_max_bytes: int | None = Field(2 * 1024**3, gt=0)
+    # Groups in one /scored_data_list request, counted before any is parsed; past it 413.
+    max_groups_per_request: int = Field(10_000, gt=0)
     # How long a batch handed out with GET /batch?ack=1 waits for POST /batch/ack
     # before it is served again.
     ack_timeout_seconds: float = Field(60, gt=0)

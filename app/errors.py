@@ -67,11 +67,14 @@ class Invalid(HubError):
 
     @classmethod
     def from_pydantic(cls, errors: Sequence[Mapping[str, Any]]) -> Invalid:
-        """The first of pydantic's (or FastAPI's) errors, `field` its location."""
+        """The first of pydantic's (or FastAPI's) errors, `field` its location; the
+        message counts the others."""
         first = errors[0]
         loc = [str(part) for part in first.get("loc", ()) if part not in ("query", "body", "path")]
         field = ".".join(loc) or None
         message = f"{field}: {first['msg']}" if field else str(first["msg"])
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more)"
         return cls(message, field=field)
 
 

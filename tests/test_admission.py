@@ -171,3 +171,25 @@ def test_queued_traces_are_bounded(start_hub: Any, trace_server: dict[str, Any])
         assert client.get("/v1/stats").json()["traces"] == 5
         # The places are given back: a full batch fits again.
         assert client.post("/v1/traces", json=[native_trace()] * 4).status_code == 207
+
+
+def test_a_lock_held_past_sqlites_busy_timeout_is_503_not_422(
+    start_hub: Any, tmp_path: Any
+) -> None:
+    """SQLite gives up on a lock after its busy_timeout (10 s): the trace was answered
+    422 "database is locked", and a client drops a trace on a 4xx (issue 17)."""
+    trace_server = {"storage_backend": "sqlite", "db_path": str(tmp_path / "t.db")}
+    hub = start_hub(trace_server, "--no-workers", limits={"max_write_wait_seconds": 60})
+    post = in_background(hub)
+    with hub.client() as client:
+        assert client.post("/v1/traces", json=native_trace(trace_id="warm")).status_code == 202
+        with write_lock(trace_server):
+            single = post(native_trace(trace_id="single"))
+            batch = post([native_trace(trace_id="a"), native_trace(trace_id="b")])
+            r = single.result(40)
+            assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1, r.text
+            results = batch.result(40).json()["results"]
+            assert [item["error"]["code"] for item in results] == ["unavailable"] * 2
+        # Sent again once the lock is gone, as a client told 503 does: stored.
+        assert client.post("/v1/traces", json=native_trace(trace_id="single")).status_code == 202
+        assert client.get("/v1/stats").json()["traces"] == 2

@@ -408,9 +408,17 @@ def test_queue_bound_answers_503_with_retry_after(
     r = client.post("/scored_data_list", json=[group(1), group(1), group(1)])
     assert r.status_code == 503
     assert client.get("/status").json()["queue_size"] == 1
-    big = group(1, messages=[[{"role": "user", "content": "x" * 4800}]])
+    # Fits an empty queue, not beside the group waiting: retry later.
+    big = group(1, messages=[[{"role": "user", "content": "x" * 4600}]])
     r = client.post("/scored_data", json=big)
     assert r.status_code == 503 and "queue_max_bytes is 5000" in r.json()["error"]["message"]
+    # Would not fit an empty queue: no retry can help (it was a 503 forever).
+    bigger = group(1, messages=[[{"role": "user", "content": "x" * 5000}]])
+    r = client.post("/scored_data", json=bigger)
+    assert r.status_code == 413 and "retry-after" not in r.headers
+    assert r.json()["error"]["field"] == "atropos.queue_max_bytes"
+    r = client.post("/scored_data_list", json=[group(1)] * 4)
+    assert r.status_code == 413 and r.json()["error"]["field"] == "atropos.queue_max_groups"
     assert client.post("/scored_data_list", json=[group(1)]).status_code == 200
     client.close()
 
@@ -459,6 +467,28 @@ def test_bad_input_gets_4xx(api: httpx.Client) -> None:
     )
     assert r.status_code == 422 and r.json()["error"]["field"] == "desired_name"
     assert api.post("/scored_data", content=b"{").status_code == 422
+
+
+def test_nan_and_infinity_are_refused(api: httpx.Client) -> None:
+    """They are not JSON; stored, they were served back as null (issue 17)."""
+    register(api, batch_size=1)
+    json_body = {"content-type": "application/json"}
+    for number in (b"NaN", b"Infinity", b"-Infinity", b"1e400"):
+        body = b'{"tokens": [[1]], "masks": [[1]], "scores": [' + number + b"]}"
+        r = api.post("/scored_data", content=body, headers=json_body)
+        assert r.status_code == 422 and r.json()["error"]["field"] == "scores.0", number
+        r = api.post("/scored_data_list", content=b"[" + body + b"]", headers=json_body)
+        assert r.status_code == 422 and r.json()["error"]["field"] == "0.scores.0", number
+        advantages = body[:-1] + b', "advantages": [[' + number + b"]]}"
+        r = api.post("/scored_data", content=advantages.replace(number + b"]", b"1]", 1),
+                     headers=json_body)
+        assert r.status_code == 422 and r.json()["error"]["field"] == "advantages.0.0", number
+    # Where a group takes any JSON (messages, overrides), too.
+    body = (b'{"tokens": [[1]], "masks": [[1]], "scores": [1], '
+            b'"messages": [[{"role": "user", "content": NaN}]]}')
+    r = api.post("/scored_data", content=body, headers=json_body)
+    assert r.status_code == 422 and "NaN" in r.json()["error"]["message"]
+    assert api.get("/latest_example").json()["scores"] != [None]
 
 
 def test_with_auth_on_reset_takes_an_admin_key_and_the_rest_stays_open(

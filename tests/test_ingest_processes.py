@@ -97,6 +97,32 @@ async def test_close_kills_a_process_still_busy_after_the_timeout() -> None:
     assert pid is not None and not Path(f"/proc/{pid}").exists()
 
 
+async def test_an_item_past_max_item_seconds_is_refused_and_its_process_replaced() -> None:
+    # Counting the tokens of 32 MB of text takes about 2 s on an idle machine (more on
+    # a busy one); the limit is a quarter of one.
+    limits = LimitsConfig(max_item_seconds=0.25, max_step_chars=40_000_000)
+    processes = IngestProcesses(Preparer(PREPARER.environment, limits), 1)
+    try:
+        await processes.rows([native_trace()], None)
+        (pid,) = processes.pids
+        words = " ".join(f"word{n % 5000}" for n in range(4_000_000))[:32_000_000]
+        slow = native_trace(trace_id="slow", steps=[{"type": "observation", "content": words}])
+        batch = [native_trace(trace_id="before"), slow, native_trace(trace_id="after")]
+        before, refused, after = await asyncio.wait_for(processes.rows(batch, None), 30)
+        assert isinstance(refused, Invalid) and refused.status == 422
+        assert refused.field == "limits.max_item_seconds"
+        assert "limits.max_item_seconds (0.25 s)" in refused.message
+        # The items it held beside the slow one were prepared by its successor.
+        assert isinstance(before, dict) and before["trace_id"] == "before"
+        assert isinstance(after, dict) and after["trace_id"] == "after"
+        assert pid is not None and not Path(f"/proc/{pid}").exists()
+        assert processes.pids != [pid]
+        (row,) = await processes.rows([native_trace(trace_id="next")], None)
+        assert not isinstance(row, HubError) and row["trace_id"] == "next"
+    finally:
+        await processes.close()
+
+
 def _sqlite(tmp_path: Path) -> dict[str, Any]:
     return {"storage_backend": "sqlite", "db_path": str(tmp_path / "traces.db")}
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from app.runs.logs import TAIL_MAX_BYTES
 from tests.support.hubs import write_config
 from tests.support.processes import run_cli
 from tests.support.runs import (
@@ -55,6 +56,11 @@ def test_bad_specs_and_unknown_runs_get_json_errors(runs_env: RunsEnv) -> None:
             ({"trainer": {"command": ["x"]}, "env": {"OPENAI_API_KEY": "mine"}}, "env"),
             ({"trainer": {"command": ["x"]}, "poll_interval": 0}, "poll_interval"),
             ({"trainer": {"command": ["x"]}, "cwd": "/no/such/dir"}, "cwd"),
+            ({"trainer": {"command": ["x"]}, "cwd": "/tmp\x00/etc"}, "cwd"),
+            ({"trainer": {"command": ["x"]}, "cwd": "/tmp/" + "d" * 300}, "cwd"),
+            ({"trainer": {"command": ["x"]}, "cwd": "/tmp/" + "d/" * 3000}, "cwd"),
+            ({"trainer": {"command": ["x\x00y"]}}, "trainer.command.0"),
+            ({"trainer": {"command": ["x"]}, "env": {"A": "b\x00"}}, "env.A"),
         ]
         for body, field in cases:
             response = client.post("/v1/runs", json=body)
@@ -167,8 +173,17 @@ def test_a_trainer_that_fails_fails_the_run_with_code_and_log(runs_env: RunsEnv)
         assert run["error_message"] == f"Trainer exited with code 3. Check {trainer['log_path']}"
         assert env0["exit_code"] == -15 and not alive(env0["pid"])
         shown = client.get(f"/v1/runs/{run_id}?tail=2").json()["processes"][0]["log_tail"]
-    assert shown == ["trainer started", "OPENAI_API_KEY is [redacted]"]
-    assert runs_env.model_key in Path(trainer["log_path"]).read_text()  # its own doing
+        assert shown == ["trainer started", "OPENAI_API_KEY is [redacted]"]
+        assert runs_env.model_key in Path(trainer["log_path"]).read_text()  # its own doing
+        # 64 MB without a newline: ?tail=1 read all of it, and answered all of it.
+        with open(trainer["log_path"], "ab") as log:
+            for _ in range(64):
+                log.write(b"x" * 2**20)
+            log.write(b"the end")
+        r = client.get(f"/v1/runs/{run_id}?tail=1")
+        (line,) = r.json()["processes"][0]["log_tail"]
+        assert line.endswith("the end") and len(line) == TAIL_MAX_BYTES
+        assert len(r.content) < 2 * TAIL_MAX_BYTES
     assert runs_env.model_key not in hub.log
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.runs.health import _LogScanner
-from app.runs.logs import tail
+from app.runs.logs import TAIL_MAX_BYTES, tail
 from app.runs.process import RunProcess, describe_exit, is_running, start_ticks
 from tests.support.waiting import wait_until_async
 
@@ -96,6 +96,15 @@ def test_tail_reads_the_end_of_long_and_missing_logs(tmp_path: Path) -> None:
     assert [line[:9] for line in tail(log, 3)] == ["line 4998", "line 4999", "last"]
     assert len(tail(log, 2000)) == 2000
     assert tail(log, 0) == [] and tail(tmp_path / "missing.log", 5) == []
+
+
+def test_tail_reads_at_most_its_bound_from_the_end(tmp_path: Path) -> None:
+    log = tmp_path / "a.log"
+    log.write_bytes(b"y" * (3 * TAIL_MAX_BYTES) + b"\nshort\n" + b"z" * (TAIL_MAX_BYTES // 2))
+    assert tail(log, 2) == ["short", "z" * (TAIL_MAX_BYTES // 2)]
+    lines = tail(log, 10)  # what fits in the bound: the last line, and the end of one
+    assert lines[1:] == ["short", "z" * (TAIL_MAX_BYTES // 2)]
+    assert sum(len(line) for line in lines) + len(lines) - 1 == TAIL_MAX_BYTES
 
 
 def test_the_log_check_sees_lines_as_they_are_written(tmp_path: Path) -> None:

@@ -6,9 +6,12 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from app.api.responses import JSONResponse
+from app.db.errors import database_error
 from app.errors import HubError, Invalid
 
 log = logging.getLogger("atropos.api")
@@ -36,6 +39,20 @@ def install_error_handlers(app: FastAPI) -> None:
         code = codes.get(exc.status_code, "http_error")
         body = {"error": {"code": code, "message": str(exc.detail)}}
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _database(request: Request, exc: SQLAlchemyError) -> JSONResponse:
+        # A lock, a full disk, a lost connection: 503, never a 500 (app/db/errors.py).
+        error = database_error(exc)
+        log.warning("%s %s: %s (%s)", request.method, request.url.path, error.message, exc)
+        return error_response(error)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect) -> JSONResponse:
+        # The client left mid-body, or was timed out (app/api/server.py): nobody is
+        # there to read this.
+        body = {"error": {"code": "client_disconnected", "message": "the client went away"}}
+        return JSONResponse(body, status_code=400)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -23,9 +23,8 @@ from typing import Any
 
 import orjson
 import sqlalchemy as sa
-from pydantic import TypeAdapter, ValidationError
 
-from app.atropos.models import ScoredData
+from app.atropos.models import InvalidGroups, ScoredData, parse_group, parse_groups
 from app.atropos.packing import groups_summing_to
 from app.atropos.presence import Presence, record
 from app.atropos.segments import Segment, deflate
@@ -40,9 +39,10 @@ from app.atropos.tables import (
 )
 from app.config import AtroposConfig
 from app.db.dialect import Dialect, for_update, reserve_ids
-from app.db.engine import database_refusal
+from app.db.errors import database_refusal
 from app.db.types import utcnow
-from app.errors import HubError, Invalid, Unavailable
+from app.errors import HubError, Invalid, PayloadTooLarge, Unavailable
+from app.ingest.body import json_array
 
 log = logging.getLogger("atropos.queue")
 
@@ -84,17 +84,23 @@ class NewGroup:
         )
 
 
-_GROUPS = TypeAdapter(list[ScoredData])
-
-
-def prepare(body: bytes, many: bool) -> list[NewGroup]:
+def prepare(body: bytes, many: bool, max_groups: int) -> list[NewGroup]:
     """The groups of a /scored_data body (one group) or a /scored_data_list body (a
-    list), validated and deflated; Invalid (422) for what atroposlib would refuse.
-    Pure CPU work: run in an ingest process (app/ingest/processes.py)."""
+    list of at most `max_groups`, counted before any is parsed), validated and deflated;
+    Invalid (422) for what atroposlib would refuse. Pure CPU work: run in an ingest
+    process (app/ingest/processes.py)."""
     try:
-        groups = _GROUPS.validate_json(body) if many else [ScoredData.model_validate_json(body)]
-    except ValidationError as exc:
-        raise Invalid.from_pydantic(exc.errors(include_url=False)) from None
+        if many:
+            too_many = PayloadTooLarge(
+                f"more than {max_groups} groups in one list; atropos.max_groups_per_request "
+                f"is {max_groups}: send them in several requests",
+                field="atropos.max_groups_per_request",
+            )
+            groups = parse_groups(json_array(body, max_groups, too_many))
+        else:
+            groups = [parse_group(body)]
+    except InvalidGroups as exc:
+        raise Invalid.from_pydantic(exc.errors) from None
     return [NewGroup.from_scored(group) for group in groups]
 
 
@@ -135,11 +141,11 @@ class GroupWriter:
         """Store the groups (all or none); returns once they are committed."""
         if not self._tasks:
             raise Unavailable("the Atropos queue writer is not running", retry_after=1)
+        nbytes = sum(g.nbytes for g in groups)
+        self._check_fits_empty(len(groups), nbytes)
         if len(self._pending) >= _MAX_PENDING:
             raise self._overloaded("too many submissions are waiting to be stored")
-        request = _Request(
-            groups, sum(g.nbytes for g in groups), asyncio.get_running_loop().create_future()
-        )
+        request = _Request(groups, nbytes, asyncio.get_running_loop().create_future())
         self._pending.append(request)
         self._wake.set()
         return await request.done
@@ -220,6 +226,22 @@ class GroupWriter:
                 results.append((request, [placer.place(g) for g in request.groups]))
             placer.flush()
         return results
+
+    def _check_fits_empty(self, groups: int, nbytes: int) -> None:
+        """A submission that would not fit even an empty queue: retrying cannot help."""
+        config = self._config
+        if config.queue_max_bytes is not None and nbytes > config.queue_max_bytes:
+            raise PayloadTooLarge(
+                f"{groups} group(s) of {nbytes} bytes could never be queued: "
+                f"atropos.queue_max_bytes is {config.queue_max_bytes}",
+                field="atropos.queue_max_bytes",
+            )
+        if groups > config.queue_max_groups:
+            raise PayloadTooLarge(
+                f"{groups} groups could never be queued: atropos.queue_max_groups is "
+                f"{config.queue_max_groups}; send them in several requests",
+                field="atropos.queue_max_groups",
+            )
 
     def _fits(self, groups: int, nbytes: int) -> bool:
         limit_bytes = self._config.queue_max_bytes

@@ -100,7 +100,9 @@ class Atropos:
         return reply
 
     async def _submit(self, body: bytes, *, many: bool) -> list[Placed]:
-        groups = await self._processes.call(prepare, body, many)
+        groups = await self._processes.call(
+            prepare, body, many, self.config.max_groups_per_request
+        )
         if not groups:
             return []
         return await self._writer.submit(groups)

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import uvicorn
 
 from app.api.app import create_app
+from app.api.server import server_config
 from app.cli.options import Commands, add_hub_files, command, load_settings
 from app.errors import StartupError
 from app.evaluation.environment import Environment
@@ -49,19 +50,7 @@ async def _serve(args: argparse.Namespace) -> int:
     )
     ts = settings.config.trace_server
     server = _Server(
-        uvicorn.Config(
-            app,
-            host=ts.host,
-            port=ts.port,
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=30,
-            # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: any local
-            # client could pick its address (and its rate-limit bucket). Only listed
-            # proxies are believed.
-            proxy_headers=bool(ts.forwarded_allow_ips),
-            forwarded_allow_ips=ts.forwarded_allow_ips or None,
-        )
+        server_config(app, ts, log_config=None, access_log=False, timeout_graceful_shutdown=30)
     )
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():

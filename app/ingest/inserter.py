@@ -15,6 +15,12 @@ makes that transaction roll back, and the batch is written again without it.
 The inserter also says whether the write path is ready (`readiness`, for /readyz):
 not while a write has run longer than `max_wait`, nor after a write failed until a
 write succeeds again; with no traffic to prove it, a probe write does.
+
+When the database refuses a row of the batch (app/db/errors.py), the transaction is
+rolled back (on PostgreSQL nothing more can be done in it) and the batch written again
+with a savepoint per row, so that the refused row sinks alone. When the write fails
+for any other reason (a lock, a full disk, a lost connection), every row of the batch
+is answered 503: none was written.
 """
 
 from __future__ import annotations
@@ -28,13 +34,13 @@ from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.dialect import dialect_of, insert_ignoring_conflicts
-from app.db.engine import database_refusal
+from app.db.errors import database_error, database_refusal, refuses_row
 from app.db.models import TRACES
-from app.errors import Conflict, Invalid, Unavailable
+from app.errors import Conflict, Unavailable
 from app.stages.schedule import claim_if_due
 
 log = logging.getLogger("atropos.ingest")
@@ -255,13 +261,18 @@ class TraceInserter:
         first: dict[str, _Pending] = {}
         for p in batch:
             first.setdefault(p.row["trace_id"], p)
-        async with self._engine.begin() as conn:
-            try:
+        try:
+            async with self._engine.begin() as conn:
                 new_ids = await _insert(conn, [p.row for p in first.values()])
-            except SQLAlchemyError:
+                known = await _lookup(conn, [tid for tid in first if tid not in new_ids])
+                self._seal(batch)
+        except SQLAlchemyError as exc:
+            if not refuses_row(exc):
+                raise
+            async with self._engine.begin() as conn:
                 new_ids = await _insert_one_by_one(conn, first.values())
-            known = await _lookup(conn, [tid for tid in first if tid not in new_ids])
-            self._seal(batch)
+                known = await _lookup(conn, [tid for tid in first if tid not in new_ids])
+                self._seal(batch)
         if self._on_commit is not None:
             self._on_commit()
         for p in batch:
@@ -293,15 +304,19 @@ async def _insert(conn: AsyncConnection, rows: list[dict[str, Any]]) -> set[str]
 
 
 async def _insert_one_by_one(conn: AsyncConnection, pending: Any) -> set[str]:
-    """A row the database refused sinks only itself: one savepoint per row."""
+    """A row the database refused sinks only itself: one savepoint per row, the first
+    included. Any other failure ends the transaction (503 for all)."""
     new_ids: set[str] = set()
     for p in pending:
         try:
             async with conn.begin_nested():
                 new_ids |= await _insert(conn, [p.row])
-        except DBAPIError as exc:
-            log.warning("trace %s refused by the database: %s", p.row["trace_id"], exc.orig)
-            p.done.set_exception(Invalid(f"the database refused this trace: {exc.orig}"))
+        except SQLAlchemyError as exc:
+            if not refuses_row(exc):
+                raise
+            refusal = database_error(exc)
+            log.warning("trace %r refused by the database: %s", p.row["trace_id"], refusal)
+            p.done.set_exception(refusal)
     return new_ids
 
 

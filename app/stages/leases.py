@@ -37,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from app.config import RetryPolicy
 from app.db.dialect import dialect_of, picked_once
 from app.db.types import utcnow
+from app.waits import event_set_within
 
 log = logging.getLogger("atropos.worker")
 
@@ -137,11 +138,8 @@ class Heartbeat:
 
     async def _beat(self) -> None:
         while self._held:
-            try:
-                await asyncio.wait_for(self._idle.wait(), self._lease.seconds / 3)
+            if await event_set_within(self._idle, self._lease.seconds / 3):
                 continue  # all released (unless more was taken since): look again
-            except TimeoutError:
-                pass
             held = set(self._held)
             try:
                 async with self._engine.begin() as conn:

@@ -18,6 +18,8 @@ import asyncio
 import logging
 from typing import Protocol, runtime_checkable
 
+from app.waits import event_set_within
+
 log = logging.getLogger("atropos.worker")
 
 
@@ -94,10 +96,7 @@ class StageRunner:
             wake.clear()
             while await self._run_stage(stage):
                 pass
-            try:
-                await asyncio.wait_for(wake.wait(), self._flush_interval)
-            except TimeoutError:
-                pass
+            await event_set_within(wake, self._flush_interval)
 
     async def _run_stage(self, stage: PipelineStage) -> int:
         try:

@@ -9,9 +9,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import io
 import json
 import logging
+import sys
 import threading
+import traceback
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from concurrent.futures import CancelledError as FutureCancelled
@@ -218,7 +221,9 @@ class InProcessHub(HubUnderTest):
                 self._loop.call_soon_threadsafe(self._stopping.set)
             thread.join(timeout)
             if thread.is_alive():
-                raise AssertionError(f"hub did not stop in {timeout} s:\n{self.log}")
+                raise AssertionError(
+                    f"hub did not stop in {timeout} s:\n{self.log}\n{_where(thread, self._loop)}"
+                )
             self._thread = self._loop = self._stopping = None
             _logs.detach(self.lines)
             gc.unfreeze()  # running_hub froze what lived then; let it be collected again
@@ -255,6 +260,16 @@ class InProcessHub(HubUnderTest):
         body = b"".join([part async for part in response.aiter_raw()])  # still encoded
         return httpx.Response(response.status_code, headers=response.headers,
                               stream=httpx.ByteStream(body))
+
+
+def _where(thread: threading.Thread, loop: asyncio.AbstractEventLoop | None) -> str:
+    """Where a hub that did not stop is stuck: its thread's stack and its loop's tasks."""
+    frame = sys._current_frames().get(thread.ident or 0)
+    lines = ["the hub's thread:\n", *(traceback.format_stack(frame) if frame else [])]
+    stacks = io.StringIO()
+    for task in asyncio.all_tasks(loop) if loop is not None else ():
+        task.print_stack(file=stacks)
+    return "".join(lines) + stacks.getvalue()
 
 
 async def _awaited(work: Awaitable[T]) -> T:
