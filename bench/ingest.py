@@ -1,12 +1,22 @@
 """Ingest benchmark: N concurrent HTTP clients on 127.0.0.1 post native traces to a
-real `atropos serve` for a fixed time; prints acknowledged traces/s and latency, and,
-in the same run, the ceiling of a bare aiosqlite writer doing the same inserts with
-group commit (the hub's figures are best read as a ratio of that ceiling: machines
-here are noisy).
+real `atropos serve` for a fixed time, then, in the same run and with the same clients,
+to the minimal endpoint of bench/minimal_ingest.py (pydantic validation, inline
+tiktoken count, group commit to SQLite WAL). It prints for each the acknowledged
+traces/s, p50/p99 latency and the CPU time per acknowledged trace of all its processes
+together (the hub's serving processes, fork server and ingest processes, from /proc),
+and the ratio hub / minimal, which is what to read on a noisy machine. Every
+acknowledged trace is then looked up in the hub's database: one missing fails the run.
 
     python bench/ingest.py                       # ~5 KB traces, 32 clients, 10 s
-    python bench/ingest.py --trace-kb 50 --seconds 10
-    python bench/ingest.py --db postgresql --database-url postgresql://user@127.0.0.1/db
+    python bench/ingest.py --trace-kb 50
+    python bench/ingest.py --batch 100           # {"traces": [100 traces]} per request
+    python bench/ingest.py --db postgresql       # a fresh database on $ATROPOS_TEST_DATABASE_URL
+    python bench/ingest.py --hubs 2 --no-minimal # two hubs on one database, each half the clients
+
+The clients run in this process (asyncio, one connection each) and use CPU of the same
+two cores: their own CPU per request is printed too. With --db postgresql the
+database server's CPU is not counted in the hub's figure; the minimal endpoint always
+writes SQLite.
 """
 
 from __future__ import annotations
@@ -20,13 +30,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiosqlite
-
 ROOT = Path(__file__).resolve().parents[1]
+_TICK = os.sysconf("SC_CLK_TCK")
 
 
 def make_trace(trace_kb: int) -> dict[str, object]:
@@ -56,11 +69,38 @@ def request_bytes(body: bytes, path: str) -> bytes:
     return head.encode() + body
 
 
-async def client(host: str, port: int, template: bytes, path: str, deadline: float,
-                 latencies: list[float], errors: list[int]) -> None:
+@dataclass
+class Tally:
+    """What the clients of one target saw."""
+
+    latencies: list[float] = field(default_factory=list)  # per request answered 2xx
+    acked: list[str] = field(default_factory=list)  # trace_ids acknowledged
+    errors: dict[int, int] = field(default_factory=dict)  # status -> requests
+
+    def refused(self, status: int) -> None:
+        self.errors[status] = self.errors.get(status, 0) + 1
+
+
+class Body:
+    """Request bodies of distinct traces: one trace, or {"traces": [...]} of `batch`."""
+
+    def __init__(self, trace_kb: int, batch: int) -> None:
+        self.template = json.dumps({"trace_id": "__ID__", **make_trace(trace_kb)}).encode()
+        self.batch = batch
+
+    def next(self) -> tuple[bytes, list[str]]:
+        ids = [uuid.uuid4().hex for _ in range(self.batch)]
+        traces = [self.template.replace(b"__ID__", i.encode()) for i in ids]
+        if self.batch == 1:
+            return traces[0], ids
+        return b'{"traces": [' + b",".join(traces) + b"]}", ids
+
+
+async def client(host: str, port: int, bodies: Body, path: str, deadline: float,
+                 tally: Tally) -> None:
     reader, writer = await asyncio.open_connection(host, port)
     while time.perf_counter() < deadline:
-        body = template.replace(b"__ID__", uuid.uuid4().hex.encode())
+        body, ids = bodies.next()
         start = time.perf_counter()
         writer.write(request_bytes(body, path))
         status_line = await reader.readline()
@@ -68,46 +108,110 @@ async def client(host: str, port: int, template: bytes, path: str, deadline: flo
         while (line := await reader.readline()) not in (b"\r\n", b""):
             if line.lower().startswith(b"content-length:"):
                 length = int(line.split(b":")[1])
-        await reader.readexactly(length)
-        if status_line.split()[1] == b"202":
-            latencies.append(time.perf_counter() - start)
+        answer = await reader.readexactly(length)
+        status = int(status_line.split()[1])
+        if status == 202:
+            tally.latencies.append(time.perf_counter() - start)
+            tally.acked += ids
+        elif status == 207:
+            tally.latencies.append(time.perf_counter() - start)
+            results = json.loads(answer)["results"]
+            tally.acked += [r["trace_id"] for r in results if "error" not in r]
+            for r in results:
+                if "error" in r:
+                    tally.refused(207)
         else:
-            errors.append(int(status_line.split()[1]))
+            tally.refused(status)
     writer.close()
 
 
+@dataclass
+class Figures:
+    """One target under load, over the measured window."""
+
+    acked_per_s: float
+    p50_ms: float
+    p99_ms: float
+    errors: dict[int, int]  # status -> requests (207: items refused within a batch)
+    body_kb: float  # one trace
+    cpu_ms_per_trace: float  # all the target's processes together
+    cores: float  # the same, as cores busy
+    client_ms_per_trace: float  # this process's CPU (the clients)
+    acked: list[str]
+
+    def line(self, name: str) -> str:
+        errors = sum(self.errors.values())
+        return (f"  {name}: {self.acked_per_s:.0f} acked traces/s  p50 {self.p50_ms:.1f} ms  "
+                f"p99 {self.p99_ms:.1f} ms  CPU {self.cpu_ms_per_trace:.2f} ms/trace "
+                f"({self.cores:.2f} cores)  clients {self.client_ms_per_trace:.2f} ms/trace  "
+                f"errors {errors}" + (f" {self.errors}" if errors else ""))
+
+
 async def load(host: str, port: int, path: str, clients: int, seconds: float,
-               trace_kb: int) -> dict[str, float]:
-    template = json.dumps({"trace_id": "__ID__", **make_trace(trace_kb)}).encode()
-    latencies: list[float] = []
-    errors: list[int] = []
+               trace_kb: int, batch: int = 1, pids: list[int] | None = None) -> Figures:
+    """Warm up for 3 s, then load for `seconds`: the figures of that window. `pids`: the
+    processes whose CPU time (with their descendants') is counted per trace."""
+    bodies = Body(trace_kb, batch)
     # Warm-up: connections, the ingest processes (~1 s to start), SQLite pages.
-    await asyncio.gather(*(client(host, port, template, path, time.perf_counter() + 3,
-                                  [], []) for _ in range(clients)))
+    await asyncio.gather(*(client(host, port, bodies, path, time.perf_counter() + 3, Tally())
+                           for _ in range(clients)))
+    tally = Tally()
+    cpu_before, own_before = tree_cpu(pids or []), time.process_time()
     started = time.perf_counter()
-    await asyncio.gather(*(client(host, port, template, path, started + seconds,
-                                  latencies, errors) for _ in range(clients)))
+    await asyncio.gather(*(client(host, port, bodies, path, started + seconds, tally)
+                           for _ in range(clients)))
     elapsed = time.perf_counter() - started
-    qs = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [0.0] * 99
-    return {"acked_per_s": len(latencies) / elapsed, "p50_ms": qs[49] * 1000,
-            "p99_ms": qs[98] * 1000, "errors": len(errors), "body_kb": len(template) / 1000}
+    cpu, own = tree_cpu(pids or []) - cpu_before, time.process_time() - own_before
+    qs = statistics.quantiles(tally.latencies, n=100) if len(tally.latencies) > 1 else [0.0] * 99
+    acked = max(len(tally.acked), 1)
+    return Figures(
+        acked_per_s=len(tally.acked) / elapsed, p50_ms=qs[49] * 1000, p99_ms=qs[98] * 1000,
+        errors=tally.errors, body_kb=len(bodies.template) / 1000,
+        cpu_ms_per_trace=cpu * 1000 / acked, cores=cpu / elapsed,
+        client_ms_per_trace=own * 1000 / acked, acked=tally.acked,
+    )
 
 
-async def bare_writer(db_path: Path, seconds: float, trace_kb: int) -> float:
-    """The ceiling: one aiosqlite connection inserting the same rows, 256 per commit."""
-    trace = json.dumps(make_trace(trace_kb))
-    async with aiosqlite.connect(db_path) as db:
-        await db.execute("PRAGMA journal_mode=WAL")
-        await db.execute("PRAGMA synchronous=FULL")
-        await db.execute("CREATE TABLE t (id TEXT PRIMARY KEY, created_at TEXT, original TEXT,"
-                         " trace TEXT)")
-        n, started = 0, time.perf_counter()
-        while time.perf_counter() - started < seconds:
-            rows = [(uuid.uuid4().hex, "2026-01-01 00:00:00", trace, trace) for _ in range(256)]
-            await db.executemany("INSERT INTO t VALUES (?, ?, ?, ?)", rows)
-            await db.commit()
-            n += len(rows)
-        return n / (time.perf_counter() - started)
+def tree_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) used so far by `pids` and all their descendants."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # ended meanwhile
+        fields = stat[stat.rindex(b")") + 2:].split()
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICK
+    total, todo = 0.0, list(pids)
+    seen: set[int] = set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        total += times.get(pid, 0.0)
+        todo += [child for child, parent in parents.items() if parent == pid]
+    return total
+
+
+def _drain(proc: subprocess.Popen[str]) -> None:
+    """Keep reading the process's stderr so that it never blocks on a full pipe."""
+    assert proc.stderr is not None
+    threading.Thread(target=proc.stderr.read, daemon=True).start()
+
+
+def _started(proc: subprocess.Popen[str], what: str) -> int:
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if m := re.search(r"listening on [\d.]+:(\d+)", line):
+            _drain(proc)
+            return int(m[1])
+    raise SystemExit(f"{what} did not start")
 
 
 def start_hub(config: dict[str, object], workdir: Path) -> tuple[subprocess.Popen[str], int]:
@@ -118,11 +222,26 @@ def start_hub(config: dict[str, object], workdir: Path) -> tuple[subprocess.Pope
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
         stderr=subprocess.PIPE, text=True,
     )
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if m := re.search(r"listening on [\d.]+:(\d+)", line):
-            return proc, int(m[1])
-    raise SystemExit("the hub did not start")
+    return proc, _started(proc, "the hub")
+
+
+def start_minimal(db_path: Path) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / "minimal_ingest.py"), "--db", str(db_path)],
+        cwd=ROOT, stderr=subprocess.PIPE, text=True,
+    )
+    return proc, _started(proc, "the minimal endpoint")
+
+
+@contextmanager
+def running(procs: list[subprocess.Popen[str]]) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
 
 
 def load_arguments(doc: str | None) -> argparse.ArgumentParser:
@@ -148,16 +267,70 @@ def trace_server(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     return server | {"storage_backend": "postgresql", "database_url": args.database_url}
 
 
+def _pg(url: str, sql: str, *args: object) -> object:
+    import asyncpg
+
+    async def run() -> object:
+        conn = await asyncpg.connect(url.replace("postgresql+asyncpg", "postgresql"))
+        try:
+            return await conn.fetchval(sql, *args)
+        finally:
+            await conn.close()
+
+    return asyncio.run(run())
+
+
+@contextmanager
+def fresh_pg_database(admin_url: str) -> Iterator[str]:
+    """A new, empty database on the server `admin_url` names, dropped afterwards."""
+    from sqlalchemy.engine import make_url
+
+    name = f"bench_{uuid.uuid4().hex[:12]}"
+    _pg(admin_url, f'CREATE DATABASE "{name}"')
+    try:
+        yield make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    finally:
+        _pg(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def missing(server: dict[str, object], ids: list[str]) -> int:
+    """How many of `ids` are not in the hub's traces table."""
+    if server["storage_backend"] == "sqlite":
+        import sqlite3
+
+        with sqlite3.connect(str(server["db_path"])) as db:
+            db.execute("CREATE TEMP TABLE acked (trace_id TEXT PRIMARY KEY)")
+            db.executemany("INSERT OR IGNORE INTO acked VALUES (?)", [(i,) for i in ids])
+            (found,) = db.execute(
+                "SELECT count(*) FROM acked JOIN traces USING (trace_id)").fetchone()
+        return len(set(ids)) - int(found)
+    found = _pg(str(server["database_url"]),
+                "SELECT count(*) FROM traces WHERE trace_id = ANY($1::text[])", list(set(ids)))
+    return len(set(ids)) - int(found)  # type: ignore[call-overload]
+
+
 def main() -> None:
     parser = load_arguments(__doc__)
     parser.add_argument("--hubs", type=int, default=1, help="hub processes sharing the load")
+    parser.add_argument("--batch", type=int, default=1,
+                        help='traces per request, as {"traces": [...]} (answered 207)')
+    parser.add_argument("--no-minimal", action="store_true",
+                        help="skip the minimal endpoint (no ratio)")
     parser.add_argument("--no-rules", action="store_true",
                         help="no reward rules or filters: the cost of scoring, by difference")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help="a trace_server key for the hub, e.g. --set ingest_processes=3")
     args = parser.parse_args()
+    minimal_path = "/v1/traces" if args.batch == 1 else "/v1/traces/batch"
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _database(args) as url:
         workdir = Path(tmp)
+        if url is not None:
+            args.database_url = url
         server = trace_server(args, workdir)
+        for setting in args.set:
+            key, _, value = setting.partition("=")
+            server[key] = json.loads(value)
         hubs = []
         for n in range(args.hubs):
             (workdir / str(n)).mkdir()
@@ -165,32 +338,54 @@ def main() -> None:
             if args.no_rules:
                 config["environment"] = {"reward_rules": {}, "invalid_trace_filters": []}
             hubs.append(start_hub(config, workdir / str(n)))
-        try:
+        with running([proc for proc, _ in hubs]):
             per_hub = args.clients // len(hubs)
 
-            async def run_all() -> list[dict[str, float]]:
+            async def run_all() -> list[Figures]:
                 return await asyncio.gather(*(
-                    load("127.0.0.1", port, "/v1/traces", per_hub, args.seconds, args.trace_kb)
-                    for _, port in hubs))
+                    load("127.0.0.1", port, "/v1/traces", per_hub, args.seconds,
+                         args.trace_kb, args.batch, [proc.pid])
+                    for proc, port in hubs))
 
             results = asyncio.run(run_all())
-        finally:
-            for proc, _ in hubs:
-                proc.terminate()
-                proc.wait()
-        ceiling = asyncio.run(bare_writer(workdir / "bare.db", min(args.seconds, 5),
-                                          args.trace_kb))
+        lost = missing(server, [i for r in results for i in r.acked])
+        minimal = None
+        if not args.no_minimal:
+            proc, port = start_minimal(workdir / "minimal.db")
+            with running([proc]):
+                minimal = asyncio.run(load("127.0.0.1", port, minimal_path, args.clients,
+                                           args.seconds, args.trace_kb, args.batch,
+                                           [proc.pid]))
 
-    total = sum(r["acked_per_s"] for r in results)
+    total = sum(r.acked_per_s for r in results)
     print(f"ingest: {args.db}, {args.hubs} hub(s), {args.clients} clients, "
-          f"{results[0]['body_kb']:.1f} KB traces, {args.seconds:.0f} s")
+          f"{results[0].body_kb:.1f} KB traces, {args.batch} per request, "
+          f"{args.seconds:.0f} s" + "".join(f", {s}" for s in args.set))
     for n, r in enumerate(results):
-        print(f"  hub {n}: {r['acked_per_s']:.0f} acked traces/s  p50 {r['p50_ms']:.1f} ms  "
-              f"p99 {r['p99_ms']:.1f} ms  errors {r['errors']:.0f}")
-    print(f"  total: {total:.0f} acked traces/s")
-    print(f"  bare aiosqlite writer, group commit: {ceiling:.0f} inserts/s "
-          f"(hub = {total / ceiling:.0%} of it)")
+        print(r.line(f"hub {n}"))
+    if args.hubs > 1:
+        print(f"  hubs total: {total:.0f} acked traces/s")
+    print(f"  acknowledged but not in the database: {lost}")
+    if minimal is not None:
+        print(minimal.line("minimal endpoint"))
+        cpu = sum(r.cpu_ms_per_trace * r.acked_per_s for r in results) / total
+        print(f"  hub / minimal: {total / minimal.acked_per_s:.2f}x the rate, "
+              f"{cpu / minimal.cpu_ms_per_trace:.2f}x the CPU per trace")
     print("reproduce: python bench/ingest.py " + " ".join(sys.argv[1:]))
+    if lost:
+        raise SystemExit(f"{lost} acknowledged traces are not in the database")
+
+
+@contextmanager
+def _database(args: argparse.Namespace) -> Iterator[str | None]:
+    """--db postgresql: a fresh database for this run (--database-url names the server)."""
+    if args.db != "postgresql":
+        yield None
+        return
+    if not args.database_url:
+        raise SystemExit("--db postgresql needs --database-url (or ATROPOS_TEST_DATABASE_URL)")
+    with fresh_pg_database(args.database_url) as url:
+        yield url
 
 
 if __name__ == "__main__":

@@ -151,12 +151,12 @@ def main() -> None:
     ingest_rate = result["stored"] / result["ingest_span"] if result["ingest_span"] else 0.0
     delivered_rate = (result["delivered"] / result["delivery_span"]
                       if result["delivery_span"] else 0.0)
-    print(f"pipeline: {args.db}, {args.clients} clients, {ingest['body_kb']:.1f} KB traces, "
+    print(f"pipeline: {args.db}, {args.clients} clients, {ingest.body_kb:.1f} KB traces, "
           f"{args.seconds:.0f} s, batch_size {args.batch_size}, flush_interval "
           f"{args.flush_interval:g} s, jsonl target, stages "
           f"{'in a worker process' if args.worker_process else 'in the serve process'}")
-    print(f"  ingest: {ingest['acked_per_s']:.0f} acked traces/s (p99 {ingest['p99_ms']:.1f} ms, "
-          f"errors {ingest['errors']:.0f}); {result['stored']} stored")
+    print(f"  ingest: {ingest.acked_per_s:.0f} acked traces/s (p99 {ingest.p99_ms:.1f} ms, "
+          f"errors {sum(ingest.errors.values())}); {result['stored']} stored")
     print(f"  delivered: {result['delivered']} traces in batches "
           f"({result['below']} below threshold, the rest short of a full batch); "
           f"end to end {delivered_rate:.0f} traces/s vs ingest {ingest_rate:.0f} traces/s; "
