@@ -135,6 +135,7 @@ class Figures:
     errors: dict[int, int]  # status -> requests (207: items refused within a batch)
     body_kb: float  # one trace
     cpu_ms_per_trace: float  # all the target's processes together
+    serving_ms_per_trace: float  # the serving processes alone (the event loops)
     cores: float  # the same, as cores busy
     client_ms_per_trace: float  # this process's CPU (the clients)
     acked: list[str]
@@ -143,7 +144,8 @@ class Figures:
         errors = sum(self.errors.values())
         return (f"  {name}: {self.acked_per_s:.0f} acked traces/s  p50 {self.p50_ms:.1f} ms  "
                 f"p99 {self.p99_ms:.1f} ms  CPU {self.cpu_ms_per_trace:.2f} ms/trace "
-                f"({self.cores:.2f} cores)  clients {self.client_ms_per_trace:.2f} ms/trace  "
+                f"({self.cores:.2f} cores; serving {self.serving_ms_per_trace:.2f})  "
+                f"clients {self.client_ms_per_trace:.2f} ms/trace  "
                 f"errors {errors}" + (f" {self.errors}" if errors else ""))
 
 
@@ -156,23 +158,27 @@ async def load(host: str, port: int, path: str, clients: int, seconds: float,
     await asyncio.gather(*(client(host, port, bodies, path, time.perf_counter() + 3, Tally())
                            for _ in range(clients)))
     tally = Tally()
-    cpu_before, own_before = tree_cpu(pids or []), time.process_time()
+    pids = pids or []
+    cpu_before, own_before = tree_cpu(pids), time.process_time()
+    serving_before = tree_cpu(pids, descendants=False)
     started = time.perf_counter()
     await asyncio.gather(*(client(host, port, bodies, path, started + seconds, tally)
                            for _ in range(clients)))
     elapsed = time.perf_counter() - started
-    cpu, own = tree_cpu(pids or []) - cpu_before, time.process_time() - own_before
+    cpu, own = tree_cpu(pids) - cpu_before, time.process_time() - own_before
+    serving = tree_cpu(pids, descendants=False) - serving_before
     qs = statistics.quantiles(tally.latencies, n=100) if len(tally.latencies) > 1 else [0.0] * 99
     acked = max(len(tally.acked), 1)
     return Figures(
         acked_per_s=len(tally.acked) / elapsed, p50_ms=qs[49] * 1000, p99_ms=qs[98] * 1000,
         errors=tally.errors, body_kb=len(bodies.template) / 1000,
-        cpu_ms_per_trace=cpu * 1000 / acked, cores=cpu / elapsed,
+        cpu_ms_per_trace=cpu * 1000 / acked, serving_ms_per_trace=serving * 1000 / acked,
+        cores=cpu / elapsed,
         client_ms_per_trace=own * 1000 / acked, acked=tally.acked,
     )
 
 
-def tree_cpu(pids: list[int]) -> float:
+def tree_cpu(pids: list[int], *, descendants: bool = True) -> float:
     """CPU seconds (user + system) used so far by `pids` and all their descendants."""
     parents: dict[int, int] = {}
     times: dict[int, float] = {}
@@ -195,7 +201,8 @@ def tree_cpu(pids: list[int]) -> float:
             continue
         seen.add(pid)
         total += times.get(pid, 0.0)
-        todo += [child for child, parent in parents.items() if parent == pid]
+        if descendants:
+            todo += [child for child, parent in parents.items() if parent == pid]
     return total
 
 

@@ -34,6 +34,8 @@ class Access:
         self._keys = KeyRing(engine, config.key_cache_seconds)
         rate = config.rate_limit_per_second
         self._limiter = RateLimiter(rate, config.rate_limit_burst) if rate else None
+        # Auth off and no rate limit: every request is admitted, whatever it presents.
+        self.admits_all = not config.enabled and self._limiter is None
 
     async def authorize(
         self, presented: str | None, client: str, scopes: tuple[Scope, ...]

@@ -49,6 +49,7 @@ def create_app(
         redoc_url="/redoc" if docs else None,
     )
     install_error_handlers(app)
+    app.router.routes.append(traces.ingest_route(config.trace_server.endpoint))
     app.include_router(atropos.router(config.atropos.require_key))
     app.include_router(traces.router(config.trace_server.endpoint))
     app.include_router(batches.router)

@@ -27,6 +27,7 @@ from app.access.guard import Principal
 from app.access.keys import Scope
 from app.api.deps import HubDep
 from app.api.openapi import BEARER_SCHEME
+from app.hub import Hub
 
 # auto_error off: a missing or malformed header is ours to answer, in the hub's shape.
 _BEARER = HTTPBearer(
@@ -41,12 +42,29 @@ Guard = Callable[..., Awaitable[Principal]]
 @cache  # one guard per set of scopes: FastAPI shares what a dependency resolves to
 def _guard(scopes: tuple[Scope, ...]) -> Guard:
     async def guard(request: Request, hub: HubDep, credentials: Credentials) -> Principal:
-        client = request.client.host if request.client else "unknown"
-        presented = credentials.credentials if credentials else None
-        return await hub.access.authorize(presented, client, scopes)
+        return await _authorize(request, hub, credentials, scopes)
 
     guard.__name__ = "requires_" + "_or_".join(scopes)
     return guard
+
+
+async def authorize(request: Request, hub: Hub, scopes: tuple[Scope, ...]) -> Principal:
+    """What the guard of `requires(*scopes)` does, called without FastAPI's dependency
+    solving (app/api/direct.py)."""
+    # Auth off and no rate limit: the header is not even read.
+    credentials = None if hub.access.admits_all else await _BEARER(request)
+    return await _authorize(request, hub, credentials, scopes)
+
+
+async def _authorize(
+    request: Request,
+    hub: Hub,
+    credentials: HTTPAuthorizationCredentials | None,
+    scopes: tuple[Scope, ...],
+) -> Principal:
+    client = request.client.host if request.client else "unknown"
+    presented = credentials.credentials if credentials else None
+    return await hub.access.authorize(presented, client, scopes)
 
 
 def requires(*scopes: Scope) -> Any:

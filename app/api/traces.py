@@ -6,10 +6,12 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
+from starlette.responses import Response
 
 from app.access.keys import Scope
 from app.api.auth import requires
 from app.api.deps import ConnDep, HubDep
+from app.api.direct import DirectRoute
 from app.api.openapi import errors
 from app.api.responses import JSONResponse
 from app.api.schemas import IngestResult, IngestResults, TracePage, TraceRecord
@@ -39,29 +41,37 @@ INGEST_ANSWERS: dict[int | str, dict[str, Any]] = {
 }
 
 
-def router(endpoint: str) -> APIRouter:
-    api = APIRouter(tags=["traces"])
-
-    @api.post(
+def ingest_route(endpoint: str) -> DirectRoute:
+    """POST `endpoint`: the hot path, answered without FastAPI's dependency solving
+    (app/api/direct.py). Added to the app itself, first: matched before any other."""
+    return DirectRoute(
         endpoint,
+        ingest,
+        scopes=(Scope.INGEST,),
+        methods=["POST"],
         status_code=202,
+        tags=["traces"],
         openapi_extra=INGEST_BODY_DOC,
-        dependencies=[requires(Scope.INGEST)],
         responses={**INGEST_ANSWERS, **errors(400, 409, 413, 415, 422, 503)},
     )
-    async def ingest(request: Request, hub: HubDep) -> JSONResponse:
-        limits = hub.config.limits
-        body = await read_body(request, limits.max_body_bytes)
-        parsed = parse_items(
-            body, request.headers.get("content-type", ""), limits.max_traces_per_request
-        )
-        if not parsed.batch:
-            stored = await hub.ingestor.ingest(parsed.items[0])
-            return JSONResponse(stored.to_json(), status_code=202)
-        results = await hub.ingestor.ingest_many(parsed.items, parsed.fmt)
-        return JSONResponse(
-            {"results": [_result(r) for r in results]}, status_code=207
-        )
+
+
+async def ingest(request: Request, hub: HubDep) -> Response:
+    limits = hub.config.limits
+    body = await read_body(request, limits.max_body_bytes)
+    parsed = parse_items(
+        body, request.headers.get("content-type", ""), limits.max_traces_per_request
+    )
+    if not parsed.batch:
+        stored = await hub.ingestor.ingest(parsed.items[0])
+        return JSONResponse(stored.to_json(), status_code=202)
+    results = await hub.ingestor.ingest_many(parsed.items, parsed.fmt)
+    return JSONResponse({"results": [_result(r) for r in results]}, status_code=207)
+
+
+def router(endpoint: str) -> APIRouter:
+    """GET `endpoint` (the list) and `endpoint`/{trace_id}."""
+    api = APIRouter(tags=["traces"])
 
     @api.get(endpoint, dependencies=[requires(Scope.READ)], responses=errors(400))
     async def list_(
