@@ -17,6 +17,7 @@ from app.config import EnvironmentConfig, LimitsConfig
 from app.errors import HubError, Invalid, Unavailable
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Preparer
+from app.ingest.inserter import INSERT, TraceRow
 from app.ingest.processes import IngestProcesses
 from tests.support.builders import native_trace
 from tests.support.processes import HubProcess
@@ -42,11 +43,10 @@ async def test_rows_come_back_in_order_with_each_items_error() -> None:
                  for i in range(20)]
         replies = await asyncio.gather(*(processes.rows(items, None) for items in calls))
         for i, (first, bad, last) in enumerate(replies):
-            assert isinstance(first, dict) and first["trace_id"] == f"t-{i}"
-            assert first == PREPARER.row(calls[i][0]) | {"created_at": first["created_at"],
-                                                        "updated_at": first["updated_at"]}
+            assert isinstance(first, TraceRow) and first.trace_id == f"t-{i}"
+            assert _untimed(first) == _untimed(TraceRow.of(PREPARER.row(calls[i][0])))
             assert isinstance(bad, Invalid) and bad.status == 422
-            assert isinstance(last, dict) and last["trace_id"] == f"u-{i}"
+            assert isinstance(last, TraceRow) and last.trace_id == f"u-{i}"
         assert len(set(processes.pids)) == 2
     finally:
         await processes.close()
@@ -66,7 +66,7 @@ async def test_a_killed_process_fails_what_it_held_and_is_replaced() -> None:
             await held
         assert refused.value.status == 503 and refused.value.headers()["Retry-After"]
         (row,) = await processes.rows([native_trace(trace_id="after")], None)
-        assert not isinstance(row, HubError) and row["trace_id"] == "after"
+        assert not isinstance(row, HubError) and row.trace_id == "after"
         assert processes.pids != [pid]
     finally:
         await processes.close()
@@ -80,7 +80,7 @@ async def test_close_answers_what_was_sent_then_ends_the_processes() -> None:
                            what="written to the processes")
     pids = processes.pids
     await processes.close()
-    assert [(await s)[0]["trace_id"] for s in sent] == [f"long-{n}" for n in range(8)]
+    assert [_trace_id((await s)[0]) for s in sent] == [f"long-{n}" for n in range(8)]
     for pid in pids:
         assert pid is not None and not Path(f"/proc/{pid}").exists()
 
@@ -113,12 +113,12 @@ async def test_an_item_past_max_item_seconds_is_refused_and_its_process_replaced
         assert refused.field == "limits.max_item_seconds"
         assert "limits.max_item_seconds (0.25 s)" in refused.message
         # The items it held beside the slow one were prepared by its successor.
-        assert isinstance(before, dict) and before["trace_id"] == "before"
-        assert isinstance(after, dict) and after["trace_id"] == "after"
+        assert isinstance(before, TraceRow) and before.trace_id == "before"
+        assert isinstance(after, TraceRow) and after.trace_id == "after"
         assert pid is not None and not Path(f"/proc/{pid}").exists()
         assert processes.pids != [pid]
         (row,) = await processes.rows([native_trace(trace_id="next")], None)
-        assert not isinstance(row, HubError) and row["trace_id"] == "next"
+        assert not isinstance(row, HubError) and row.trace_id == "next"
     finally:
         await processes.close()
 
@@ -189,3 +189,15 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def _trace_id(row: TraceRow | HubError) -> str:
+    assert isinstance(row, TraceRow), row
+    return row.trace_id
+
+
+def _untimed(row: TraceRow) -> tuple[Any, ...]:
+    """The row but for when it was made."""
+    times = {INSERT.columns.index("created_at"), INSERT.columns.index("updated_at")}
+    values = tuple(v for i, v in enumerate(row.values) if i not in times)
+    return values, row.stored, row.content_hash

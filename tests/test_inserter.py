@@ -6,15 +6,18 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import orjson
 import sqlalchemy as sa
 
 from app.config import EnvironmentConfig, LimitsConfig, TraceServerConfig
 from app.db import migrate
 from app.db.engine import create_engine
-from app.errors import Invalid
+from app.db.models import TRACES
+from app.db.types import EncodedJSON
+from app.errors import Conflict, Invalid
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Preparer
-from app.ingest.inserter import Stored, TraceInserter
+from app.ingest.inserter import Stored, TraceInserter, TraceRow
 from tests.support.builders import native_trace
 
 PREPARER = Preparer(Environment.from_config(EnvironmentConfig()), LimitsConfig())
@@ -30,15 +33,16 @@ async def test_a_refused_row_sinks_alone_in_its_group_commit(
     inserter = TraceInserter(engine)
     inserter.start()
     try:
-        good = [PREPARER.row(native_trace(trace_id=f"good-{i}")) for i in range(32)]
+        good = [TraceRow.of(PREPARER.row(native_trace(trace_id=f"good-{i}")))
+                for i in range(32)]
         # A NOT NULL column left empty: refused by both databases.
-        bad = [PREPARER.row(native_trace(trace_id=f"bad-{i}")) | {"status": None}
+        bad = [TraceRow.of(PREPARER.row(native_trace(trace_id=f"bad-{i}")) | {"status": None})
                for i in range(3)]
         rows = [bad[0], *good[:16], bad[1], *good[16:], bad[2]]
         # Submitted without yielding to the writer: one batch, one transaction.
         waiting = [inserter.submit(row) for row in rows]
         results = await asyncio.gather(*waiting, return_exceptions=True)
-        answers = dict(zip([row["trace_id"] for row in rows], results))
+        answers = dict(zip([row.trace_id for row in rows], results, strict=True))
         for i in range(3):
             refused = answers[f"bad-{i}"]
             assert isinstance(refused, Invalid) and refused.status == 422, refused
@@ -48,6 +52,73 @@ async def test_a_refused_row_sinks_alone_in_its_group_commit(
         async with engine.connect() as conn:
             count = await conn.scalar(sa.text("SELECT count(*) FROM traces"))
         assert count == 32
+    finally:
+        await inserter.stop()
+        await engine.dispose()
+
+
+async def test_rows_read_back_as_prepared_and_sqlite_keeps_the_seed_timestamp_text(
+    trace_server: dict[str, Any],
+) -> None:
+    """Rows go in without SQLAlchemy's type processing (dialect.BulkInsert): what is read
+    back through SQLAlchemy is what was prepared, NULLs and JSON included, and SQLite's
+    created_at is the text that `created_at < datetime('now', '-30 days')` compares."""
+    engine = create_engine(TraceServerConfig(**trace_server))
+    await migrate.upgrade(engine)
+    inserter = TraceInserter(engine)
+    inserter.start()
+    try:
+        rejected = native_trace(trace_id="rejected", steps=[
+            {"type": "thought", "content": "same"}, {"type": "thought", "content": "same"},
+            {"type": "thought", "content": "same"}])
+        rows = {
+            "plain": PREPARER.row(native_trace(trace_id="plain")),
+            "rejected": PREPARER.row(rejected),
+        }
+        for row in rows.values():
+            await inserter.insert(TraceRow.of(row))
+        async with engine.connect() as conn:
+            read = {r.trace_id: r._mapping for r in await conn.execute(sa.select(TRACES))}
+            ages = dict((await conn.execute(sa.text(
+                "SELECT trace_id, created_at FROM traces WHERE created_at < "
+                + ("datetime('now', '+1 minute')" if engine.dialect.name == "sqlite"
+                   else "now() + interval '1 minute'")))).all())
+        for trace_id, row in rows.items():
+            stored = read[trace_id]
+            for column, value in row.items():
+                if isinstance(value, EncodedJSON):
+                    value = orjson.loads(value.text)
+                assert stored[column] == value, column
+            if engine.dialect.name == "sqlite":
+                assert ages[trace_id] == row["created_at"].strftime("%Y-%m-%d %H:%M:%S.%f")
+        assert read["rejected"]["reject_reasons"] and read["plain"]["reject_reasons"] == []
+        assert read["plain"]["compressed_tokens"] is None
+    finally:
+        await inserter.stop()
+        await engine.dispose()
+
+
+async def test_resends_in_and_across_batches(trace_server: dict[str, Any]) -> None:
+    """The first of a trace_id is stored; the same content again is its duplicate, other
+    content a conflict, whether in the same group commit or a later one."""
+    engine = create_engine(TraceServerConfig(**trace_server))
+    await migrate.upgrade(engine)
+    inserter = TraceInserter(engine)
+    inserter.start()
+    try:
+        one = TraceRow.of(PREPARER.row(native_trace(trace_id="one")))
+        other = TraceRow.of(PREPARER.row(native_trace(trace_id="one", task="another task")))
+        together = await asyncio.gather(
+            inserter.submit(one), inserter.submit(one), inserter.submit(other),
+            return_exceptions=True)
+        later = await asyncio.gather(
+            inserter.submit(one), inserter.submit(other), return_exceptions=True)
+        for answers in (together[1:], later):
+            duplicate, conflict = answers
+            assert isinstance(duplicate, Stored) and duplicate.duplicate
+            assert duplicate.to_json() == {**one.stored.to_json(), "duplicate": True}
+            assert isinstance(conflict, Conflict)
+        assert together[0] == one.stored
     finally:
         await inserter.stop()
         await engine.dispose()

@@ -20,7 +20,7 @@ from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import Stage
 from app.errors import Unavailable
-from app.ingest.inserter import TraceInserter
+from app.ingest.inserter import Stored, TraceInserter, TraceRow
 from app.stages.compression import CompressionStage
 from app.stages.leases import Lease, claim, retry_later
 from tests.support.databases import create_pg_database, drop_pg_database
@@ -116,11 +116,12 @@ async def test_the_inserter_logs_a_bug_with_its_traceback_and_a_refusal_in_one_l
         inserter.start()
         try:
             with caplog.at_level(logging.ERROR, "atropos.ingest"), pytest.raises(Unavailable):
-                await inserter.insert({"no trace_id": True})
+                # No values at all: the insert's own code fails (a bug, not the database).
+                await inserter.insert(TraceRow(None, _answer("t-0"), "hash"))  # type: ignore[arg-type]
         finally:
             await inserter.stop()
     [bug] = [r for r in caplog.records if r.name == "atropos.ingest"]
-    assert bug.exc_info is not None and bug.exc_info[0] is KeyError
+    assert bug.exc_info is not None and bug.exc_info[0] is TypeError
 
     caplog.clear()
     if dialect == "sqlite":
@@ -136,7 +137,7 @@ async def test_the_inserter_logs_a_bug_with_its_traceback_and_a_refusal_in_one_l
     inserter.start()
     try:
         with caplog.at_level(logging.ERROR, "atropos.ingest"), pytest.raises(Unavailable):
-            await inserter.insert({"trace_id": "t-1"})
+            await inserter.insert(TraceRow(("t-1",), _answer("t-1"), "hash"))
     finally:
         await inserter.stop()
         await engine.dispose()
@@ -144,3 +145,7 @@ async def test_the_inserter_logs_a_bug_with_its_traceback_and_a_refusal_in_one_l
     assert refused.exc_info is None
     assert refused.getMessage().startswith("storing 1 traces failed: ")
     assert "\n" not in refused.getMessage() and "INSERT" not in refused.getMessage()
+
+
+def _answer(trace_id: str) -> Stored:
+    return Stored(trace_id, "accepted", "success", 1, 0.0, None, None, None)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from typing import Any, Literal, TypeVar, assert_never
 
+import orjson
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.engine import create_thread_engine
+from app.db.types import EncodedJSON, UtcTimeStamp, utc_text
 
 Dialect = Literal["sqlite", "postgresql"]
 T = TypeVar("T")
@@ -101,6 +104,96 @@ def reserve_ids(conn: sa.Connection, table: sa.Table, n: int) -> list[int]:
         )
         return [int(value) for value in rows.scalars()]
     assert_never(dialect)
+
+
+class BulkInsert:
+    """INSERT ... ON CONFLICT (key) DO NOTHING of many rows, its SQL written once per
+    dialect, with values in a form both drivers take as they are (`values`): text,
+    numbers and None, a UtcTimeStamp as SQLite's UTC text, JSON as its text. No
+    SQLAlchemy type processing runs per row, and the values can be made anywhere
+    (the ingest processes make them) before the dialect is known.
+
+    `run` inserts the rows whose key is new and answers those keys. SQLite: the keys
+    already there are looked up first, then the rest go in one executemany; only valid
+    in a transaction begun IMMEDIATE (`OneHop`), whose write lock keeps what the lookup
+    found true until commit. PostgreSQL: one statement over the columns as arrays
+    (unnest), RETURNING the keys it inserted; concurrent writers are settled by the
+    conflict clause."""
+
+    def __init__(self, table: sa.Table, key: str, columns: Sequence[str]) -> None:
+        self.table = table
+        self.key = key
+        self.columns = tuple(columns)
+        self._key_index = self.columns.index(key)
+        types = [table.c[name].type for name in self.columns]
+        self._times = {i for i, t in enumerate(types) if isinstance(t, UtcTimeStamp)}
+        self._json = {i for i, t in enumerate(types) if isinstance(t, sa.JSON)}
+        names = ", ".join(self.columns)
+        self._sqlite = (
+            f"INSERT INTO {table.name} ({names}) VALUES ({', '.join('?' * len(types))}) "
+            f"ON CONFLICT ({key}) DO NOTHING"
+        )
+        arrays, selected = [], []
+        for i, (name, kind) in enumerate(zip(self.columns, types, strict=True)):
+            arrays.append(f"${i + 1}::{_pg_array_of(kind, i in self._times | self._json)}[]")
+            if i in self._times:
+                selected.append(f"{name}::timestamp AT TIME ZONE 'UTC'")
+            elif i in self._json:
+                selected.append(f"{name}::jsonb")
+            else:
+                selected.append(name)
+        self._postgresql = (
+            f"INSERT INTO {table.name} ({names}) SELECT {', '.join(selected)} "
+            f"FROM unnest({', '.join(arrays)}) AS v({names}) "
+            f"ON CONFLICT ({key}) DO NOTHING RETURNING {key}"
+        )
+
+    def values(self, row: Mapping[str, Any]) -> tuple[Any, ...]:
+        """The row's values, in `columns` order, in the form `run` takes."""
+        values = []
+        for i, name in enumerate(self.columns):
+            value = row[name]
+            if value is None:
+                pass
+            elif i in self._times:
+                assert isinstance(value, datetime)
+                value = utc_text(value)
+            elif i in self._json:
+                value = value.text if isinstance(value, EncodedJSON) else (
+                    orjson.dumps(value).decode())
+            values.append(value)
+        return tuple(values)
+
+    def run(self, conn: sa.Connection, rows: Sequence[tuple[Any, ...]]) -> set[Any]:
+        """Insert `rows` (from `values`, with distinct keys); the keys that were new."""
+        if not rows:
+            return set()
+        k = self._key_index
+        dialect = dialect_of(conn)
+        if dialect == "sqlite":
+            column = self.table.c[self.key]
+            there = set(conn.scalars(
+                sa.select(column).where(column.in_([row[k] for row in rows]))
+            ))
+            new = [row for row in rows if row[k] not in there]
+            if new:
+                conn.exec_driver_sql(self._sqlite, new)
+            return {row[k] for row in new}
+        if dialect == "postgresql":
+            arrays = tuple(list(column) for column in zip(*rows, strict=True))
+            return set(conn.exec_driver_sql(self._postgresql, arrays).scalars())
+        assert_never(dialect)
+
+
+def _pg_array_of(kind: Any, as_text: bool) -> str:
+    """The PostgreSQL element type of a column's values in BulkInsert's form."""
+    if as_text or isinstance(kind, sa.String | sa.Text):
+        return "text"
+    if isinstance(kind, sa.Integer):
+        return "bigint"
+    if isinstance(kind, sa.Float):
+        return "float8"
+    raise TypeError(f"BulkInsert does not know how to pass {kind!r} to PostgreSQL")
 
 
 class OneHop:

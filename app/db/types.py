@@ -55,5 +55,13 @@ class UtcTimeStamp(sa.TypeDecorator[datetime]):
         return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+def utc_text(value: datetime) -> str:
+    """`value` as UtcTimeStamp keeps it on SQLite (naive UTC, always with microseconds:
+    SQLAlchemy's format), for inserts that pass values as they are (dialect.BulkInsert);
+    PostgreSQL reads it back as UTC."""
+    aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    return aware.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)

@@ -28,7 +28,7 @@ from app.domain import Stage, Trace
 from app.errors import BadRequest, HubError, Invalid
 from app.evaluation.environment import Environment
 from app.ingest.admission import Admission
-from app.ingest.inserter import Stored, TraceInserter
+from app.ingest.inserter import Stored, TraceInserter, TraceRow
 from app.ingest.limits import check_item, check_trace
 from app.ingest.processes import IngestProcesses
 from app.ingest.tokens import count_parts
@@ -94,11 +94,12 @@ class Preparer:
             "attempts": 0,
         }
 
-    def prepare(self, item: Any, fmt: str | None) -> dict[str, Any] | HubError:
-        """The item's row, or the HubError that refuses it. An item may come as its
-        JSON text (bytes), which is cheaper to send to a process than the parsed value."""
+    def prepare(self, item: Any, fmt: str | None) -> TraceRow | HubError:
+        """The item's row, ready to insert, or the HubError that refuses it. An item may
+        come as its JSON text (bytes), which is cheaper to send to a process than the
+        parsed value."""
         try:
-            return self.row(_decoded(item) if isinstance(item, bytes) else item, fmt)
+            return TraceRow.of(self.row(_decoded(item) if isinstance(item, bytes) else item, fmt))
         except HubError as exc:
             return exc
 
@@ -159,7 +160,7 @@ class Ingestor:
     def _admit(self, traces: int) -> AbstractContextManager[None]:
         return self._admission.admit(traces) if self._admission else nullcontext()
 
-    def _submit(self, row: dict[str, Any]) -> asyncio.Future[Stored] | HubError:
+    def _submit(self, row: TraceRow) -> asyncio.Future[Stored] | HubError:
         try:
             return self._inserter.submit(row)
         except HubError as exc:

@@ -6,6 +6,12 @@ is queued (up to `max_batch` rows), inserts it with ON CONFLICT DO NOTHING, look
 the trace_ids that already existed, commits, and only then resolves the waiters. The
 queue holds only unacknowledged work: a crash loses nothing that was answered.
 
+A row comes ready to insert (`TraceRow`, made in an ingest process): its values in a
+form both drivers take as they are, inserted with SQL written once
+(`dialect.BulkInsert`), and its answer. The transaction runs whole in one hop
+(`dialect.OneHop`: on SQLite in a thread of its own, begun IMMEDIATE), so the event
+loop spends a few microseconds a row on it (bench/ingest.py, docs/decisions.md).
+
 `max_wait` (limits.max_write_wait_seconds) bounds every request's wait for its commit:
 past it the request is answered 503 and its row withdrawn, never written later. A
 row's transaction, once it is committing, is past withdrawing (the commit's answer is
@@ -26,21 +32,24 @@ is answered 503: none was written.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.db.dialect import dialect_of, insert_ignoring_conflicts
+from app.db.dialect import BulkInsert, OneHop
 from app.db.errors import database_error, database_refusal, refuses_row
 from app.db.models import TRACES
-from app.errors import Conflict, Unavailable
+from app.errors import Conflict, HubError, Unavailable
 from app.stages.schedule import claim_if_due
 
 log = logging.getLogger("atropos.ingest")
@@ -88,9 +97,41 @@ class Stored:
         }
 
 
+# The columns a new trace is written with (the others keep their defaults).
+INSERT = BulkInsert(
+    TRACES,
+    "trace_id",
+    (
+        "trace_id", "created_at", "updated_at", "status", "stage", "total_tokens",
+        "compressed_tokens", "reward", "env_reward", "reward_breakdown", "reject_reasons",
+        "scored_with", "source_format", "env", "model", "agent_name", "policy_version",
+        "content_hash", "original", "trace", "attempts",
+    ),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One trace, ready to insert: its `values` (INSERT.columns, in the form
+    BulkInsert takes) and its answer once stored."""
+
+    values: tuple[Any, ...]
+    stored: Stored
+    content_hash: str
+
+    @classmethod
+    def of(cls, row: Mapping[str, Any]) -> TraceRow:
+        """From the row as column -> value (`Preparer.row`)."""
+        return cls(INSERT.values(row), _stored(row, duplicate=False), row["content_hash"])
+
+    @property
+    def trace_id(self) -> str:
+        return self.stored.trace_id
+
+
 @dataclass(slots=True)
 class _Pending:
-    row: dict[str, Any]
+    row: TraceRow
     done: asyncio.Future[Stored]
     # In a transaction that is committing: too late to withdraw.
     sealed: bool = False
@@ -128,6 +169,10 @@ class TraceInserter:
         # Why the last write failed; None once one has succeeded.
         self._failure: str | None = None
         self._probe: asyncio.Task[None] | None = None
+        self._hop = OneHop(engine)
+        # Sealing (in the hop's thread, on SQLite) and withdrawing (on the event loop)
+        # decide a row's fate: one at a time.
+        self._deciding = threading.Lock()
 
     def write_wait(self) -> float:
         """How long the write in progress has run (0.0 when idle): long means the
@@ -157,12 +202,12 @@ class TraceInserter:
         else:
             self._failure = None
 
-    async def insert(self, row: dict[str, Any]) -> Stored:
+    async def insert(self, row: TraceRow) -> Stored:
         """Store one trace row; returns once it is committed (or found already stored).
         Raises Conflict for a known trace_id with other content."""
         return await self.submit(row)
 
-    def submit(self, row: dict[str, Any]) -> asyncio.Future[Stored]:
+    def submit(self, row: TraceRow) -> asyncio.Future[Stored]:
         """Queue a row now (rows are written in the order submitted) and return the
         future that resolves once it is committed."""
         if self._task is None or self._task.done():
@@ -181,9 +226,10 @@ class TraceInserter:
 
     def _withdraw(self, pending: _Pending) -> None:
         """Its deadline: answer 503 unless it is committed or being committed."""
-        if pending.done.done() or pending.sealed:
-            return
-        pending.withdrawn = True
+        with self._deciding:
+            if pending.done.done() or pending.sealed:
+                return
+            pending.withdrawn = True
         pending.done.set_exception(Unavailable(
             f"the database did not commit this trace within {self._max_wait:g} s "
             "(limits.max_write_wait_seconds); it was not stored: send it again",
@@ -206,6 +252,7 @@ class TraceInserter:
         except asyncio.CancelledError:
             pass
         self._task = None
+        await self._hop.close()
 
     async def _run(self) -> None:
         while True:
@@ -250,41 +297,45 @@ class TraceInserter:
     def _seal(self, batch: list[_Pending]) -> None:
         """Called last in the transaction, just before its commit: roll back if a row
         was withdrawn meanwhile; else none may be any more."""
-        if any(p.withdrawn for p in batch):
-            raise _Withdrawn
-        for p in batch:
-            p.sealed = True
+        with self._deciding:
+            if any(p.withdrawn for p in batch):
+                raise _Withdrawn
+            for p in batch:
+                p.sealed = True
 
     async def _write(self, batch: list[_Pending]) -> None:
         # The first occurrence of each trace_id is inserted; later ones in the same
         # batch are answered like any resend.
         first: dict[str, _Pending] = {}
         for p in batch:
-            first.setdefault(p.row["trace_id"], p)
+            first.setdefault(p.row.trace_id, p)
+        refused: dict[str, HubError] = {}
         try:
-            async with self._engine.begin() as conn:
-                new_ids = await _insert(conn, [p.row for p in first.values()])
-                known = await _lookup(conn, [tid for tid in first if tid not in new_ids])
-                self._seal(batch)
+            new_ids, known = await self._hop.run(partial(self._insert_all, batch, first))
         except SQLAlchemyError as exc:
             if not refuses_row(exc):
                 raise
-            async with self._engine.begin() as conn:
-                new_ids = await _insert_one_by_one(conn, first.values())
-                known = await _lookup(conn, [tid for tid in first if tid not in new_ids])
-                self._seal(batch)
+            new_ids, known = await self._hop.run(
+                partial(self._insert_one_by_one, batch, first, refused)
+            )
         if self._on_commit is not None:
             self._on_commit()
         for p in batch:
             if p.done.done():
                 continue
-            tid = p.row["trace_id"]
-            if tid in new_ids and first[tid] is p:
-                p.done.set_result(_stored(p.row, duplicate=False))
+            tid = p.row.trace_id
+            if tid in refused:  # and so is any other item under its trace_id
+                p.done.set_exception(refused[tid])
                 continue
-            existing = known.get(tid) or first[tid].row
-            if existing["content_hash"] == p.row["content_hash"]:
-                p.done.set_result(_stored(existing, duplicate=True))
+            if tid in new_ids and first[tid] is p:
+                p.done.set_result(p.row.stored)
+                continue
+            if tid in known:
+                existing, content_hash = known[tid]
+            else:  # the first of its batch
+                existing, content_hash = first[tid].row.stored, first[tid].row.content_hash
+            if content_hash == p.row.content_hash:
+                p.done.set_result(_duplicate(existing))
             else:
                 p.done.set_exception(
                     Conflict(
@@ -294,42 +345,58 @@ class TraceInserter:
                     )
                 )
 
+    # The transactions, run whole in one hop (in the hop's thread on SQLite): they
+    # touch no future, only the rows and the `_deciding` lock.
 
-async def _insert(conn: AsyncConnection, rows: list[dict[str, Any]]) -> set[str]:
-    # executemany with RETURNING: SQLAlchemy batches it into multi-row INSERTs
-    # ("insertmanyvalues") and the compiled statement stays cached.
-    stmt = insert_ignoring_conflicts(dialect_of(conn), TRACES, "trace_id")
-    result = await conn.execute(stmt.returning(TRACES.c.trace_id), rows)
-    return set(result.scalars())
+    def _insert_all(
+        self, batch: list[_Pending], first: dict[str, _Pending], conn: sa.Connection
+    ) -> tuple[set[str], dict[str, tuple[Stored, str]]]:
+        new_ids = INSERT.run(conn, [p.row.values for p in first.values()])
+        known = _lookup(conn, [tid for tid in first if tid not in new_ids])
+        self._seal(batch)
+        return new_ids, known
+
+    def _insert_one_by_one(
+        self,
+        batch: list[_Pending],
+        first: dict[str, _Pending],
+        refused: dict[str, HubError],
+        conn: sa.Connection,
+    ) -> tuple[set[str], dict[str, tuple[Stored, str]]]:
+        """A row the database refused sinks only itself: one savepoint per row, the
+        first included. Any other failure ends the transaction (503 for all)."""
+        new_ids: set[str] = set()
+        refused.clear()
+        for tid, p in first.items():
+            try:
+                with conn.begin_nested():
+                    new_ids |= INSERT.run(conn, [p.row.values])
+            except SQLAlchemyError as exc:
+                if not refuses_row(exc):
+                    raise
+                refused[tid] = database_error(exc)
+                log.warning("trace %r refused by the database: %s", tid, refused[tid])
+        known = _lookup(conn, [tid for tid in first if tid not in new_ids and tid not in refused])
+        self._seal(batch)
+        return new_ids, known
 
 
-async def _insert_one_by_one(conn: AsyncConnection, pending: Any) -> set[str]:
-    """A row the database refused sinks only itself: one savepoint per row, the first
-    included. Any other failure ends the transaction (503 for all)."""
-    new_ids: set[str] = set()
-    for p in pending:
-        try:
-            async with conn.begin_nested():
-                new_ids |= await _insert(conn, [p.row])
-        except SQLAlchemyError as exc:
-            if not refuses_row(exc):
-                raise
-            refusal = database_error(exc)
-            log.warning("trace %r refused by the database: %s", p.row["trace_id"], refusal)
-            p.done.set_exception(refusal)
-    return new_ids
-
-
-async def _lookup(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, dict[str, Any]]:
+def _lookup(conn: sa.Connection, trace_ids: list[str]) -> dict[str, tuple[Stored, str]]:
+    """The stored answer and content hash of each of `trace_ids` that is stored."""
     if not trace_ids:
         return {}
-    result = await conn.execute(
-        sa.select(*RESULT_COLUMNS).where(TRACES.c.trace_id.in_(trace_ids))
-    )
-    return {row.trace_id: dict(row._mapping) for row in result}
+    result = conn.execute(sa.select(*RESULT_COLUMNS).where(TRACES.c.trace_id.in_(trace_ids)))
+    return {
+        row.trace_id: (_stored(row._mapping, duplicate=True), row.content_hash)
+        for row in result
+    }
 
 
-def _stored(row: dict[str, Any], *, duplicate: bool) -> Stored:
+def _duplicate(stored: Stored) -> Stored:
+    return stored if stored.duplicate else dataclasses.replace(stored, duplicate=True)
+
+
+def _stored(row: Mapping[Any, Any], *, duplicate: bool) -> Stored:
     return Stored(
         trace_id=row["trace_id"],
         stage=row["stage"],

@@ -37,9 +37,9 @@ from app.ingest.tokens import encoding
 
 if TYPE_CHECKING:
     from app.ingest.ingestor import Preparer
+    from app.ingest.inserter import TraceRow
 
-Row = dict[str, Any]
-Reply = list[Row | HubError]
+Reply = list["TraceRow | HubError"]
 R = TypeVar("R")
 
 log = logging.getLogger("atropos.ingest")
