@@ -5,7 +5,7 @@
 Corpus: the OpenHands multi_swe_bench runs and SWE-agent .traj files in
 ../shared/fixtures/real (loaded by tests/support/real_traces.py). Input tokens are each trace's
 total_tokens, counted once beforehand as ingest does. The process is pinned to one CPU.
-For comparison it also times tiktoken alone counting the same text, and compression of
+For comparison it also times the token counter alone on the same text, and compression of
 ~5 KB traces (the ingest benchmark's size) in traces/s.
 """
 
@@ -42,12 +42,12 @@ def main() -> None:
     print(f"corpus: {len(corpus)} real traces, {tokens} input tokens (cl100k_base)")
 
     tokenizer = _best(args.rounds, lambda: [count_parts(t.text_parts()) for t, _ in corpus])
-    print(f"tiktoken alone, counting the corpus:   {tokens / tokenizer / 1e6:5.2f} M tokens/s")
+    print(f"token counter alone, on the corpus: {tokens / tokenizer / 1e6:5.2f} M tokens/s")
 
     elapsed = _best(args.rounds, lambda: asyncio.run(_compress_all(corpus, policy)))
     print(
         f"key_decision_extract, end to end:      {tokens / elapsed / 1e6:5.2f} M input tokens/s"
-        f"  ({elapsed * 1e3 / len(corpus):.1f} ms/trace, {tokenizer / elapsed:.2f}x tiktoken"
+        f"  ({elapsed * 1e3 / len(corpus):.1f} ms/trace, {tokenizer / elapsed:.2f}x the counter"
         " alone: the figure that holds when the machine is shared)"
     )
 

