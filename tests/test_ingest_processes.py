@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,26 @@ async def test_an_item_past_max_item_seconds_is_refused_and_its_process_replaced
         assert processes.pids != [pid]
         (row,) = await processes.rows([native_trace(trace_id="next")], None)
         assert not isinstance(row, HubError) and row.trace_id == "next"
+    finally:
+        await processes.close()
+
+
+async def test_the_watchdog_stops_a_call_behind_others_answered_together() -> None:
+    """Calls made in one turn of the event loop reach a process in one write, and it
+    answers them together: while it is on the second, the first's answer is not sent
+    yet. The second is still stopped at the limit, the others answered by a successor."""
+    limits = LimitsConfig(max_item_seconds=0.25)
+    processes = IngestProcesses(Preparer(PREPARER.environment, limits), 1)
+    try:
+        await processes.call(time.sleep, 0)
+        (pid,) = processes.pids
+        calls = [processes.call(time.sleep, 0), processes.call(time.sleep, 30),
+                 processes.call(time.sleep, 0)]
+        first, refused, third = await asyncio.wait_for(
+            asyncio.gather(*calls, return_exceptions=True), 10)
+        assert isinstance(refused, Invalid) and refused.field == "limits.max_item_seconds"
+        assert (first, third) == (None, None)
+        assert processes.pids != [pid]
     finally:
         await processes.close()
 
