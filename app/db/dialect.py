@@ -133,6 +133,10 @@ class BulkInsert:
             f"INSERT INTO {table.name} ({names}) VALUES ({', '.join('?' * len(types))}) "
             f"ON CONFLICT ({key}) DO NOTHING"
         )
+        # The keys among those of a JSON array that the table holds already.
+        self._sqlite_there = (
+            f"SELECT {key} FROM {table.name} WHERE {key} IN (SELECT value FROM json_each(?))"
+        )
         arrays, selected = [], []
         for i, (name, kind) in enumerate(zip(self.columns, types, strict=True)):
             arrays.append(f"${i + 1}::{_pg_array_of(kind, i in self._times | self._json)}[]")
@@ -171,10 +175,8 @@ class BulkInsert:
         k = self._key_index
         dialect = dialect_of(conn)
         if dialect == "sqlite":
-            column = self.table.c[self.key]
-            there = set(conn.scalars(
-                sa.select(column).where(column.in_([row[k] for row in rows]))
-            ))
+            keys = orjson.dumps([row[k] for row in rows]).decode()
+            there = set(conn.exec_driver_sql(self._sqlite_there, (keys,)).scalars())
             new = [row for row in rows if row[k] not in there]
             if new:
                 conn.exec_driver_sql(self._sqlite, new)
