@@ -323,64 +323,81 @@ def main() -> None:
                         help='traces per request, as {"traces": [...]} (answered 207)')
     parser.add_argument("--no-minimal", action="store_true",
                         help="skip the minimal endpoint (no ratio)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="hub, minimal, hub, minimal...: the median ratio is printed")
     parser.add_argument("--no-rules", action="store_true",
                         help="no reward rules or filters: the cost of scoring, by difference")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help="a trace_server key for the hub, e.g. --set ingest_processes=3")
     args = parser.parse_args()
-    minimal_path = "/v1/traces" if args.batch == 1 else "/v1/traces/batch"
-
-    with tempfile.TemporaryDirectory() as tmp, _database(args) as url:
-        workdir = Path(tmp)
+    print(f"ingest: {args.db}, {args.hubs} hub(s), {args.clients} clients, "
+          f"{len(Body(args.trace_kb, 1).template) / 1000:.1f} KB traces, "
+          f"{args.batch} per request, {args.seconds:.0f} s"
+          + "".join(f", {s}" for s in args.set), flush=True)
+    ratios, lost = [], 0
+    with _database(args) as url:
         if url is not None:
             args.database_url = url
-        server = trace_server(args, workdir)
-        for setting in args.set:
-            key, _, value = setting.partition("=")
-            server[key] = json.loads(value)
-        hubs = []
-        for n in range(args.hubs):
-            (workdir / str(n)).mkdir()
-            config: dict[str, object] = {"trace_server": server}
-            if args.no_rules:
-                config["environment"] = {"reward_rules": {}, "invalid_trace_filters": []}
-            hubs.append(start_hub(config, workdir / str(n)))
-        with running([proc for proc, _ in hubs]):
-            per_hub = args.clients // len(hubs)
-
-            async def run_all() -> list[Figures]:
-                return await asyncio.gather(*(
-                    load("127.0.0.1", port, "/v1/traces", per_hub, args.seconds,
-                         args.trace_kb, args.batch, [proc.pid])
-                    for proc, port in hubs))
-
-            results = asyncio.run(run_all())
-        lost = missing(server, [i for r in results for i in r.acked])
-        minimal = None
-        if not args.no_minimal:
-            proc, port = start_minimal(workdir / "minimal.db")
-            with running([proc]):
-                minimal = asyncio.run(load("127.0.0.1", port, minimal_path, args.clients,
-                                           args.seconds, args.trace_kb, args.batch,
-                                           [proc.pid]))
-
-    total = sum(r.acked_per_s for r in results)
-    print(f"ingest: {args.db}, {args.hubs} hub(s), {args.clients} clients, "
-          f"{results[0].body_kb:.1f} KB traces, {args.batch} per request, "
-          f"{args.seconds:.0f} s" + "".join(f", {s}" for s in args.set))
-    for n, r in enumerate(results):
-        print(r.line(f"hub {n}"))
-    if args.hubs > 1:
-        print(f"  hubs total: {total:.0f} acked traces/s")
-    print(f"  acknowledged but not in the database: {lost}")
-    if minimal is not None:
-        print(minimal.line("minimal endpoint"))
-        cpu = sum(r.cpu_ms_per_trace * r.acked_per_s for r in results) / total
-        print(f"  hub / minimal: {total / minimal.acked_per_s:.2f}x the rate, "
-              f"{cpu / minimal.cpu_ms_per_trace:.2f}x the CPU per trace")
+        for _ in range(args.rounds):
+            with tempfile.TemporaryDirectory() as tmp:
+                results, lost_now = hub_round(args, Path(tmp))
+                lost += lost_now
+                total = sum(r.acked_per_s for r in results)
+                for n, r in enumerate(results):
+                    print(r.line(f"hub {n}"))
+                if args.hubs > 1:
+                    print(f"  hubs total: {total:.0f} acked traces/s")
+                print(f"  acknowledged but not in the database: {lost_now}", flush=True)
+                if args.no_minimal:
+                    continue
+                minimal = minimal_round(args, Path(tmp))
+                print(minimal.line("minimal endpoint"))
+                cpu = sum(r.cpu_ms_per_trace * r.acked_per_s for r in results) / total
+                ratios.append((total / minimal.acked_per_s, cpu / minimal.cpu_ms_per_trace))
+                print(f"  hub / minimal: {ratios[-1][0]:.2f}x the rate, "
+                      f"{ratios[-1][1]:.2f}x the CPU per trace", flush=True)
+    if len(ratios) > 1:
+        print(f"  median of {len(ratios)} rounds: hub / minimal "
+              f"{statistics.median(r for r, _ in ratios):.2f}x the rate, "
+              f"{statistics.median(c for _, c in ratios):.2f}x the CPU per trace")
     print("reproduce: python bench/ingest.py " + " ".join(sys.argv[1:]))
     if lost:
         raise SystemExit(f"{lost} acknowledged traces are not in the database")
+
+
+def hub_round(args: argparse.Namespace, workdir: Path) -> tuple[list[Figures], int]:
+    """--hubs hubs on one database under load; their figures and how many of the traces
+    they acknowledged are not in the database."""
+    server = trace_server(args, workdir)
+    for setting in args.set:
+        key, _, value = setting.partition("=")
+        server[key] = json.loads(value)
+    hubs = []
+    for n in range(args.hubs):
+        (workdir / str(n)).mkdir()
+        config: dict[str, object] = {"trace_server": server}
+        if args.no_rules:
+            config["environment"] = {"reward_rules": {}, "invalid_trace_filters": []}
+        hubs.append(start_hub(config, workdir / str(n)))
+    with running([proc for proc, _ in hubs]):
+        per_hub = args.clients // len(hubs)
+
+        async def run_all() -> list[Figures]:
+            return await asyncio.gather(*(
+                load("127.0.0.1", port, "/v1/traces", per_hub, args.seconds,
+                     args.trace_kb, args.batch, [proc.pid])
+                for proc, port in hubs))
+
+        results = asyncio.run(run_all())
+    return results, missing(server, [i for r in results for i in r.acked])
+
+
+def minimal_round(args: argparse.Namespace, workdir: Path) -> Figures:
+    path = "/v1/traces" if args.batch == 1 else "/v1/traces/batch"
+    proc, port = start_minimal(workdir / "minimal.db")
+    with running([proc]):
+        return asyncio.run(load("127.0.0.1", port, path, args.clients, args.seconds,
+                                args.trace_kb, args.batch, [proc.pid]))
 
 
 @contextmanager
