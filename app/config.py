@@ -238,6 +238,18 @@ class AtroposConfig(_Section):
     retry_after_seconds: int = Field(5, ge=1)
 
 
+class OtlpConfig(_Section):
+    """OTLP/HTTP traces on the ingest path (docs/otlp.md): when a trace's spans become
+    one trajectory."""
+
+    # After its root span has ended, a trace is assembled once no span of it has
+    # arrived for this long.
+    quiet_seconds: float = Field(10, gt=0)
+    # ... or this long after its first span at the latest (root span or not; marked
+    # incomplete when the root span is missing).
+    max_wait_seconds: float = Field(600, gt=0)
+
+
 class HubConfig(_Section):
     """config.json"""
 
@@ -249,6 +261,7 @@ class HubConfig(_Section):
     atropos: AtroposConfig = Field(default_factory=AtroposConfig)
     runs: RunsConfig = Field(default_factory=RunsConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    otlp: OtlpConfig = Field(default_factory=OtlpConfig)
     # Absent: nothing is pruned but by `atropos prune`.
     retention: RetentionConfig | None = None
 

@@ -314,3 +314,50 @@ class ScheduledTaskRow(Base):
 
 
 SCHEDULED_TASKS: sa.Table = ScheduledTaskRow.__table__  # type: ignore[assignment]
+
+
+# --- OTLP spans waiting to become trajectories (app/ingest/otlp) --------------------
+
+
+class OtlpSpanRow(Base):
+    """One span as received over OTLP, kept until its trace is assembled and after (a
+    re-assembly reads every span again; a span resent by an exporter is stored once).
+    The payloads are the OTLP protobuf encoding: cheap to store, decoded into OTLP/JSON
+    only when the trace is assembled."""
+
+    __tablename__ = "otlp_spans"
+
+    trace_id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)  # 32 hex digits
+    span_id: Mapped[str] = mapped_column(sa.String(16), primary_key=True)  # 16 hex digits
+    start_ns: Mapped[int] = mapped_column(sa.BigInteger)  # start time, Unix nanoseconds
+    # The ResourceSpans (resource, schema_url) and ScopeSpans (scope, schema_url) the
+    # span came in, without their children; the span itself.
+    resource: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    scope: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    span: Mapped[bytes] = mapped_column(sa.LargeBinary)
+
+
+class OtlpTraceRow(Base):
+    """A trace's assembly: what has arrived, and what the assembly stage made of it.
+
+    state: open (spans the trajectory does not hold yet; due once its root span has
+    ended and quiet_seconds passed without a span, or max_wait_seconds after the first
+    one) -> assembled (the trajectory, under the same trace_id in `traces`, holds
+    them; spans arriving after it was batched are counted in late_spans) | refused
+    (the spans do not make a trajectory; `error` says why). A new span reopens it."""
+
+    __tablename__ = "otlp_traces"
+
+    trace_id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    state: Mapped[str] = mapped_column(sa.String(16), index=True)
+    spans: Mapped[int] = mapped_column(sa.Integer)  # distinct spans received
+    seen_spans: Mapped[int] = mapped_column(sa.Integer)  # spans the stage has dealt with
+    late_spans: Mapped[int] = mapped_column(sa.Integer)  # arrived after batching
+    root_ended: Mapped[bool] = mapped_column(sa.Boolean)  # its root span has arrived
+    first_span_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    last_span_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    error: Mapped[str | None] = mapped_column(sa.Text)
+
+
+OTLP_SPANS: sa.Table = OtlpSpanRow.__table__  # type: ignore[assignment]
+OTLP_TRACES: sa.Table = OtlpTraceRow.__table__  # type: ignore[assignment]

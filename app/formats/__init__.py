@@ -8,9 +8,10 @@ canonical trace.
 The format is chosen by, in order: the item's own top-level "format" key (so each
 item of a batch may name its own), the `fmt` argument (e.g. a request-wide choice),
 and detection. Detection looks, in this order, for `schema_version` (atif),
-`messages` (openai), `conversations` (sharegpt/Hermes) and `steps` or `task`
-(native); it only looks at which keys are present, so a malformed item of a known
-shape gets that format's precise error rather than "unknown format".
+`messages` (openai), `conversations` (sharegpt/Hermes), `steps` or `task` (native)
+and `resourceSpans` (otlp: one trace's spans as OTLP/JSON); it only looks at which
+keys are present, so a malformed item of a known shape gets that format's precise
+error rather than "unknown format".
 
 Every failure is an `app.errors.HubError`: `Invalid` (422) with the JSON path in
 `field`, or `UnknownFormat` (400).
@@ -22,12 +23,14 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Protocol
 
+import orjson
+
 from app.domain import Trace
 from app.errors import Invalid, UnknownFormat
-from app.formats import atif, native, openai, sharegpt
+from app.formats import atif, native, openai, otlp, sharegpt
 from app.formats._common import type_name
 
-__all__ = ["EXPORTS", "FORMATS", "Format", "detect", "export", "parse"]
+__all__ = ["EXPORTS", "FORMATS", "Format", "detect", "export", "load", "parse"]
 
 
 class Format(Protocol):
@@ -37,12 +40,10 @@ class Format(Protocol):
 
     def parse(self, item: dict[str, Any]) -> Trace: ...
 
-    def export(self, trace: Trace) -> dict[str, Any]: ...
-
 
 # Detection order: ATIF before native, since both have `steps`.
 FORMATS: Mapping[str, Format] = MappingProxyType(
-    {"atif": atif, "openai": openai, "sharegpt": sharegpt, "native": native}
+    {"atif": atif, "openai": openai, "sharegpt": sharegpt, "native": native, "otlp": otlp}
 )
 _ALIASES = {"hermes": "sharegpt"}
 EXPORTS: Mapping[str, Callable[[Trace], dict[str, Any]]] = MappingProxyType(
@@ -64,7 +65,8 @@ def detect(item: dict[str, Any]) -> str:
             return name
     raise UnknownFormat(
         "cannot tell the trace format: expected a 'schema_version' (atif), 'messages' "
-        "(openai), 'conversations' (sharegpt/hermes) or 'steps' and 'task' (native) key, "
+        "(openai), 'conversations' (sharegpt/hermes), 'steps' and 'task' (native) or "
+        "'resourceSpans' (otlp) key, "
         f'or name the format with "format": one of {_PARSE_NAMES}'
     )
 
@@ -78,6 +80,14 @@ def parse(item: Any, fmt: str | None = None) -> Trace:
         named = fmt
     name = detect(item) if named is None else _resolve(named, FORMATS, _ALIASES)
     return FORMATS[name].parse(item)
+
+
+def load(raw: bytes, fmt: str | None) -> Any:
+    """An item that travels as bytes: an OTLP protobuf request when `fmt` is otlp (how
+    the assembly stage hands over a trace's spans), else JSON text."""
+    if fmt == otlp.NAME:
+        return otlp.load(raw)
+    return orjson.loads(raw)
 
 
 def export(trace: Trace, fmt: str) -> dict[str, Any]:

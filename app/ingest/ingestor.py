@@ -82,12 +82,14 @@ class Preparer:
         }
 
     def rows(self, items: list[Any], fmt: str | None) -> list[dict[str, Any] | HubError]:
-        """Each item's row, or the HubError that refuses it. An item may come as its
-        JSON text (bytes), which is cheaper to send to a process than the parsed value."""
+        """Each item's row, or the HubError that refuses it. An item may come as bytes
+        (`formats.load`: JSON text, or an OTLP protobuf request), which is cheaper to
+        send to a process than the parsed value."""
         out: list[dict[str, Any] | HubError] = []
         for item in items:
             try:
-                out.append(self.row(orjson.loads(item) if isinstance(item, bytes) else item, fmt))
+                out.append(self.row(formats.load(item, fmt) if isinstance(item, bytes) else item,
+                                    fmt))
             except HubError as exc:
                 out.append(exc)
         return out
