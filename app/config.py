@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, get_args
@@ -25,10 +26,14 @@ from pydantic import (
     Field,
     PlainSerializer,
     ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from app import formats
 from app.domain import Stage
 from app.durations import format_duration, parse_duration
 from app.errors import ConfigError
@@ -92,31 +97,74 @@ class EnvironmentConfig(_Section):
     )
 
 
+def _training_record(name: str) -> str:
+    if name not in formats.TRAINING_EXPORTS:
+        raise PydanticCustomError(
+            "literal_error", "Input should be {expected}",
+            {"expected": _either(formats.TRAINING_EXPORTS)},
+        )
+    return name
+
+
 class DistributorConfig(_Section):
-    target: Literal["tinker", "jsonl", "http"] = "tinker"
+    """The keys every target shares. Each target (app/targets) adds its own in a
+    subclass; HubConfig.distributor is that subclass, chosen by `target`."""
+
+    target: str = "tinker"
     batch_size: int = Field(32, gt=0)
     min_reward_threshold: float = 5
     # The record each trace becomes in a batch (jsonl and http targets; the tinker
     # target always sends OpenAI chat records, which is what fine-tuning APIs take).
-    format: Literal["openai", "sharegpt", "hermes", "atif"] = "openai"
+    format: Annotated[str, AfterValidator(_training_record)] = "openai"
     # Send a trace's compressed view where it has one (SFT); false: always the whole trace.
     use_compressed: bool = True
-    # jsonl target: one training file per batch, plus manifest.jsonl.
-    output_dir: HomePath = "~/.atropos/batches"
-    # http target: where batches are POSTed.
-    url: str | None = None
-    http_timeout_seconds: float = Field(60, gt=0)
     # Failed deliveries are retried after min(base * 2^(attempt-1), max) seconds, then
     # the batch is `failed` after max_attempts attempts (`atropos batches retry ID`).
     max_attempts: int = Field(6, gt=0)
     retry_base_seconds: float = Field(5, ge=0, le=5)
     retry_max_seconds: float = Field(60, ge=0, le=60)
 
-    @model_validator(mode="after")
-    def _url_for_http(self) -> DistributorConfig:
-        if self.target == "http" and not self.url:
-            raise ValueError("url is required when target is http (e.g. https://trainer/batches)")
-        return self
+
+def _for_its_target(raw: dict[str, Any]) -> DistributorConfig:
+    """The distributor section as the config model of the target it names. A key of
+    another target is refused unless it holds that key's default or null, as
+    config.json.example, which lists every key, has it."""
+    # The targets import this module, so their registry is looked up only now.
+    from app.targets import TARGETS
+
+    name = raw.get("target", DistributorConfig.model_fields["target"].default)
+    spec = TARGETS.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise _error("literal_error", "Input should be {expected}", ("target",), name,
+                     expected=_either(TARGETS))
+    own = spec.config.model_fields
+    keys = dict(raw)
+    for key, value in raw.items():
+        if key in own:
+            continue
+        owner = next((t for t in TARGETS.values() if key in t.config.model_fields), None)
+        if owner is None:
+            continue  # no target's key: the model refuses it, below
+        if value is not None and value != owner.config.model_fields[key].default:
+            raise _error("not_a_key", "a key of the {owner} target; distributor.target is {target}",
+                         (key,), value, owner=owner.name, target=name)
+        del keys[key]
+    try:
+        config: DistributorConfig = spec.config.model_validate(keys)
+    except ValidationError as exc:
+        unknown = next((e for e in exc.errors() if e["type"] == "extra_forbidden"), None)
+        if unknown is None:
+            raise
+        raise _error("not_a_key", "unknown key; known keys for target {target}: {known}",
+                     unknown["loc"], unknown["input"], target=name, known=", ".join(own)) from None
+    return config
+
+
+def _distributor(value: Any, handler: ValidatorFunctionWrapHandler) -> DistributorConfig:
+    if isinstance(value, dict):
+        return _for_its_target(value)
+    checked: DistributorConfig = handler(value)
+    return checked
 
 
 class LimitsConfig(_Section):
@@ -255,7 +303,9 @@ class HubConfig(_Section):
 
     trace_server: TraceServerConfig = Field(default_factory=TraceServerConfig)
     environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
-    distributor: DistributorConfig = Field(default_factory=DistributorConfig)
+    distributor: Annotated[DistributorConfig, WrapValidator(_distributor)] = Field(
+        default_factory=lambda: _for_its_target({})
+    )
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
     atropos: AtroposConfig = Field(default_factory=AtroposConfig)
@@ -375,6 +425,22 @@ def _load(path: Path, model: type[M]) -> M:
         raise ConfigError(_describe(name, exc)) from None
 
 
+def _either(names: Iterable[str]) -> str:
+    """'a', 'b' or 'c', as pydantic lists a Literal's values."""
+    *first, last = [f"'{name}'" for name in names]
+    return f"{', '.join(first)} or {last}" if first else last
+
+
+def _error(
+    kind: str, message: str, loc: tuple[int | str, ...], value: Any, **context: Any
+) -> ValidationError:
+    """A validation error at `loc` (within the value being validated)."""
+    detail: InitErrorDetails = {
+        "type": PydanticCustomError(kind, message, context), "loc": loc, "input": value
+    }
+    return ValidationError.from_exception_data("DistributorConfig", [detail])
+
+
 def _sections(model: type[BaseModel]) -> str:
     return ", ".join(model.model_fields)
 
@@ -400,7 +466,9 @@ def _describe(name: str, exc: ValidationError) -> str:
     err = exc.errors()[0]
     key = ".".join(str(part) for part in err["loc"]) or "(top level)"
     kind = err["type"]
-    if kind == "extra_forbidden":
+    if kind == "not_a_key":
+        problem = err["msg"]
+    elif kind == "extra_forbidden":
         parent = err["loc"][:-1]
         known = _known_keys(exc.title, parent)
         hint = f"; known keys: {', '.join(known)}" if known else ""

@@ -20,8 +20,7 @@ from app.config import CompressionFile, HubConfig, TinkerFile
 from app.db import migrate
 from app.db.engine import create_engine, database_url, redacted
 from app.evaluation.environment import Environment
-from app.ingest.admission import Admission
-from app.ingest.ingestor import Ingestor
+from app.ingest.ingestor import Ingestor, running_ingest
 from app.ingest.inserter import TraceInserter
 from app.runs import RunSupervisor
 from app.stages.compression import CompressionStage
@@ -67,6 +66,17 @@ async def open_database(config: HubConfig) -> AsyncEngine:
     log.info("database %s", redacted(database_url(config.trace_server)))
     await migrate.upgrade(engine)
     return engine
+
+
+@asynccontextmanager
+async def database(config: HubConfig) -> AsyncIterator[AsyncEngine]:
+    """The database of `config`, migrated (open_database), for as long as the block
+    runs; the engine is disposed of at its end."""
+    engine = await open_database(config)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
 
 
 @asynccontextmanager
@@ -117,30 +127,22 @@ async def running_hub(
 ) -> AsyncIterator[Hub]:
     engine = engine or await open_database(settings.config)
     try:
-        async with running_stages(settings, engine) as stages:
-            config = settings.config
-            inserter = TraceInserter(
-                engine, max_queue=config.limits.max_queued_traces, on_commit=stages.wake
-            )
-            admission = Admission(config.limits, inserter.write_wait)
-            ingestor = Ingestor(
-                inserter,
-                environment,
-                config.limits,
-                admission=admission,
-                processes=config.trace_server.ingest_processes,
-            )
+        config = settings.config
+        async with (
+            running_stages(settings, engine) as stages,
+            running_ingest(
+                engine, config, environment, admitted=True, on_commit=stages.wake
+            ) as ingest,
+        ):
             access = Access(config.auth, engine)
             atropos = Atropos(engine, config.atropos)
-            hub = Hub(settings, engine, inserter, ingestor, stages, access, atropos)
-            inserter.start()
-            ingestor.start()
+            hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos)
             atropos.start()
             if workers:
                 stages.start()
             try:
-                if settings.config.runs.enabled:
-                    hub.runs = RunSupervisor(engine, settings.config.runs, settings.tinker.tinker)
+                if config.runs.enabled:
+                    hub.runs = RunSupervisor(engine, config.runs, settings.tinker.tinker)
                     await hub.runs.start()  # re-attaches to the runs a previous hub left
                 # What exists now lives as long as the process: keep it out of the
                 # collector's full passes, which otherwise walked every object of
@@ -150,8 +152,6 @@ async def running_hub(
             finally:
                 if hub.runs is not None:
                     await hub.runs.close()  # the runs' processes keep running
-                await inserter.stop()  # answers what is queued before the engine goes
                 await atropos.stop()
-                await hub.ingestor.close()
     finally:
         await engine.dispose()

@@ -11,6 +11,8 @@ import pytest
 
 from app.config import load_compression, load_config, load_tinker
 from app.errors import ConfigError
+from app.targets.http import HttpTargetConfig
+from app.targets.tinker import TinkerTargetConfig
 from tests.conftest import ROOT, run_cli
 
 
@@ -25,6 +27,11 @@ from tests.conftest import ROOT, run_cli
         ('{"trace_server": {"storage_backend": "mysql"}}', "config.json: trace_server.storage_backend: Input should be 'sqlite' or 'postgresql'"),
         ('[1]', "config.json: must be a JSON object"),
         ('{"extra_section": {}}', "config.json: extra_section: unknown key; known keys: trace_server"),
+        ('{"distributor": {"target": "ftp"}}', "config.json: distributor.target: Input should be 'tinker', 'jsonl' or 'http'"),
+        ('{"distributor": {"target": "jsonl", "url": "https://trainer"}}', "config.json: distributor.url: a key of the http target; distributor.target is jsonl"),
+        ('{"distributor": {"target": "http", "url": "https://t", "ouput_dir": "x"}}', "config.json: distributor.ouput_dir: unknown key; known keys for target http: target, batch_size"),
+        ('{"distributor": {"target": "http"}}', "config.json: distributor.url: Field required"),
+        ('{"distributor": {"format": "native"}}', "config.json: distributor.format: Input should be 'atif', 'openai', 'sharegpt' or 'hermes'"),
     ],
 )
 def test_bad_config_stops_start_up_with_one_line(
@@ -95,6 +102,20 @@ def test_examples_load_with_the_seed_values() -> None:
     assert config.distributor.batch_size == 32 and config.distributor.min_reward_threshold == 5
     assert load_compression(ROOT / "compression.json.example").compression.enabled
     assert load_tinker(ROOT / "tinker.json.example").tinker.api_key_env
+
+
+def test_each_target_gets_its_own_keys(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"distributor": {
+        "target": "http", "url": "https://trainer/batches", "http_timeout_seconds": 5,
+        # Another target's keys at their defaults, as config.json.example lists them.
+        "output_dir": "~/.atropos/batches",
+    }}))  # fmt: skip
+    distributor = load_config(path).distributor
+    assert isinstance(distributor, HttpTargetConfig)
+    assert (distributor.url, distributor.http_timeout_seconds) == ("https://trainer/batches", 5)
+    assert "output_dir" not in distributor.model_dump()
+    assert isinstance(load_config(ROOT / "config.json.example").distributor, TinkerTargetConfig)
 
 
 def test_home_is_expanded_and_env_overrides_apply(

@@ -4,9 +4,7 @@ SOURCES.md), plus the reader's edge cases on small files of our own."""
 from __future__ import annotations
 
 import re
-import sys
 import time
-import types
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -347,28 +345,24 @@ def test_an_error_inside_a_multi_trace_record_keeps_the_traces_before_it(tmp_pat
     assert records[1].location.endswith("g.jsonl:1#1")
 
 
-def test_generic_formats_go_to_app_formats(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    calls: list[tuple[dict[str, Any], str | None]] = []
-
-    def parse(item: dict[str, Any], fmt: str | None = None) -> Trace:
-        calls.append((item, fmt))
-        return Trace(task="from app.formats", source_format=fmt or "sharegpt")
-
-    monkeypatch.setitem(sys.modules, "app.formats", types.SimpleNamespace(parse=parse))
+def test_generic_formats_go_to_app_formats(tmp_path: Path) -> None:
     hermes = {"conversations": [{"from": "human", "value": "hi"}], "completed": True}
     [auto] = list(read_path(_write(tmp_path / "h.jsonl", hermes)))
-    assert isinstance(auto, Parsed) and auto.trace.task == "from app.formats"
-    [named] = list(read_path(_write(tmp_path / "o.jsonl", {"messages": []}), fmt="openai"))
+    assert isinstance(auto, Parsed) and auto.trace.source_format == "sharegpt"
+    assert auto.trace.task == "hi"
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    [named] = list(read_path(_write(tmp_path / "o.jsonl", chat), fmt="openai"))
     assert isinstance(named, Parsed) and named.trace.source_format == "openai"
-    assert [fmt for _, fmt in calls] == [None, "openai"]
+    # A named format reads every record as that format, with its own precise error.
+    [refused] = list(read_path(_write(tmp_path / "n.jsonl", hermes), fmt="openai"))
+    assert isinstance(refused, Unreadable) and refused.reason.startswith("openai: ")
+    assert "messages" in refused.reason
 
 
-def test_generic_formats_without_app_formats_are_unreadable(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setitem(sys.modules, "app.formats", None)  # makes the import fail
-    [record] = list(read_path(_write(tmp_path / "h.jsonl", {"conversations": []})))
-    assert isinstance(record, Unreadable) and "app.formats" in record.reason
+def test_every_registered_format_can_be_named() -> None:
+    from app import formats as registry
+
+    assert set(registry.FORMATS) <= set(formats())
 
 
 def test_detection_is_by_content() -> None:

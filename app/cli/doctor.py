@@ -14,14 +14,17 @@ Exit 0 only when every check passes.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
+import sys
 from typing import TextIO
 from urllib.parse import urlsplit
 
 import httpx
 
-from app.config import TinkerConfig
+from app.cli.options import Commands, command
+from app.config import TinkerConfig, load_tinker
 from app.llm import LLMError, api_url, chat, chat_url, proxy_var, shown
 
 PROXY_VARS = ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "NO_PROXY")
@@ -145,3 +148,16 @@ def _check_sdk(report: _Report) -> None:
                            "pip install 'atropos-hub[tinker]'")
         return
     report.ok("sdk", "the tinker SDK is installed")
+
+
+# --- the command ----------------------------------------------------------------
+
+
+def register(commands: Commands[argparse.ArgumentParser]) -> None:
+    doctor = command(commands, "doctor", _doctor, config=None,
+                     help="check the model endpoint set-up")
+    doctor.add_argument("--tinker", required=True, help="tinker.json")
+
+
+async def _doctor(args: argparse.Namespace) -> int:
+    return await diagnose(load_tinker(args.tinker).tinker, sys.stdout)

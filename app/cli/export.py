@@ -8,8 +8,13 @@ size of the database, and no transaction stays open for the whole export. Oldest
 
 from __future__ import annotations
 
+import argparse
+import logging
+import os
+import sys
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import IO, Any
 
 import orjson
@@ -17,9 +22,14 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import formats
+from app.cli.options import Commands, add_since, command
 from app.cli.progress import Progress
+from app.config import load_config
 from app.db.models import TRACES
 from app.domain import Stage, Trace
+from app.hub import database
+
+log = logging.getLogger("atropos")
 
 PAGE = 500
 # Rejected traces are kept for inspection, not for training.
@@ -72,3 +82,38 @@ async def export_traces(
         if len(rows) < PAGE:
             return written
         after = (rows[-1].created_at, rows[-1].trace_id)
+
+
+# --- the command ----------------------------------------------------------------
+
+
+def register(commands: Commands[argparse.ArgumentParser]) -> None:
+    export = command(commands, "export", _export, help="stored traces to a JSONL training file")
+    export.add_argument("--format", required=True, choices=sorted(formats.EXPORTS))
+    export.add_argument("--compressed", action="store_true",
+                        help="the compressed view of each trace that has one")
+    export.add_argument("--min-reward", type=float, help="only traces with reward >= R")
+    add_since(export)
+    export.add_argument("--stage", action="append", choices=[s.value for s in Stage],
+                        help="only traces at this stage (repeatable; default: all but rejected)")
+    export.add_argument("-o", "--output", required=True, help="the file to write ('-': stdout)")
+
+
+async def _export(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    query = ExportQuery(args.format, args.compressed, args.min_reward, args.since,
+                        tuple(args.stage) if args.stage else DEFAULT_STAGES)
+    async with database(config) as engine:
+        progress = Progress("exported", await count(engine, query))
+        if args.output == "-":
+            written = await export_traces(engine, query, sys.stdout.buffer, progress)
+        else:
+            # Written beside the target and renamed: a reader never sees half an export.
+            out = Path(args.output)
+            tmp = out.with_name(f".{out.name}.tmp")
+            with open(tmp, "wb") as f:
+                written = await export_traces(engine, query, f, progress)
+            os.replace(tmp, out)
+        progress.close()
+    log.info("exported %d traces as %s to %s", written, args.format, args.output)
+    return 0

@@ -4,6 +4,7 @@ into the configured database or by POSTing to a running hub."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -14,10 +15,18 @@ from typing import Any
 
 import httpx
 
-from app.errors import HubError
+from app import import_sources
+from app.access.keys import bearer_from_env
+from app.cli.options import Commands, command
+from app.cli.progress import Progress
+from app.config import HubConfig, load_config
+from app.errors import ConfigError, HubError
+from app.evaluation.environment import Environment
+from app.hub import database
 from app.import_sources import Parsed, Record, Unreadable, read_path
-from app.ingest.ingestor import Ingestor
+from app.ingest.ingestor import Ingestor, running_ingest
 from app.ingest.inserter import Stored
+from app.ingest.tokens import encoding
 
 CHUNK = 64  # traces per database group or per HTTP request
 RETRIES_WHEN_BUSY = 20
@@ -115,3 +124,68 @@ def _split(chunk: list[Record], summary: Summary) -> list[Parsed]:
         else:
             parsed.append(record)
     return parsed
+
+
+# --- the command ----------------------------------------------------------------
+
+
+def register(commands: Commands[argparse.ArgumentParser]) -> None:
+    imp = command(commands, "import", _import,
+                  help="store trajectory files through the pipeline")
+    imp.add_argument("paths", nargs="+", type=Path, help="files or folders of trajectories")
+    imp.add_argument("--format", default="auto", help="an adapter name, or auto (default)")
+    imp.add_argument("--url", help="POST to this running hub instead of the database")
+    imp.add_argument(
+        "--api-key-env",
+        default="ATROPOS_API_KEY",
+        help="with --url: the environment variable holding the hub's API key "
+        "(default ATROPOS_API_KEY; unset: none is sent)",
+    )
+    imp.add_argument("--strict", action="store_true", help="an unreadable record fails the run")
+
+
+async def _import(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if args.format != "auto" and args.format not in import_sources.formats():
+        known = ", ".join(import_sources.formats())
+        raise ConfigError(f"--format {args.format}: unknown; one of auto, {known}")
+    summary = Summary()
+    progress = Progress("imported")
+    batches = chunks(records(args.paths, args.format))
+    if args.url:
+        await _over_http(args, config, batches, summary, progress)
+    else:
+        await _into_database(config, batches, summary, progress)
+    progress.close()
+    for line in summary.lines():
+        print(line)
+    failed = summary.refused or (args.strict and summary.unreadable)
+    return 1 if failed else 0
+
+
+async def _over_http(
+    args: argparse.Namespace,
+    config: HubConfig,
+    batches: Iterator[list[Record]],
+    summary: Summary,
+    progress: Progress,
+) -> None:
+    headers = bearer_from_env(args.api_key_env)
+    async with httpx.AsyncClient(base_url=args.url, timeout=120, headers=headers) as client:
+        for chunk in batches:
+            await import_over_http(client, config.trace_server.endpoint, chunk, summary)
+            progress.advance(len(chunk))
+
+
+async def _into_database(
+    config: HubConfig, batches: Iterator[list[Record]], summary: Summary, progress: Progress
+) -> None:
+    environment = Environment.from_config(config.environment)
+    encoding()
+    async with (
+        database(config) as engine,
+        running_ingest(engine, config, environment, admitted=False) as ingest,
+    ):
+        for chunk in batches:
+            await import_into_database(ingest.ingestor, chunk, summary)
+            progress.advance(len(chunk))

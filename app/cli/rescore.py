@@ -8,6 +8,7 @@ resumes where it stopped (the finished traces carry the new fingerprint).
 
 from __future__ import annotations
 
+import argparse
 from collections import Counter
 from collections.abc import Callable
 from datetime import datetime
@@ -16,10 +17,14 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.cli.options import Commands, add_since, command
+from app.cli.progress import Progress
+from app.config import load_config
 from app.db.models import TRACES
 from app.db.types import utcnow
 from app.domain import Stage, Trace
 from app.evaluation.environment import Environment
+from app.hub import database
 
 BATCH = 500
 # Traces already handed to training keep their stage; only their scores change.
@@ -104,3 +109,25 @@ def _update(row: Any, environment: Environment, counts: Counter[str]) -> dict[st
         "reject_reasons": evaluation.reject_reasons,
         "stage": stage,
     }
+
+
+# --- the command ----------------------------------------------------------------
+
+
+def register(commands: Commands[argparse.ArgumentParser]) -> None:
+    parser = command(commands, "rescore", _rescore,
+                     help="score stored traces with the current rules")
+    add_since(parser)
+
+
+async def _rescore(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    environment = Environment.from_config(config.environment)
+    async with database(config) as engine:
+        progress = Progress("rescored", await pending(engine, environment, args.since))
+        counts = await rescore(engine, environment, since=args.since, on_batch=progress.advance)
+        progress.close()
+    print(f"rescored: {counts.pop('rescored', 0)}")
+    for move, n in sorted(counts.items()):
+        print(f"stage {move}: {n}")
+    return 0

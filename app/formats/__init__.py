@@ -7,11 +7,12 @@ canonical trace.
 
 The format is chosen by, in order: the item's own top-level "format" key (so each
 item of a batch may name its own), the `fmt` argument (e.g. a request-wide choice),
-and detection. Detection looks, in this order, for `schema_version` (atif),
-`messages` (openai), `conversations` (sharegpt/Hermes), `steps` or `task` (native)
-and `resourceSpans` (otlp: one trace's spans as OTLP/JSON); it only looks at which
-keys are present, so a malformed item of a known shape gets that format's precise
-error rather than "unknown format".
+and detection. Detection asks the registered formats in order (ATIF before native,
+since both have `steps`); it only looks at which keys are present, so a malformed
+item of a known shape gets that format's precise error rather than "unknown format".
+
+A format is one module that declares a `FORMAT` record (app/formats/spec.py), plus
+its line in REGISTERED below.
 
 Every failure is an `app.errors.HubError`: `Invalid` (422) with the JSON path in
 `field`, or `UnknownFormat` (400).
@@ -19,9 +20,9 @@ Every failure is an `app.errors.HubError`: `Invalid` (422) with the JSON path in
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
@@ -29,46 +30,70 @@ from app.domain import Trace
 from app.errors import Invalid, UnknownFormat
 from app.formats import atif, native, openai, otlp, sharegpt
 from app.formats._common import type_name
+from app.formats.spec import Export, Format
 
-__all__ = ["EXPORTS", "FORMATS", "Format", "detect", "export", "load", "parse"]
+__all__ = [
+    "EXPORTS",
+    "FORMATS",
+    "REGISTERED",
+    "STEP_LISTS",
+    "TRAINING_EXPORTS",
+    "Export",
+    "Format",
+    "detect",
+    "export",
+    "load",
+    "parse",
+    "sniff",
+]
 
-
-class Format(Protocol):
-    NAME: str
-
-    def looks_like(self, item: dict[str, Any]) -> bool: ...
-
-    def parse(self, item: dict[str, Any]) -> Trace: ...
-
-
-# Detection order: ATIF before native, since both have `steps`.
-FORMATS: Mapping[str, Format] = MappingProxyType(
-    {"atif": atif, "openai": openai, "sharegpt": sharegpt, "native": native, "otlp": otlp}
+# The registration: in detection order.
+REGISTERED: tuple[Format, ...] = (
+    atif.FORMAT, openai.FORMAT, sharegpt.FORMAT, native.FORMAT, otlp.FORMAT
 )
-_ALIASES = {"hermes": "sharegpt"}
-EXPORTS: Mapping[str, Callable[[Trace], dict[str, Any]]] = MappingProxyType(
-    {
-        "native": native.export,
-        "openai": openai.export,
-        "sharegpt": sharegpt.export,
-        "hermes": sharegpt.export_hermes,
-        "atif": atif.export,
-    }
+
+FORMATS: Mapping[str, Format] = MappingProxyType({f.name: f for f in REGISTERED})
+EXPORTS: Mapping[str, Export] = MappingProxyType(
+    {e.name: e for f in REGISTERED for e in f.exports}
 )
+# What distributor.format may name.
+TRAINING_EXPORTS: tuple[str, ...] = tuple(name for name, e in EXPORTS.items() if e.training)
+# Where the formats keep their steps, for app.ingest.limits.
+STEP_LISTS: tuple[str, ...] = tuple(dict.fromkeys(k for f in REGISTERED for k in f.step_lists))
+
+_ALIASES = {alias: f.name for f in REGISTERED for alias in f.aliases}
 _PARSE_NAMES = ", ".join([*FORMATS, *_ALIASES])
+_DETECTORS = [(f.name, f.looks_like) for f in REGISTERED if f.looks_like is not None]
+
+
+def _detection_help() -> str:
+    looked_for = [
+        f"{f.detected_by} ({'/'.join([f.name, *f.aliases])})"
+        for f in REGISTERED
+        if f.looks_like is not None
+    ]
+    *first, last = looked_for
+    keys = f"{', '.join(first)} or {last}" if first else last
+    return (
+        f"cannot tell the trace format: expected a {keys} key, "
+        f'or name the format with "format": one of {_PARSE_NAMES}'
+    )
+
+
+_UNDETECTED = _detection_help()
 
 
 def detect(item: dict[str, Any]) -> str:
     """The name of the format `item` is in; UnknownFormat when none fits."""
-    for name, fmt in FORMATS.items():
-        if fmt.looks_like(item):
-            return name
-    raise UnknownFormat(
-        "cannot tell the trace format: expected a 'schema_version' (atif), 'messages' "
-        "(openai), 'conversations' (sharegpt/hermes), 'steps' and 'task' (native) or "
-        "'resourceSpans' (otlp) key, "
-        f'or name the format with "format": one of {_PARSE_NAMES}'
-    )
+    name = sniff(item)
+    if name is None:
+        raise UnknownFormat(_UNDETECTED)
+    return name
+
+
+def sniff(item: dict[str, Any]) -> str | None:
+    """The name of the format `item` looks like, or None."""
+    return next((name for name, looks_like in _DETECTORS if looks_like(item)), None)
 
 
 def parse(item: Any, fmt: str | None = None) -> Trace:
@@ -83,16 +108,15 @@ def parse(item: Any, fmt: str | None = None) -> Trace:
 
 
 def load(raw: bytes, fmt: str | None) -> Any:
-    """An item that travels as bytes: an OTLP protobuf request when `fmt` is otlp (how
-    the assembly stage hands over a trace's spans), else JSON text."""
-    if fmt == otlp.NAME:
-        return otlp.load(raw)
-    return orjson.loads(raw)
+    """An item that travels as bytes: JSON text, unless the format `fmt` names reads
+    bytes of its own (otlp: a protobuf request, as the assembly stage hands a trace over)."""
+    reader = FORMATS[fmt].load if fmt in FORMATS else None
+    return reader(raw) if reader is not None else orjson.loads(raw)
 
 
 def export(trace: Trace, fmt: str) -> dict[str, Any]:
     """`trace` in the export format `fmt` (native, openai, sharegpt, hermes, atif)."""
-    return EXPORTS[_resolve(fmt, EXPORTS, {})](trace)
+    return EXPORTS[_resolve(fmt, EXPORTS, {})].write(trace)
 
 
 def _resolve(name: Any, known: Mapping[str, Any], aliases: Mapping[str, str]) -> str:

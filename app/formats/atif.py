@@ -37,6 +37,7 @@ from typing import Any
 
 from app.domain import Step, Trace
 from app.formats import _common as c
+from app.formats.spec import Export, Format
 
 NAME = "atif"
 SCHEMA_VERSION = "ATIF-v1.4"
@@ -281,3 +282,13 @@ def _observation_results(turn: c.Turn, extra: dict[str, Any]) -> list[dict[str, 
     if any(code is not None for code in exit_codes):
         extra["observation_exit_codes"] = exit_codes
     return results
+
+
+FORMAT = Format(
+    NAME,
+    parse,
+    looks_like,
+    detected_by="'schema_version'",
+    step_lists=("steps",),
+    exports=(Export(NAME, export),),
+)

@@ -26,6 +26,7 @@ from typing import Any
 
 from app.domain import Step, StepType, Trace
 from app.formats import _common as c
+from app.formats.spec import Export, Format
 
 NAME = "native"
 _TOP_KEYS = frozenset(
@@ -148,3 +149,14 @@ _READERS: dict[str, Callable[[dict[str, Any], str], c.StepDict]] = {
     StepType.ACTION.value: _action,
     StepType.OBSERVATION.value: _observation,
 }
+
+
+FORMAT = Format(
+    NAME,
+    parse,
+    looks_like,
+    detected_by="'steps' and 'task'",
+    step_lists=("steps",),
+    # The hub's own record, not one a trainer takes.
+    exports=(Export(NAME, export, training=False),),
+)

@@ -29,6 +29,7 @@ from typing import Any
 
 from app.domain import Step, Trace
 from app.formats import _common as c
+from app.formats.spec import Export, Format
 
 NAME = "openai"
 _ROLES = ("system", "developer", "user", "assistant", "tool", "function")
@@ -176,3 +177,13 @@ def _result_text(obs: Step) -> str:
     if obs.error is None or c.error_from_text(content) or obs.error == content:
         return content
     return f"Error: {obs.error}" + (f"\n{content}" if content else "")
+
+
+FORMAT = Format(
+    NAME,
+    parse,
+    looks_like,
+    detected_by="'messages'",
+    step_lists=("messages",),
+    exports=(Export(NAME, export),),
+)

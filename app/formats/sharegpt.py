@@ -39,6 +39,7 @@ from typing import Any
 from app.domain import Status, Trace
 from app.errors import Invalid
 from app.formats import _common as c
+from app.formats.spec import Export, Format
 
 NAME = "sharegpt"
 _ROLES = {
@@ -359,3 +360,14 @@ def _hermes_tools(trace: Trace) -> str:
 def _json(value: Any) -> str:
     # Hermes writes json.dumps(..., ensure_ascii=False): spaced separators, raw unicode.
     return json.dumps(value, ensure_ascii=False)
+
+
+FORMAT = Format(
+    NAME,
+    parse,
+    looks_like,
+    detected_by="'conversations'",
+    aliases=("hermes",),
+    step_lists=("conversations",),
+    exports=(Export(NAME, export), Export("hermes", export_hermes)),
+)

@@ -12,14 +12,16 @@ import asyncio
 import hashlib
 import os
 import uuid
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import formats
-from app.config import LimitsConfig
+from app.config import HubConfig, LimitsConfig
 from app.db.types import EncodedJSON, utcnow
 from app.domain import Stage, Trace
 from app.errors import HubError, Invalid
@@ -151,6 +153,51 @@ class Ingestor:
             return self._inserter.submit(row)
         except HubError as exc:
             return exc
+
+
+@dataclass(frozen=True)
+class IngestPath:
+    inserter: TraceInserter
+    ingestor: Ingestor
+
+
+@asynccontextmanager
+async def running_ingest(
+    engine: AsyncEngine,
+    config: HubConfig,
+    environment: Environment,
+    *,
+    admitted: bool,
+    on_commit: Callable[[], None] | None = None,
+) -> AsyncIterator[IngestPath]:
+    """The ingest path of one process, running: the ingest processes that prepare rows
+    and the inserter that commits them (`atropos serve` and `atropos import` alike).
+
+    `admitted`: the work in flight is bounded by config.limits, past which new traces
+    get 503 (the HTTP API); without it (`atropos import`) the callers wait for each
+    chunk and are their own back-pressure. On exit what is queued is committed first,
+    then the processes end."""
+    if admitted:
+        inserter = TraceInserter(
+            engine, max_queue=config.limits.max_queued_traces, on_commit=on_commit
+        )
+        admission: Admission | None = Admission(config.limits, inserter.write_wait)
+    else:
+        inserter, admission = TraceInserter(engine, on_commit=on_commit), None
+    ingestor = Ingestor(
+        inserter,
+        environment,
+        config.limits,
+        admission=admission,
+        processes=config.trace_server.ingest_processes,
+    )
+    inserter.start()
+    ingestor.start()
+    try:
+        yield IngestPath(inserter, ingestor)
+    finally:
+        await inserter.stop()  # answers what is queued before the engine goes
+        await ingestor.close()
 
 
 def _cpus() -> int:

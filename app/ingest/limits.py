@@ -15,10 +15,7 @@ import orjson
 from app.config import LimitsConfig
 from app.domain import Trace
 from app.errors import Invalid, PayloadTooLarge
-
-# Where each input format keeps its steps (native and atif `steps`, openai `messages`,
-# sharegpt/Hermes `conversations`): counted as sent, before they are parsed.
-STEP_LISTS = ("steps", "messages", "conversations")
+from app.formats import STEP_LISTS
 
 
 def check_item(item: Any, limits: LimitsConfig) -> None:
@@ -30,6 +27,7 @@ def check_item(item: Any, limits: LimitsConfig) -> None:
             field="limits.max_json_depth",
         )
     if isinstance(item, dict):
+        # Where each format keeps its steps: counted as sent, before they are parsed.
         for key in STEP_LISTS:
             steps = item.get(key)
             if isinstance(steps, list) and len(steps) > limits.max_steps_per_trace:

@@ -8,74 +8,64 @@
 delivery stage retries and acknowledges. Every target is idempotent on `batch_id`: a
 batch delivered twice (a worker died before acknowledging) is written, accepted or
 trained once.
+
+A target is one module that declares a `SPEC` (app/targets/base.py: its name, its
+distributor keys as a DistributorConfig subclass, its builder), plus its line in
+REGISTERED below; config.json's distributor section is checked against the model of
+the target it names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from datetime import datetime
-from typing import Any, Protocol
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
 
 import httpx
 
-from app import formats
 from app.config import DistributorConfig, TinkerConfig
-from app.domain import Trace
+from app.targets import http as http_target
+from app.targets import jsonl as jsonl_target
+from app.targets import tinker as tinker_target
+from app.targets.base import (
+    Batch,
+    BatchItem,
+    DeliveryError,
+    Resources,
+    SaveReceipt,
+    Target,
+    TargetSpec,
+)
 
-__all__ = ["Batch", "BatchItem", "DeliveryError", "SaveReceipt", "Target", "build_target"]
+__all__ = [
+    "REGISTERED",
+    "TARGETS",
+    "Batch",
+    "BatchItem",
+    "DeliveryError",
+    "Resources",
+    "SaveReceipt",
+    "Target",
+    "TargetSpec",
+    "build_target",
+]
 
-SaveReceipt = Callable[[dict[str, Any]], Awaitable[None]]
-
-
-class DeliveryError(Exception):
-    """A delivery that failed in a way the target could describe (the message becomes
-    the batch's last_error)."""
-
-
-@dataclass(frozen=True)
-class BatchItem:
-    trace_id: str
-    reward: float | None
-    trace: Trace
-    compressed: bool  # `trace` is the compressed view (token ids no longer match)
-
-    def record(self, fmt: str) -> dict[str, Any]:
-        return formats.export(self.trace, fmt)
-
-
-@dataclass(frozen=True)
-class Batch:
-    batch_id: str
-    created_at: datetime
-    attempts: int
-    items: list[BatchItem]
-    # What earlier attempts recorded (a training job under way); {} on the first.
-    receipt: dict[str, Any]
-
-
-class Target(Protocol):
-    name: str
-
-    async def deliver(self, batch: Batch, save: SaveReceipt) -> dict[str, Any]:
-        """Hand `batch` over; return the receipt. `save` records progress that a later
-        attempt should resume from."""
-        ...
+# The registration (in the order config errors list them).
+REGISTERED: tuple[TargetSpec[Any], ...] = (
+    tinker_target.SPEC,
+    jsonl_target.SPEC,
+    http_target.SPEC,
+)
+TARGETS: Mapping[str, TargetSpec[Any]] = MappingProxyType({t.name: t for t in REGISTERED})
 
 
 def build_target(
     distributor: DistributorConfig, tinker: TinkerConfig, http: httpx.AsyncClient
 ) -> Target:
-    if distributor.target == "jsonl":
-        from app.targets.jsonl import JsonlTarget
-
-        return JsonlTarget(distributor.output_dir, distributor.format)
-    if distributor.target == "http":
-        from app.targets.http import HttpTarget
-
-        assert distributor.url is not None  # checked when config.json is loaded
-        return HttpTarget(distributor.url, distributor.format, http,
-                          timeout=distributor.http_timeout_seconds)
-    from app.targets.tinker import TinkerTarget
-
-    return TinkerTarget(tinker, http)
+    spec = TARGETS[distributor.target]
+    config = (
+        distributor
+        if isinstance(distributor, spec.config)
+        else spec.config.model_validate(distributor.model_dump())
+    )
+    return spec.build(config, Resources(http, tinker))

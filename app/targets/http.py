@@ -10,14 +10,23 @@ a failed attempt, retried by the delivery stage with the same key and body.
 from __future__ import annotations
 
 import gzip
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import orjson
+from pydantic import Field
 
-from app.targets import Batch, DeliveryError, SaveReceipt
+from app.config import DistributorConfig
+from app.targets.base import Batch, DeliveryError, Resources, SaveReceipt, TargetSpec
 
 _BODY_SHOWN = 200
+
+
+class HttpTargetConfig(DistributorConfig):
+    target: Literal["http"] = "http"
+    # Where batches are POSTed, e.g. https://trainer/batches.
+    url: str
+    http_timeout_seconds: float = Field(60, gt=0)
 
 
 class HttpTarget:
@@ -60,3 +69,11 @@ class HttpTarget:
                 f"{response.text[:_BODY_SHOWN]!r}"
             )
         return {"url": self._url, "status": response.status_code}
+
+
+def _build(config: HttpTargetConfig, resources: Resources) -> HttpTarget:
+    return HttpTarget(config.url, config.format, resources.http,
+                      timeout=config.http_timeout_seconds)
+
+
+SPEC = TargetSpec("http", HttpTargetConfig, _build)

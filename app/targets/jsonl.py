@@ -15,14 +15,21 @@ import hashlib
 import os
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
+from app.config import DistributorConfig, HomePath
 from app.db.types import utcnow
-from app.targets import Batch, SaveReceipt
+from app.targets.base import Batch, Resources, SaveReceipt, TargetSpec
 
 MANIFEST = "manifest.jsonl"
+
+
+class JsonlTargetConfig(DistributorConfig):
+    target: Literal["jsonl"] = "jsonl"
+    # One training file per batch, plus manifest.jsonl.
+    output_dir: HomePath = "~/.atropos/batches"
 
 
 class JsonlTarget:
@@ -93,3 +100,10 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _build(config: JsonlTargetConfig, resources: Resources) -> JsonlTarget:
+    return JsonlTarget(config.output_dir, config.format)
+
+
+SPEC = TargetSpec("jsonl", JsonlTargetConfig, _build)

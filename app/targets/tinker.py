@@ -7,13 +7,19 @@ says: that is what fine-tuning takes. The trainer log is
 
 from __future__ import annotations
 
-from typing import Any, TypeGuard
+from typing import Any, Literal, TypeGuard
 
 import httpx
 
-from app.config import TinkerConfig
-from app.targets import Batch, BatchItem, SaveReceipt
+from app.config import DistributorConfig, TinkerConfig
+from app.targets.base import Batch, BatchItem, Resources, SaveReceipt, TargetSpec
 from app.training import Backend, Example, TrainerLog, TrainingRun, backend_for, run
+
+
+class TinkerTargetConfig(DistributorConfig):
+    """No keys of its own: the service is tinker.json's."""
+
+    target: Literal["tinker"] = "tinker"
 
 
 class TinkerTarget:
@@ -46,3 +52,10 @@ def _example(item: BatchItem) -> Example:
 
 def _ints(value: Any) -> TypeGuard[list[int]]:
     return isinstance(value, list) and bool(value) and all(isinstance(v, int) for v in value)
+
+
+def _build(config: TinkerTargetConfig, resources: Resources) -> TinkerTarget:
+    return TinkerTarget(resources.tinker, resources.http)
+
+
+SPEC = TargetSpec("tinker", TinkerTargetConfig, _build)

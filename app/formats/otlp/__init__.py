@@ -34,6 +34,7 @@ from app.formats import openai
 from app.formats.otlp import genai, openinference, wire
 from app.formats.otlp.conversation import Exchange, ToolRun, conversation, openai_messages
 from app.formats.otlp.spans import Span, read
+from app.formats.spec import Format
 
 NAME = "otlp"
 EVALUATION_EVENT = "gen_ai.evaluation.result"
@@ -222,3 +223,14 @@ def _tools(offered: list[Any], runs: list[ToolRun]) -> list[Any]:
     for run in runs:
         seen.setdefault(run.name, run.name)
     return list(seen.values())
+
+
+FORMAT = Format(
+    NAME,
+    parse,
+    looks_like,
+    detected_by="'resourceSpans'",
+    # A trajectory in OTLP is the spans it was assembled from; it is exported in the
+    # other formats.
+    load=load,
+)

@@ -1,0 +1,72 @@
+"""What the commands share: how a command is declared with its common options, the
+config files they name, and the option types (ages, durations)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from app.config import load_compression, load_config, load_tinker
+from app.durations import parse_duration
+from app.hub import Settings
+
+Run = Callable[[argparse.Namespace], Awaitable[int]]
+Commands = argparse._SubParsersAction  # the subparsers of `atropos` or of a group
+
+
+def command(
+    commands: Commands[argparse.ArgumentParser],
+    name: str,
+    run: Run,
+    *,
+    config: str | None = "config.json",
+    **parser: Any,
+) -> argparse.ArgumentParser:
+    """The subcommand `name`, which `run` carries out, with the options every command
+    has: `--config` (the file it names, when it reads one)."""
+    declared = commands.add_parser(name, **parser)
+    if config is not None:
+        declared.add_argument("--config", required=True, help=config)
+    declared.set_defaults(run=run)
+    return declared
+
+
+def add_hub_files(parser: argparse.ArgumentParser) -> None:
+    """The other two config files of a hub process, beside --config."""
+    parser.add_argument("--compression", help="compression.json")
+    parser.add_argument("--tinker", help="tinker.json (model and training endpoint)")
+
+
+def load_settings(args: argparse.Namespace) -> Settings:
+    return Settings(
+        load_config(args.config), load_compression(args.compression), load_tinker(args.tinker)
+    )
+
+
+def add_since(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--since", type=moment,
+                        help="only traces created since: an ISO date/time or an age (7d, 12h)")
+
+
+def moment(value: str) -> datetime:
+    """An ISO 8601 date or time (UTC unless it says otherwise), or an age: 30m, 12h, 7d."""
+    try:
+        return datetime.now(UTC) - parse_duration(value)
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not an ISO 8601 date or time, nor an age like 7d: {value!r}"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def duration(value: str) -> timedelta:
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

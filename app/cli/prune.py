@@ -1,0 +1,71 @@
+"""`atropos prune`: delete old traces by age, reward and stage (app.stages.retention),
+never one still on its way to training."""
+
+from __future__ import annotations
+
+import argparse
+
+from app.cli.options import Commands, command, duration
+from app.config import load_config
+from app.domain import Stage
+from app.errors import ConfigError
+from app.hub import database
+from app.stages import retention
+
+
+def register(commands: Commands[argparse.ArgumentParser]) -> None:
+    prune = command(commands, "prune", _prune,
+                    help="delete old traces (never one still on its way to training)")
+    prune.add_argument(
+        "--older-than", required=True, type=duration, help="e.g. 30d, 12h, 2w (created before)"
+    )
+    prune.add_argument(
+        "--max-reward", type=float, help="only traces whose reward is below this (reward < R)"
+    )
+    prune.add_argument(
+        "--stage",
+        action="append",
+        type=_prunable_stage,
+        default=[],
+        help="only traces in this stage (repeatable)",
+    )
+    prune.add_argument("--dry-run", action="store_true", help="count, delete nothing")
+    prune.add_argument("--batch-size", type=int, default=1000, help="traces per transaction")
+    prune.add_argument(
+        "--no-vacuum", action="store_true", help="SQLite: skip VACUUM (it locks writers out)"
+    )
+
+
+def _prunable_stage(value: str) -> Stage:
+    try:
+        stage = Stage(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"unknown stage {value!r}; one of {', '.join(Stage)}"
+        ) from None
+    if stage is Stage.BATCHED:
+        raise argparse.ArgumentTypeError("batched traces wait for delivery; never pruned")
+    return stage
+
+
+async def _prune(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:
+        raise ConfigError("--batch-size: must be at least 1")
+    config = load_config(args.config)
+    criteria = retention.Criteria(args.older_than, args.max_reward, tuple(args.stage))
+    async with database(config) as engine:
+        result = await retention.prune(
+            engine,
+            criteria,
+            batch_size=args.batch_size,
+            dry_run=args.dry_run,
+            vacuum=not args.no_vacuum,
+        )
+    print(f"matching: {result.matched} traces {criteria.describe()}")
+    if args.dry_run:
+        print("dry run: nothing deleted")
+        return 0
+    print(f"deleted: {result.deleted} in {result.batches} batches")
+    if result.maintenance:
+        print(f"then: {', '.join(result.maintenance)}")
+    return 0

@@ -1,0 +1,101 @@
+"""`atropos serve` (the HTTP API and the background stages) and `atropos worker` (the
+stages alone)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+
+from app.api.app import create_app
+from app.cli.options import Commands, add_hub_files, command, load_settings
+from app.evaluation.environment import Environment
+from app.hub import database, open_database, running_stages
+from app.ingest.tokens import encoding
+
+log = logging.getLogger("atropos")
+
+
+def register(commands: Commands[argparse.ArgumentParser]) -> None:
+    serve = command(commands, "serve", _serve,
+                    help="run the HTTP API and the background stages")
+    add_hub_files(serve)
+    serve.add_argument(
+        "--no-workers", action="store_true", help="run the API alone (no background stages)"
+    )
+    worker = command(commands, "worker", _worker, help="run the background stages only")
+    add_hub_files(worker)
+    worker.add_argument("--burst", action="store_true", help="drain the work, then exit")
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    settings = load_settings(args)
+    workers = not args.no_workers
+    # Rules and tokenizer first, then the database: a mistake costs no migration.
+    environment = Environment.from_config(settings.config.environment)
+    encoding()
+    # Opened here so that a database it cannot reach stops start-up; the app's
+    # lifespan owns it from then on.
+    engine = await open_database(settings.config)
+    app = create_app(settings, environment=environment, engine=engine, workers=workers)
+    ts = settings.config.trace_server
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=ts.host,
+            port=ts.port,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=30,
+        )
+    )
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        log.info("Trace server listening on %s:%s", host, port)
+        if workers:
+            log.info("Compression pipeline ready")
+    await serving
+    return 0 if server.started else 1
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but a graceful stop on SIGTERM/SIGINT exits 0: uvicorn re-raises the
+    signal after shutting down, which makes a clean stop look like a crash."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.handle_exit, sig, None)
+        try:
+            yield
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+
+async def _worker(args: argparse.Namespace) -> int:
+    settings = load_settings(args)
+    encoding()  # the compression stage counts tokens
+    async with database(settings.config) as engine, running_stages(settings, engine) as stages:
+        if args.burst:
+            advanced = await stages.drain()
+            log.info("burst done: %d items advanced", advanced)
+            return 0
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stopping.set)
+        stages.start()
+        log.info("Compression pipeline ready")
+        await stopping.wait()
+        log.info("stopping: leases of unfinished work expire for the next worker")
+        return 0

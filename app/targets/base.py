@@ -1,0 +1,75 @@
+"""What a target is: a `Target` delivers a `Batch`; a target module declares a
+`TargetSpec` (its name, its distributor keys, how to build it) and is registered in
+app/targets/__init__.py."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Generic, Protocol, TypeVar
+
+import httpx
+
+from app import formats
+from app.config import DistributorConfig, TinkerConfig
+from app.domain import Trace
+
+SaveReceipt = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class DeliveryError(Exception):
+    """A delivery that failed in a way the target could describe (the message becomes
+    the batch's last_error)."""
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    trace_id: str
+    reward: float | None
+    trace: Trace
+    compressed: bool  # `trace` is the compressed view (token ids no longer match)
+
+    def record(self, fmt: str) -> dict[str, Any]:
+        return formats.export(self.trace, fmt)
+
+
+@dataclass(frozen=True)
+class Batch:
+    batch_id: str
+    created_at: datetime
+    attempts: int
+    items: list[BatchItem]
+    # What earlier attempts recorded (a training job under way); {} on the first.
+    receipt: dict[str, Any]
+
+
+class Target(Protocol):
+    name: str
+
+    async def deliver(self, batch: Batch, save: SaveReceipt) -> dict[str, Any]:
+        """Hand `batch` over; return the receipt. `save` records progress that a later
+        attempt should resume from."""
+        ...
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What a target may use beyond its own keys."""
+
+    http: httpx.AsyncClient  # shared by the stages, closed when they stop
+    tinker: TinkerConfig  # tinker.json
+
+
+C = TypeVar("C", bound=DistributorConfig)
+
+
+@dataclass(frozen=True)
+class TargetSpec(Generic[C]):
+    """One kind of target, as `distributor.target` names it."""
+
+    name: str
+    # config.json's distributor section for this target: the keys every target shares
+    # (DistributorConfig) plus its own.
+    config: type[C]
+    build: Callable[[C, Resources], Target]
