@@ -22,7 +22,9 @@ from app.db.engine import create_engine, database_url, redacted
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Ingestor, running_ingest
 from app.ingest.inserter import TraceInserter
+from app.ingest.otlp.receiver import SpanReceiver
 from app.runs import RunSupervisor
+from app.stages.assembly import AssemblyStage
 from app.stages.compression import CompressionStage
 from app.stages.delivery import DeliveryStage
 from app.stages.distribution import DistributionStage
@@ -52,6 +54,7 @@ class Hub:
     stages: StageRunner
     access: Access
     atropos: Atropos
+    spans: SpanReceiver  # OTLP/HTTP traces
     # Training runs (app/runs); None unless config.json's runs.enabled is true.
     runs: RunSupervisor | None = None
 
@@ -117,6 +120,15 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
             await runner.stop()
 
 
+def add_assembly(stages: StageRunner, engine: AsyncEngine, config: HubConfig,
+                 ingestor: Ingestor) -> None:
+    """The OTLP assembly stage, which prepares its trajectories in `ingestor`'s
+    processes: in a loop of its own that also wakes with time, since its traces come
+    due with time rather than with a commit."""
+    stage = AssemblyStage(engine, config.otlp, ingestor.prepare, on_advance=stages.wake)
+    stages.add(stage, apart=True, every=stage.poll_seconds)
+
+
 @asynccontextmanager
 async def running_hub(
     settings: Settings,
@@ -136,7 +148,10 @@ async def running_hub(
         ):
             access = Access(config.auth, engine)
             atropos = Atropos(engine, config.atropos)
-            hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos)
+            spans = SpanReceiver(engine, ingest.ingestor, config.limits)
+            hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos,
+                      spans)
+            add_assembly(stages, engine, config, ingest.ingestor)
             atropos.start()
             if workers:
                 stages.start()
@@ -153,5 +168,6 @@ async def running_hub(
                 if hub.runs is not None:
                     await hub.runs.close()  # the runs' processes keep running
                 await atropos.stop()
+                await spans.close()
     finally:
         await engine.dispose()

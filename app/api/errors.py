@@ -7,7 +7,9 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.responses import Response
 
+from app.api import otlp
 from app.api.responses import JSONResponse
 from app.errors import HubError
 
@@ -20,8 +22,8 @@ def error_response(exc: HubError) -> JSONResponse:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HubError)
-    async def _hub_error(_: Request, exc: HubError) -> JSONResponse:
-        return error_response(exc)
+    async def _hub_error(request: Request, exc: HubError) -> Response:
+        return otlp.error_response(request, exc) or error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:

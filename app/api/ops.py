@@ -14,6 +14,7 @@ from app.api.deps import ConnDep, HubDep
 from app.api.responses import JSONResponse
 from app.api.schemas import Health, NotReady, Ready, TraceStats
 from app.db import migrate, trace_queries
+from app.ingest.otlp import store as otlp_store
 
 router = APIRouter(tags=["ops"])
 
@@ -47,7 +48,8 @@ def _not_ready(reason: str) -> JSONResponse:
 
 @router.get("/v1/stats", dependencies=[requires(Scope.READ)])
 async def stats(conn: ConnDep) -> TraceStats:
-    return TraceStats.model_validate(await trace_queries.stats(conn))
+    figures = await trace_queries.stats(conn)
+    return TraceStats.model_validate({**figures, "otlp": await otlp_store.counts(conn)})
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

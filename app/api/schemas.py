@@ -188,6 +188,20 @@ class RewardBucket(BaseModel):
     traces: int
 
 
+class OtlpCounts(BaseModel):
+    """OTLP traces by assembly state (docs/otlp.md), and their spans."""
+
+    open_traces: int = Field(description="Traces with spans their trajectory does not hold yet")
+    assembled_traces: int = Field(description="Traces made into a trajectory")
+    refused_traces: int = Field(
+        description="Traces whose spans make no trajectory (see the log for why)"
+    )
+    spans: int = Field(description="Spans received (each once)")
+    late_spans: int = Field(
+        description="Spans that arrived after their trajectory was batched: kept, not used"
+    )
+
+
 class TraceStats(BaseModel):
     """Counts over every stored trace and batch."""
 
@@ -204,6 +218,7 @@ class TraceStats(BaseModel):
     )
     rule_firings: dict[str, int] = Field(description="Traces on which each reward rule fired")
     reward_histogram: list[RewardBucket]
+    otlp: OtlpCounts
 
 
 # --- runs --------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""/v1/traces: ingest, list, read one."""
+"""/v1/traces: ingest (the hub's formats, and OTLP/HTTP traces), list, read one."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
+from starlette.responses import Response
 
 from app.access.keys import Scope
+from app.api import otlp
 from app.api.auth import requires
 from app.api.deps import ConnDep, HubDep
 from app.api.openapi import errors
@@ -17,17 +19,20 @@ from app.db.trace_queries import TraceFilter, View, get_trace, list_traces
 from app.errors import HubError, PayloadTooLarge
 from app.ingest.body import parse_items, read_body
 from app.ingest.inserter import Stored
+from app.ingest.otlp.receiver import export_request
 
 INGEST_BODY_DOC: dict[str, Any] = {
     "requestBody": {
         "required": True,
         "description": (
             "One trace (native, openai, sharegpt/Hermes or atif; detected, or named "
-            'with "format"), {"traces": [...]}, a JSON array, or NDJSON. May be gzip.'
+            'with "format"), {"traces": [...]}, a JSON array, or NDJSON; or OTLP traces '
+            "(protobuf, or OTLP/JSON with resourceSpans: docs/otlp.md). May be gzip."
         ),
         "content": {
             "application/json": {"schema": {"type": "object"}},
             "application/x-ndjson": {"schema": {"type": "string"}},
+            **otlp.REQUEST_CONTENT,
         },
     },
 }
@@ -47,12 +52,17 @@ def router(endpoint: str) -> APIRouter:
         status_code=202,
         openapi_extra=INGEST_BODY_DOC,
         dependencies=[requires(Scope.INGEST)],
-        responses={**INGEST_ANSWERS, **errors(400, 409, 413, 415, 422, 503)},
+        responses={**INGEST_ANSWERS, **otlp.ANSWER, **errors(400, 409, 413, 415, 422, 503)},
     )
-    async def ingest(request: Request, hub: HubDep) -> JSONResponse:
+    async def ingest(request: Request, hub: HubDep) -> Response:
         limits = hub.config.limits
         body = await read_body(request, limits.max_body_bytes)
-        parsed = parse_items(body, request.headers.get("content-type", ""))
+        content_type = request.headers.get("content-type", "")
+        export = export_request(body, content_type)
+        if export is not None:
+            otlp.mark(request, export.encoding)
+            return otlp.answer(await hub.spans.receive(export), export.encoding)
+        parsed = parse_items(body, content_type)
         if not parsed.batch:
             stored = await hub.ingestor.ingest(parsed.items[0])
             return JSONResponse(stored.to_json(), status_code=202)

@@ -15,7 +15,8 @@ import uvicorn
 from app.api.app import create_app
 from app.cli.options import Commands, add_hub_files, command, load_settings
 from app.evaluation.environment import Environment
-from app.hub import database, open_database, running_stages
+from app.hub import add_assembly, database, open_database, running_stages
+from app.ingest.ingestor import running_ingest
 from app.ingest.tokens import encoding
 
 log = logging.getLogger("atropos")
@@ -84,8 +85,16 @@ class _Server(uvicorn.Server):
 
 async def _worker(args: argparse.Namespace) -> int:
     settings = load_settings(args)
+    config = settings.config
+    environment = Environment.from_config(config.environment)
     encoding()  # the compression stage counts tokens
-    async with database(settings.config) as engine, running_stages(settings, engine) as stages:
+    async with (
+        database(config) as engine,
+        running_stages(settings, engine) as stages,
+        # OTLP assembly prepares its trajectories as ingest does.
+        running_ingest(engine, config, environment, admitted=False) as ingest,
+    ):
+        add_assembly(stages, engine, config, ingest.ingestor)
         if args.burst:
             advanced = await stages.drain()
             log.info("burst done: %d items advanced", advanced)

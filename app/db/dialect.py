@@ -26,13 +26,26 @@ def dialect_of(conn: AsyncConnection | AsyncEngine | sa.Connection) -> Dialect:
     raise ValueError(f"unsupported database dialect {name!r}")
 
 
-def insert_ignoring_conflicts(dialect: Dialect, table: sa.Table, key: str) -> Any:
+def insert_ignoring_conflicts(dialect: Dialect, table: sa.Table, *key: str) -> Any:
     """INSERT ... ON CONFLICT (key) DO NOTHING: an idempotent insert whose RETURNING
     lists only the rows that were new."""
+    return _insert(dialect, table).on_conflict_do_nothing(index_elements=list(key))
+
+
+def insert_or_update(
+    dialect: Dialect, table: sa.Table, key: str, update: Callable[[Any], dict[str, Any]]
+) -> Any:
+    """INSERT ... ON CONFLICT (key) DO UPDATE SET update(excluded): `excluded` holds
+    the columns of the row that was not inserted."""
+    stmt = _insert(dialect, table)
+    return stmt.on_conflict_do_update(index_elements=[key], set_=update(stmt.excluded))
+
+
+def _insert(dialect: Dialect, table: sa.Table) -> Any:
     if dialect == "sqlite":
-        return sqlite.insert(table).on_conflict_do_nothing(index_elements=[key])
+        return sqlite.insert(table)
     if dialect == "postgresql":
-        return postgresql.insert(table).on_conflict_do_nothing(index_elements=[key])
+        return postgresql.insert(table)
     assert_never(dialect)
 
 

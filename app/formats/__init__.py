@@ -110,7 +110,7 @@ def parse(item: Any, fmt: str | None = None) -> Trace:
 def load(raw: bytes, fmt: str | None) -> Any:
     """An item that travels as bytes: JSON text, unless the format `fmt` names reads
     bytes of its own (otlp: a protobuf request, as the assembly stage hands a trace over)."""
-    reader = FORMATS[fmt].load if fmt in FORMATS else None
+    reader = FORMATS[fmt].load if fmt is not None and fmt in FORMATS else None
     return reader(raw) if reader is not None else orjson.loads(raw)
 
 

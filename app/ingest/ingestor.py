@@ -124,7 +124,7 @@ class Ingestor:
 
     async def ingest(self, item: Any, fmt: str | None = None) -> Stored:
         """Store one trace (any accepted format) and answer its stored result."""
-        with self._admit(1):
+        with self.admit(1):
             (row,) = await self._processes.rows([item], fmt)
             if isinstance(row, HubError):
                 raise row
@@ -136,16 +136,26 @@ class Ingestor:
         """Per-item results, in order; a bad item does not stop the good ones. Rows are
         queued in request order, so the first of two items with one trace_id is the
         one stored. An item may already be a HubError (a bad NDJSON line): it stays."""
-        with self._admit(len(items)):
+        with self.admit(len(items)):
             todo = [item for item in items if not isinstance(item, HubError)]
-            chunks = [todo[i : i + CHUNK] for i in range(0, len(todo), CHUNK)]
-            prepared = await asyncio.gather(*(self._processes.rows(c, fmt) for c in chunks))
-            done = iter([row for rows in prepared for row in rows])
+            done = iter(await self.prepare(todo, fmt))
             rows = [item if isinstance(item, HubError) else next(done) for item in items]
             waiting = [row if isinstance(row, HubError) else self._submit(row) for row in rows]
             return [w if isinstance(w, HubError) else await _result(w) for w in waiting]
 
-    def _admit(self, traces: int) -> AbstractContextManager[None]:
+    async def prepare(
+        self, items: list[Any], fmt: str | None = None
+    ) -> list[dict[str, Any] | HubError]:
+        """Each item's row (parsed, scored, filtered, its tokens counted) or the
+        HubError that refuses it, in order, without storing it: for callers that store
+        rows themselves (the OTLP assembly stage)."""
+        chunks = [items[i : i + CHUNK] for i in range(0, len(items), CHUNK)]
+        prepared = await asyncio.gather(*(self._processes.rows(c, fmt) for c in chunks))
+        return [row for rows in prepared for row in rows]
+
+    def admit(self, traces: int) -> AbstractContextManager[None]:
+        """Hold `traces` places on the write path while the block runs (503 when the
+        hub has no room: app/ingest/admission.py); always room without admission."""
         return self._admission.admit(traces) if self._admission else nullcontext()
 
     def _submit(self, row: dict[str, Any]) -> asyncio.Future[Stored] | HubError:

@@ -30,15 +30,22 @@ class StageRunner:
     def __init__(self, flush_interval: float) -> None:
         self.stages: list[PipelineStage] = []
         self._apart: list[PipelineStage] = []
+        self._every: dict[str, float] = {}  # an apart stage's longest sleep
         self._flush_interval = flush_interval
         self._wakes: list[asyncio.Event] = []
         self._tasks: list[asyncio.Task[None]] = []
 
-    def add(self, *stages: PipelineStage, apart: bool = False) -> None:
-        """Stages in pipeline order; `apart`: in a loop of its own when started."""
+    def add(
+        self, *stages: PipelineStage, apart: bool = False, every: float | None = None
+    ) -> None:
+        """Stages in pipeline order; `apart`: in a loop of its own when started, which
+        also wakes every `every` seconds (work that comes due with time, not with a
+        commit: OTLP assembly)."""
         self.stages.extend(stages)
         if apart:
             self._apart.extend(stages)
+            for stage in stages:
+                self._every[stage.name] = every or self._flush_interval
 
     def wake(self) -> None:
         """Called after each ingest commit and stage move: the next stage starts now."""
@@ -57,7 +64,8 @@ class StageRunner:
             event = asyncio.Event()
             self._wakes.append(event)
             name = "stages-" + "-".join(stage.name for stage in group)
-            self._tasks.append(asyncio.create_task(self._loop(group, event), name=name))
+            sleep = min(self._every.get(stage.name, self._flush_interval) for stage in group)
+            self._tasks.append(asyncio.create_task(self._loop(group, event, sleep), name=name))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -76,12 +84,12 @@ class StageRunner:
             if advanced == 0:
                 return total
 
-    async def _loop(self, stages: list[PipelineStage], wake: asyncio.Event) -> None:
+    async def _loop(self, stages: list[PipelineStage], wake: asyncio.Event, sleep: float) -> None:
         while True:
             wake.clear()
             await self._drain(stages)
             try:
-                await asyncio.wait_for(wake.wait(), self._flush_interval)
+                await asyncio.wait_for(wake.wait(), sleep)
             except TimeoutError:
                 pass
 

@@ -8,6 +8,7 @@
   that cannot be read is left out and reported, never the whole request.
 - `to_json(request)`: OTLP/JSON as the specification writes it (hex ids, 64-bit
   integers as strings, enums as integers), for the stored original of a trajectory.
+- `status(code, message)`: the google.rpc.Status an OTLP/HTTP error answers with.
 - `pieces(request)` / `join(groups)`: a request split into one stored record per span
   (with the resource and scope it came in), and records joined back into a request, by
   concatenating their encodings: nothing is decoded on the serving process's loop.
@@ -340,3 +341,10 @@ def _varint(value: int) -> Iterator[int]:
         yield value & 0x7F | 0x80
         value >>= 7
     yield value
+
+
+def status(code: int, message: str) -> bytes:
+    """A google.rpc.Status (code = 1, message = 2): the body OTLP/HTTP gives a failed
+    request. Encoded by hand; the message type is not in opentelemetry-proto."""
+    code_field = bytes([1 << 3, *_varint(code)]) if code else b""  # 0 is not written
+    return code_field + _field(2, message.encode())

@@ -1,0 +1,150 @@
+"""The statements on otlp_spans and otlp_traces (app/db/models.py says what each row
+means): spans stored once each, traces coming due, and what the assembly made of them."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.db.dialect import dialect_of, insert_ignoring_conflicts, insert_or_update
+from app.db.models import OTLP_SPANS, OTLP_TRACES
+from app.formats.otlp.wire import SpanRecord
+
+_SPAN_COLUMNS = ("trace_id", "span_id", "start_ns", "resource", "scope", "span")
+
+
+class TraceState(StrEnum):
+    """Where a trace's assembly is (the otlp_traces.state column)."""
+
+    OPEN = "open"  # it has spans its trajectory does not hold yet
+    ASSEMBLED = "assembled"  # its trajectory holds every span, or it was sent before they came
+    REFUSED = "refused"  # its spans make no trajectory; `error` says why
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    trace_id: str
+    spans: int
+
+
+def add_spans(conn: sa.Connection, records: Sequence[SpanRecord], now: datetime) -> int:
+    """Store the spans not stored yet and open their traces; returns how many were new.
+    (A synchronous connection: the receiver writes in one hop, app/db/dialect.OneHop.)"""
+    if not records:
+        return 0
+    dialect = dialect_of(conn)
+    insert = insert_ignoring_conflicts(dialect, OTLP_SPANS, "trace_id", "span_id")
+    new = conn.execute(
+        insert.returning(OTLP_SPANS.c.trace_id, OTLP_SPANS.c.span_id),
+        [{name: getattr(r, name) for name in _SPAN_COLUMNS} for r in records],
+    ).all()
+    if not new:
+        return 0  # all resent: nothing changes, no trace reopens
+    per_trace = Counter(row.trace_id for row in new)
+    fresh = {(row.trace_id, row.span_id) for row in new}
+    roots = {r.trace_id for r in records if r.root and (r.trace_id, r.span_id) in fresh}
+    t = OTLP_TRACES.c
+    conn.execute(
+        insert_or_update(
+            dialect,
+            OTLP_TRACES,
+            "trace_id",
+            lambda excluded: {
+                "state": TraceState.OPEN.value,
+                "spans": t.spans + excluded.spans,
+                "root_ended": sa.or_(t.root_ended, excluded.root_ended),
+                "last_span_at": excluded.last_span_at,
+                "error": None,
+            },
+        ),
+        [
+            {"trace_id": trace_id, "state": TraceState.OPEN.value, "spans": count,
+             "seen_spans": 0, "late_spans": 0, "root_ended": trace_id in roots,
+             "first_span_at": now, "last_span_at": now, "error": None}
+            for trace_id, count in per_trace.items()
+        ],
+    )
+    return len(new)
+
+
+async def due(
+    conn: AsyncConnection, now: datetime, quiet: float, max_wait: float, limit: int
+) -> list[Due]:
+    """Open traces whose root span has ended and that have been quiet for `quiet`
+    seconds, or whose first span came `max_wait` seconds ago; oldest first."""
+    t = OTLP_TRACES.c
+    rows = await conn.execute(
+        sa.select(t.trace_id, t.spans)
+        .where(
+            t.state == TraceState.OPEN.value,
+            sa.or_(
+                sa.and_(t.root_ended, t.last_span_at <= now - timedelta(seconds=quiet)),
+                t.first_span_at <= now - timedelta(seconds=max_wait),
+            ),
+        )
+        .order_by(t.first_span_at)
+        .limit(limit)
+    )
+    return [Due(row.trace_id, row.spans) for row in rows]
+
+
+async def spans_of(
+    conn: AsyncConnection, trace_ids: list[str]
+) -> dict[str, list[tuple[bytes, bytes, bytes]]]:
+    """Each trace's spans as (resource, scope, span), in start order."""
+    s = OTLP_SPANS.c
+    rows = await conn.execute(
+        sa.select(s.trace_id, s.resource, s.scope, s.span)
+        .where(s.trace_id.in_(trace_ids))
+        .order_by(s.trace_id, s.start_ns, s.span_id)
+    )
+    out: dict[str, list[tuple[bytes, bytes, bytes]]] = {trace_id: [] for trace_id in trace_ids}
+    for row in rows:
+        out[row.trace_id].append((row.resource, row.scope, row.span))
+    return out
+
+
+async def settle(
+    conn: AsyncConnection,
+    trace_id: str,
+    seen: int,
+    state: TraceState,
+    *,
+    late: bool = False,
+    error: str | None = None,
+) -> None:
+    """Record what became of a trace's first `seen` spans. It stays open when more
+    have come meanwhile; `late`: the spans since the last assembly came after its
+    trajectory was batched, and are counted as such."""
+    t = OTLP_TRACES.c
+    values: dict[str, Any] = {
+        "seen_spans": seen,
+        "error": error,
+        "state": sa.case((t.spans == seen, state.value), else_=TraceState.OPEN.value),
+    }
+    if late:
+        values["late_spans"] = t.late_spans + (seen - t.seen_spans)
+    await conn.execute(sa.update(OTLP_TRACES).where(t.trace_id == trace_id).values(**values))
+
+
+async def counts(conn: AsyncConnection) -> dict[str, int]:
+    """For /v1/stats: traces by assembly state, spans received, spans that came late."""
+    t = OTLP_TRACES.c
+    rows = await conn.execute(
+        sa.select(t.state, sa.func.count(), sa.func.sum(t.spans), sa.func.sum(t.late_spans))
+        .group_by(t.state)
+    )
+    out = {f"{state.value}_traces": 0 for state in TraceState}
+    out.update(spans=0, late_spans=0)
+    for state, traces, spans, late in rows.tuples():
+        out[f"{state}_traces"] = traces
+        out["spans"] += int(spans or 0)
+        out["late_spans"] += int(late or 0)
+    return out
