@@ -148,7 +148,7 @@ async def running_hub(
         ):
             access = Access(config.auth, engine)
             atropos = Atropos(engine, config.atropos)
-            spans = SpanReceiver(engine, ingest.ingestor, config.limits)
+            spans = SpanReceiver(engine, ingest.admission, config.limits)
             hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos,
                       spans)
             add_assembly(stages, engine, config, ingest.ingestor)

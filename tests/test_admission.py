@@ -20,9 +20,9 @@ from tests.conftest import HubProcess, native_trace
 
 
 @contextmanager
-def write_lock(trace_server: dict[str, Any]) -> Iterator[None]:
-    """Hold the lock the hub needs to insert traces, as another process would (a long
-    `atropos prune`, a psql session); readers are not blocked."""
+def write_lock(trace_server: dict[str, Any], table: str = "traces") -> Iterator[None]:
+    """Hold the lock the hub needs to insert traces (or rows of `table`), as another
+    process would (a long `atropos prune`, a psql session); readers are not blocked."""
     if trace_server["storage_backend"] == "sqlite":
         conn = sqlite3.connect(trace_server["db_path"], isolation_level=None)
         conn.execute("BEGIN IMMEDIATE")
@@ -38,7 +38,7 @@ def write_lock(trace_server: dict[str, Any]) -> Iterator[None]:
         conn = await asyncpg.connect(trace_server["database_url"])
         try:
             async with conn.transaction():
-                await conn.execute("LOCK TABLE traces IN EXCLUSIVE MODE")
+                await conn.execute(f"LOCK TABLE {table} IN EXCLUSIVE MODE")
                 locked.set()
                 await asyncio.get_running_loop().run_in_executor(None, release.wait)
         finally:

@@ -19,7 +19,7 @@ from app.db.trace_queries import TraceFilter, View, get_trace, list_traces
 from app.errors import HubError, PayloadTooLarge
 from app.ingest.body import parse_items, read_body
 from app.ingest.inserter import Stored
-from app.ingest.otlp.receiver import export_request
+from app.ingest.otlp.receiver import otlp_body
 
 INGEST_BODY_DOC: dict[str, Any] = {
     "requestBody": {
@@ -58,10 +58,10 @@ def router(endpoint: str) -> APIRouter:
         limits = hub.config.limits
         body = await read_body(request, limits.max_body_bytes)
         content_type = request.headers.get("content-type", "")
-        export = export_request(body, content_type)
-        if export is not None:
-            otlp.mark(request, export.encoding)
-            return otlp.answer(await hub.spans.receive(export), export.encoding)
+        spans = otlp_body(body, content_type)
+        if spans is not None:
+            otlp.mark(request, spans.encoding)
+            return otlp.answer(await hub.spans.receive(spans), spans.encoding)
         parsed = parse_items(body, content_type)
         if not parsed.batch:
             stored = await hub.ingestor.ingest(parsed.items[0])

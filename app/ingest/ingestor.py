@@ -124,7 +124,7 @@ class Ingestor:
 
     async def ingest(self, item: Any, fmt: str | None = None) -> Stored:
         """Store one trace (any accepted format) and answer its stored result."""
-        with self.admit(1):
+        with self._admit(1):
             (row,) = await self._processes.rows([item], fmt)
             if isinstance(row, HubError):
                 raise row
@@ -136,7 +136,7 @@ class Ingestor:
         """Per-item results, in order; a bad item does not stop the good ones. Rows are
         queued in request order, so the first of two items with one trace_id is the
         one stored. An item may already be a HubError (a bad NDJSON line): it stays."""
-        with self.admit(len(items)):
+        with self._admit(len(items)):
             todo = [item for item in items if not isinstance(item, HubError)]
             done = iter(await self.prepare(todo, fmt))
             rows = [item if isinstance(item, HubError) else next(done) for item in items]
@@ -153,9 +153,7 @@ class Ingestor:
         prepared = await asyncio.gather(*(self._processes.rows(c, fmt) for c in chunks))
         return [row for rows in prepared for row in rows]
 
-    def admit(self, traces: int) -> AbstractContextManager[None]:
-        """Hold `traces` places on the write path while the block runs (503 when the
-        hub has no room: app/ingest/admission.py); always room without admission."""
+    def _admit(self, traces: int) -> AbstractContextManager[None]:
         return self._admission.admit(traces) if self._admission else nullcontext()
 
     def _submit(self, row: dict[str, Any]) -> asyncio.Future[Stored] | HubError:
@@ -169,6 +167,7 @@ class Ingestor:
 class IngestPath:
     inserter: TraceInserter
     ingestor: Ingestor
+    admission: Admission | None  # the HTTP API's: other writers (OTLP spans) share it
 
 
 @asynccontextmanager
@@ -204,7 +203,7 @@ async def running_ingest(
     inserter.start()
     ingestor.start()
     try:
-        yield IngestPath(inserter, ingestor)
+        yield IngestPath(inserter, ingestor, admission)
     finally:
         await inserter.stop()  # answers what is queued before the engine goes
         await ingestor.close()

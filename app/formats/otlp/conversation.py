@@ -85,8 +85,9 @@ def conversation(exchanges: list[Exchange], runs: list[ToolRun]) -> list[Message
     messages: list[Message] = []
     for at, _, said in sorted(merges, key=lambda m: (m[0], m[1])):
         _merge(messages, said, at)
+    claimed: set[str] = set()
     for run in sorted(runs, key=lambda r: r.start):
-        _pair(messages, run)
+        _pair(messages, run, claimed)
     return messages
 
 
@@ -131,9 +132,10 @@ def _merge(messages: list[Message], said: list[Message], at: int) -> None:
             messages.append(message)
 
 
-def _pair(messages: list[Message], run: ToolRun) -> None:
-    call_id = run.call_id or _unanswered_call(messages, run)
+def _pair(messages: list[Message], run: ToolRun, claimed: set[str]) -> None:
+    call_id = run.call_id or _call_of(messages, run, claimed)
     if call_id is not None:
+        claimed.add(call_id)
         for message in messages:
             if message.role == "tool" and message.call_id == call_id:
                 message.error = message.error or run.error
@@ -151,14 +153,13 @@ def _pair(messages: list[Message], run: ToolRun) -> None:
     messages[where:where] = [call, _result(run, call_id, run.start)]
 
 
-def _unanswered_call(messages: list[Message], run: ToolRun) -> str | None:
-    """The id of the earliest call of this tool, with these arguments, that has no
-    result yet: how a run that does not carry its call id finds its call."""
-    answered = {m.call_id for m in messages if m.role == "tool"}
+def _call_of(messages: list[Message], run: ToolRun, claimed: set[str]) -> str | None:
+    """For a run that does not carry its call id: the id of the earliest call of this
+    tool, with these arguments, that no other run has claimed."""
     wanted = canonical(run.arguments) if run.arguments is not None else None
     for message in messages:
         for call in message.calls:
-            if (call.id and call.id not in answered and call.name == run.name
+            if (call.id and call.id not in claimed and call.name == run.name
                     and (wanted is None or canonical(call.arguments) == wanted)):
                 return call.id
     return None

@@ -103,11 +103,14 @@ def pieces(request: ExportTraceServiceRequest) -> tuple[list[SpanRecord], Reject
         resource_bytes = resource.SerializeToString()
         for j, ss in enumerate(rs.scope_spans):
             scope_bytes = ScopeSpans(scope=ss.scope, schema_url=ss.schema_url).SerializeToString()
-            for k, span in enumerate(ss.spans):
+            for span in ss.spans:
                 problem = _unusable(span)
                 if problem is not None:
                     rejected += 1
-                    reasons.append(f"resourceSpans[{i}].scopeSpans[{j}].spans[{k}]: {problem}")
+                    # Named, not numbered: OTLP/JSON spans that did not decode are gone.
+                    reasons.append(
+                        f"resourceSpans[{i}].scopeSpans[{j}]: span {span.name[:80]!r}: {problem}"
+                    )
                     continue
                 parent = span.parent_span_id
                 records.append(

@@ -11,18 +11,22 @@ span id) are counted and reported, and the others stored: OTLP's partial success
 from __future__ import annotations
 
 import logging
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import orjson
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import LimitsConfig
 from app.db.dialect import OneHop
 from app.db.types import utcnow
+from app.errors import Unavailable
 from app.formats.otlp import wire
-from app.ingest.ingestor import Ingestor
+from app.ingest.admission import Admission
 from app.ingest.otlp import store
 
 log = logging.getLogger("atropos.otlp")
@@ -34,10 +38,11 @@ _REASONS = 3
 
 
 @dataclass(frozen=True, slots=True)
-class ExportRequest:
+class OtlpBody:
+    """A request body found to be OTLP, not yet decoded."""
+
     encoding: Encoding  # also the encoding of the answer
-    request: ExportTraceServiceRequest
-    unreadable: list[str]  # OTLP/JSON spans left out, and why
+    payload: bytes | dict[str, Any]  # protobuf bytes, or the decoded OTLP/JSON document
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +53,11 @@ class Receipt:
     message: str  # why, for partial_success.error_message; "" when nothing was rejected
 
 
-def export_request(body: bytes, content_type: str) -> ExportRequest | None:
-    """The OTLP request a body holds, or None when it is not OTLP. Raises BadRequest
-    for a protobuf body that does not decode."""
+def otlp_body(body: bytes, content_type: str) -> OtlpBody | None:
+    """The body as OTLP, or None when it is not OTLP (then it is the hub's own JSON)."""
     media = content_type.split(";")[0].strip().lower()
     if media in PROTOBUF_TYPES:
-        return ExportRequest("protobuf", wire.from_protobuf(body), [])
+        return OtlpBody("protobuf", body)
     # A fast look before parsing: the hub's own JSON is parsed again elsewhere.
     if b'"resourceSpans"' not in body:
         return None
@@ -63,29 +67,60 @@ def export_request(body: bytes, content_type: str) -> ExportRequest | None:
         return None  # the hub's JSON reader names the fault
     if not isinstance(doc, dict) or "resourceSpans" not in doc:
         return None
-    request, unreadable = wire.from_json(doc)
-    return ExportRequest("json", request, unreadable)
+    return OtlpBody("json", doc)
+
+
+def _decoded(body: OtlpBody) -> tuple[ExportTraceServiceRequest, list[str]]:
+    """The request, and the OTLP/JSON spans left out and why. Raises BadRequest for a
+    body that does not decode."""
+    if isinstance(body.payload, bytes):
+        return wire.from_protobuf(body.payload), []
+    return wire.from_json(body.payload)
 
 
 class SpanReceiver:
-    def __init__(self, engine: AsyncEngine, ingestor: Ingestor, limits: LimitsConfig) -> None:
+    def __init__(
+        self, engine: AsyncEngine, admission: Admission | None, limits: LimitsConfig
+    ) -> None:
+        """`admission`: the HTTP API's, which then also counts this writer's stalls."""
         self._hop = OneHop(engine)
-        self._ingestor = ingestor
+        self._admission = admission
         self._limits = limits
+        self._writes: list[float] = []  # when each write waiting or in progress began
+        if admission is not None:
+            admission.watch(self.write_wait)
 
-    async def receive(self, export: ExportRequest) -> Receipt:
+    def write_wait(self) -> float:
+        """How long the oldest write not yet committed has waited (0.0 when none)."""
+        return time.monotonic() - self._writes[0] if self._writes else 0.0
+
+    async def receive(self, body: OtlpBody) -> Receipt:
         """Store the request's usable spans; returns once they are committed."""
-        records, rejected = wire.pieces(export.request)
-        reasons = export.unreadable + rejected.reasons
+        request, unreadable = _decoded(body)
+        records, rejected = wire.pieces(request)
+        reasons = unreadable + rejected.reasons
         # An OTLP request takes a place on the write path per span, up to what one
         # request of traces may take: the same back-pressure (503) as other ingest.
         places = min(len(records), self._limits.max_traces_per_request)
-        with self._ingestor.admit(places):
-            now = utcnow()
-            stored = await self._hop.run(lambda conn: store.add_spans(conn, records, now))
+        with self._admission.admit(places) if self._admission else nullcontext():
+            stored = await self._store(records)
         if reasons:
             log.info("OTLP: %d spans rejected: %s", len(reasons), "; ".join(reasons[:_REASONS]))
         return Receipt(stored, len(records) - stored, len(reasons), _message(reasons))
+
+    async def _store(self, records: list[wire.SpanRecord]) -> int:
+        now, began = utcnow(), time.monotonic()
+        self._writes.append(began)
+        try:
+            return await self._hop.run(lambda conn: store.add_spans(conn, records, now))
+        except (SQLAlchemyError, OSError) as exc:
+            log.error("storing %d spans failed: %s", len(records), exc)
+            raise Unavailable(
+                "the database did not accept the spans; retry",
+                retry_after=self._limits.retry_after_seconds,
+            ) from None
+        finally:
+            self._writes.remove(began)
 
     async def close(self) -> None:
         await self._hop.close()
