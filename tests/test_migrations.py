@@ -7,11 +7,14 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 from app.config import TraceServerConfig
 from app.db import migrate
 from app.db.engine import create_engine
+from app.db.models import Base
 
 
 def revisions() -> list[str]:
@@ -34,7 +37,7 @@ async def tables(engine: Any) -> set[str]:
 async def test_empty_to_head_down_and_up_again(engine: Any) -> None:
     await migrate.upgrade(engine)
     assert await migrate.current_revision(engine) == migrate.head_revision()
-    assert "traces" in await tables(engine)
+    assert {"traces", "otlp_spans", "otlp_traces"} <= await tables(engine)
     await migrate.downgrade(engine, "base")
     assert await migrate.current_revision(engine) is None
     assert await tables(engine) <= {"alembic_version"}
@@ -63,3 +66,12 @@ async def test_upgrade_from_every_revision_keeps_the_rows(engine: Any, start: st
     await migrate.upgrade(engine)
     async with engine.connect() as conn:
         assert await conn.scalar(sa.text("SELECT trace_id FROM traces")) == "kept"
+
+
+async def test_the_otlp_tables_match_their_models(engine: Any) -> None:
+    await migrate.upgrade(engine)
+    async with engine.connect() as conn:
+        diff = await conn.run_sync(
+            lambda c: compare_metadata(MigrationContext.configure(c), Base.metadata)
+        )
+    assert [d for d in diff if "otlp_" in repr(d)] == []

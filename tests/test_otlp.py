@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from app.formats.otlp import wire
-from tests.conftest import ROOT, HubProcess, make_api_key
+from tests.conftest import ROOT, HubProcess, db_execute, make_api_key
 from tests.fakes.model_server import FakeModel
 from tests.otlp_spans import (
     ANSWER,
@@ -115,6 +115,12 @@ def trajectory(client: httpx.Client, tid: str, **headers: str) -> dict[str, Any]
 
     record: dict[str, Any] = wait_for(stored, f"trajectory {tid}")
     return record
+
+
+def staged(trace_server: dict[str, Any], tid: str) -> list[str]:
+    """The span ids otlp_spans holds for a trace, read as a user would with sqlite3/psql."""
+    rows = db_execute(trace_server, "SELECT span_id FROM otlp_spans WHERE trace_id = :t", t=tid)
+    return [row["span_id"] for row in rows]
 
 
 def otlp_stats(client: httpx.Client) -> dict[str, int]:
@@ -300,12 +306,15 @@ def test_a_span_after_batching_is_kept_and_counted_late(
         wait_for(lambda: client.get(f"/v1/traces/{tid}").json().get("stage")
                  in ("batched", "delivered"), "the trajectory batched")
         before = client.get(f"/v1/traces/{tid}").json()
+        # The spans it was made of leave the staging table: its original holds them.
+        wait_for(lambda: not staged(trace_server, tid), "the batched spans deleted")
         late = span(tid, "late", 400, {"atropos.reward": 1.0}, parent=spans[0]["spanId"])
         assert client.post("/v1/traces", json=document([late])).status_code == 200
         wait_for(lambda: otlp_stats(client)["late_spans"] == 1, "the late span counted")
         after = client.get(f"/v1/traces/{tid}").json()
         assert after["trace"] == before["trace"] and after["reward"] == before["reward"]
         assert otlp_stats(client)["spans"] == 5
+        assert staged(trace_server, tid) == [late["spanId"]]  # kept
 
 
 def test_without_a_root_span_it_is_assembled_after_max_wait_as_incomplete(
@@ -322,14 +331,24 @@ def test_without_a_root_span_it_is_assembled_after_max_wait_as_incomplete(
         assert weather_steps(record["trace"]) == WEATHER_STEPS
 
 
-def test_spans_without_agent_content_are_refused_and_said_why(otlp_hub: HubProcess) -> None:
+def test_spans_without_agent_content_are_refused_and_said_why(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    hub = start_hub(trace_server, otlp={"quiet_seconds": 0.5, "max_wait_seconds": 8})
     tid = trace_id()
     plain = document([span(tid, "GET /", 100, {"http.request.method": "GET"})])
-    with otlp_hub.client() as client:
+    with hub.client() as client:
         assert client.post("/v1/traces", json=plain).status_code == 200
+        posted = time.monotonic()
         wait_for(lambda: otlp_stats(client)["refused_traces"] == 1, "the trace refused")
         assert client.get(f"/v1/traces/{tid}").status_code == 404
-    otlp_hub.wait_for_log(f"OTLP trace {tid} makes no trajectory")
+        hub.wait_for_log(f"OTLP trace {tid} makes no trajectory")
+        # Kept for otlp.max_wait_seconds after its last span (more might make it one).
+        spans_now = staged(trace_server, tid)
+        if time.monotonic() - posted < 7:
+            assert spans_now
+        wait_for(lambda: not staged(trace_server, tid), "the refused spans dropped")
+        assert otlp_stats(client)["refused_traces"] == 1
 
 
 def test_kill_9_after_the_200_and_before_assembly(

@@ -320,7 +320,7 @@ SCHEDULED_TASKS: sa.Table = ScheduledTaskRow.__table__  # type: ignore[assignmen
 
 
 class OtlpSpanRow(Base):
-    """One span as received over OTLP, kept until its trace is assembled and after (a
+    """One span as received over OTLP, kept until its trajectory is batched (a
     re-assembly reads every span again; a span resent by an exporter is stored once).
     The payloads are the OTLP protobuf encoding: cheap to store, decoded into OTLP/JSON
     only when the trace is assembled."""
@@ -340,11 +340,13 @@ class OtlpSpanRow(Base):
 class OtlpTraceRow(Base):
     """A trace's assembly: what has arrived, and what the assembly stage made of it.
 
-    state: open (spans the trajectory does not hold yet; due once its root span has
-    ended and quiet_seconds passed without a span, or max_wait_seconds after the first
-    one) -> assembled (the trajectory, under the same trace_id in `traces`, holds
-    them; spans arriving after it was batched are counted in late_spans) | refused
-    (the spans do not make a trajectory; `error` says why). A new span reopens it."""
+    state (app/ingest/otlp/store.py TraceState): open (spans the trajectory does not
+    hold yet; due once its root span has ended and otlp.quiet_seconds passed without a
+    span, or otlp.max_wait_seconds after the first one) -> assembled (the trajectory,
+    under the same trace_id in `traces`, holds them) -> sent (it was batched or deleted;
+    its spans are deleted here, and spans arriving later are kept and counted in
+    late_spans) | refused (the spans make no trajectory; `error` says why) -> dropped
+    (their spans deleted, otlp.max_wait_seconds after the last). A new span reopens it."""
 
     __tablename__ = "otlp_traces"
 

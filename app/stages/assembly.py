@@ -9,12 +9,17 @@ the database (app/ingest/otlp/store.py): spans acknowledged before a crash are
 assembled after the restart, and the trajectory and the trace's assembly state are
 written in one transaction. A trace that receives spans again is assembled again: its
 trajectory is replaced and scored again (its background stages start over) unless it
-was batched already; then the spans are kept and counted as late.
+was batched already; then the new spans are kept and counted as late.
+
+Once a trajectory is batched (or deleted), the spans it was made of are deleted from
+otlp_spans: its original holds them. Those of refused traces go otlp.max_wait_seconds
+after their last span.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -26,17 +31,14 @@ from app.config import OtlpConfig
 from app.db.dialect import dialect_of, insert_ignoring_conflicts
 from app.db.models import TRACES
 from app.db.types import utcnow
-from app.domain import Stage
 from app.errors import HubError
 from app.formats.otlp import NAME, wire
 from app.ingest.otlp import store
-from app.ingest.otlp.store import TraceState
+from app.ingest.otlp.store import FINAL_STAGES, Settled, TraceState
 
 log = logging.getLogger("atropos.otlp")
 
 Prepare = Callable[[list[Any], str | None], Awaitable[list[dict[str, Any] | HubError]]]
-# A trajectory handed to training is not replaced any more.
-SENT = (Stage.BATCHED.value, Stage.DELIVERED.value)
 # What a re-assembled trajectory's background stages had made of its previous version.
 _STARTED_OVER = {
     "compressed": None,
@@ -45,6 +47,10 @@ _STARTED_OVER = {
     "lease_owner": None,
     "lease_expires_at": None,
 }
+# How often, at most, the spans no trajectory needs any more are deleted: every few
+# quiet periods, and at least every half minute.
+FORGET_EVERY_QUIET_PERIODS = 3
+FORGET_EVERY_SECONDS = 30
 
 
 class AssemblyStage:
@@ -64,6 +70,7 @@ class AssemblyStage:
         self._prepare = prepare  # Ingestor.prepare: the ingest pipeline but the insert
         self._batch = batch
         self._on_advance = on_advance
+        self._forgot_at = 0.0
 
     @property
     def poll_seconds(self) -> float:
@@ -78,66 +85,100 @@ class AssemblyStage:
                 self._batch,
             )
             if not due:
-                return 0
-            spans = await store.spans_of(conn, [d.trace_id for d in due])
-        trace_ids = [d.trace_id for d in due]
-        items = [wire.join(_groups(spans[trace_id])) for trace_id in trace_ids]
-        rows = await self._prepare(items, NAME)
+                return await self._forget()
+            stored = await _stored(conn, [d.trace_id for d in due])
+            todo = [d.trace_id for d in due if d.trace_id not in stored
+                    or (stored[d.trace_id].source_format == NAME
+                        and stored[d.trace_id].stage not in FINAL_STAGES)]
+            spans = await store.spans_of(conn, todo)
+        items = [wire.join(_groups(spans[trace_id])) for trace_id in todo]
+        rows = dict(zip(todo, await self._prepare(items, NAME)))
         outcomes: Counter[str] = Counter()
+        settled: list[Settled] = []
         async with self._engine.begin() as conn:
-            for trace_id, row in zip(trace_ids, rows):
-                seen = len(spans[trace_id])
-                if isinstance(row, HubError):
-                    log.warning("OTLP trace %s makes no trajectory: %s", trace_id, row.message)
-                    await store.settle(conn, trace_id, seen, TraceState.REFUSED,
-                                       error=row.message)
-                    outcomes["refused"] += 1
-                    continue
-                outcome = await _store(conn, row)
+            new = await _insert(conn, [r for r in rows.values() if not isinstance(r, HubError)])
+            for d in due:
+                outcome, error = await _outcome(conn, d.trace_id, rows.get(d.trace_id),
+                                                stored.get(d.trace_id), new)
                 outcomes[outcome] += 1
-                if outcome == "taken":
-                    error = (f"trace_id {trace_id} is already stored, from another format; "
-                             "its spans are kept but make no trajectory")
-                    log.warning("OTLP trace %s: %s", trace_id, error)
-                    await store.settle(conn, trace_id, seen, TraceState.REFUSED, error=error)
-                else:
-                    await store.settle(conn, trace_id, seen, TraceState.ASSEMBLED,
-                                       late=outcome == "late")
-        log.info("OTLP: %d traces assembled (%s)", len(trace_ids),
+                if error is not None:
+                    log.warning("OTLP trace %s makes no trajectory: %s", d.trace_id, error)
+                state = {"late": TraceState.SENT, "refused": TraceState.REFUSED}.get(
+                    outcome, TraceState.ASSEMBLED)
+                settled.append(Settled(d.trace_id, d.spans, state, late=outcome == "late",
+                                       error=error))
+            await store.settle(conn, settled)
+        log.info("OTLP: %d traces assembled (%s)", len(due),
                  ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())))
         if (outcomes["new"] or outcomes["replaced"]) and self._on_advance is not None:
             self._on_advance()
-        return len(trace_ids)
+        return len(due)
+
+    async def _forget(self) -> int:
+        """Now and then, when nothing is due: delete the spans no trajectory needs."""
+        every = min(FORGET_EVERY_SECONDS, FORGET_EVERY_QUIET_PERIODS * self._config.quiet_seconds)
+        if time.monotonic() - self._forgot_at < every:
+            return 0
+        async with self._engine.begin() as conn:
+            forgotten = await store.forget(conn, utcnow(), self._config.max_wait_seconds,
+                                           limit=1000)
+        if forgotten < 1000:
+            self._forgot_at = time.monotonic()  # else: more to do, at once
+        if forgotten:
+            log.info("OTLP: the spans of %d traces deleted (batched, deleted or refused)",
+                     forgotten)
+        return forgotten
 
 
-async def _store(conn: AsyncConnection, row: dict[str, Any]) -> str:
-    """new | replaced (scored again) | unchanged | late (batched already) | taken (the
-    trace_id belongs to a trace of another format)."""
+async def _outcome(
+    conn: AsyncConnection,
+    trace_id: str,
+    row: dict[str, Any] | HubError | None,
+    stored: Any,
+    new: set[str],
+) -> tuple[str, str | None]:
+    """What became of a trace come due, and why it makes no trajectory if it does not:
+    new | replaced (scored again) | unchanged | late (batched already: kept as it is) |
+    refused."""
+    if stored is not None and stored.source_format != NAME:
+        return "refused", (f"trace_id {trace_id} is already stored, from another format; "
+                           "its spans are kept but make no trajectory")
+    if row is None or (stored is not None and stored.stage in FINAL_STAGES):
+        return "late", None
+    if isinstance(row, HubError):
+        return "refused", row.message
+    if trace_id in new:
+        return "new", None
     c = TRACES.c
-    insert = insert_ignoring_conflicts(dialect_of(conn), TRACES, "trace_id")
-    if (await conn.execute(insert.returning(c.trace_id), [row])).first() is not None:
-        return "new"
     replaced = await conn.execute(
         sa.update(TRACES)
-        .where(
-            c.trace_id == row["trace_id"],
-            c.source_format == NAME,
-            c.stage.not_in(SENT),
-            c.content_hash != row["content_hash"],
-        )
+        .where(c.trace_id == trace_id, c.source_format == NAME,
+               c.stage.not_in(FINAL_STAGES), c.content_hash != row["content_hash"])
         .values(**{k: v for k, v in row.items() if k not in ("trace_id", "created_at")},
                 **_STARTED_OVER)
     )
     if replaced.rowcount == 1:
-        return "replaced"
-    stored = (
-        await conn.execute(
-            sa.select(c.stage, c.source_format).where(c.trace_id == row["trace_id"])
-        )
-    ).one()
-    if stored.source_format != NAME:
-        return "taken"
-    return "late" if stored.stage in SENT else "unchanged"
+        return "replaced", None
+    stage = await conn.scalar(sa.select(c.stage).where(c.trace_id == trace_id))
+    # Batched between the look above and now, or the very same trajectory again.
+    return ("late" if stage in FINAL_STAGES else "unchanged"), None
+
+
+async def _stored(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, Any]:
+    """The trajectories already stored under these ids: their stage and format."""
+    c = TRACES.c
+    rows = await conn.execute(
+        sa.select(c.trace_id, c.stage, c.source_format).where(c.trace_id.in_(trace_ids))
+    )
+    return {row.trace_id: row for row in rows}
+
+
+async def _insert(conn: AsyncConnection, rows: list[dict[str, Any]]) -> set[str]:
+    """Insert the trajectories not stored yet; returns their trace_ids."""
+    if not rows:
+        return set()
+    insert = insert_ignoring_conflicts(dialect_of(conn), TRACES, "trace_id")
+    return set((await conn.execute(insert.returning(TRACES.c.trace_id), rows)).scalars())
 
 
 def _groups(spans: list[tuple[bytes, bytes, bytes]]) -> list[tuple[bytes, bytes, list[bytes]]]:

@@ -32,7 +32,7 @@ from app.domain import Trace
 from app.formats import _common as c
 from app.formats import openai
 from app.formats.otlp import genai, openinference, wire
-from app.formats.otlp.conversation import Exchange, ToolRun, conversation, openai_messages
+from app.formats.otlp.conversation import Exchange, ToolRun, one_conversation, openai_messages
 from app.formats.otlp.spans import Span, read
 from app.formats.spec import Format
 
@@ -75,7 +75,7 @@ def parse(item: dict[str, Any]) -> Trace:
         if run is not None:
             runs.append(run)
         offered += genai.tools(span) + openinference.tools(span)
-    messages = openai_messages(conversation(exchanges, runs))
+    messages = openai_messages(one_conversation(exchanges, runs))
     _agent_io(spans, messages)
     if not messages:
         c.fail(None, _NO_CONTENT.format(trace_id=trace_id))

@@ -1,7 +1,7 @@
 """One conversation out of many model calls, each of which repeats it so far.
 
 Every convention is read into the same small model (`Message`, `Exchange` for one
-model call, `ToolRun` for one tool execution); `conversation()` merges them:
+model call, `ToolRun` for one tool execution); `one_conversation()` merges them:
 
 - Exchanges in time order: a call's input messages at its start, its output messages
   at its end. A message is added unless the conversation already holds it, counted as
@@ -52,11 +52,14 @@ class Message:
     call_id: str | None = None  # a tool result: the call it answers
     error: str | None = None  # a tool result that failed: why
     at: int = 0  # when it entered the conversation (ns)
+    _key: tuple[Any, ...] | None = None
 
     def key(self) -> tuple[Any, ...]:
         """What makes two messages the same one, whichever convention carried them."""
-        calls = tuple((c.id or "", c.name, canonical(c.arguments)) for c in self.calls)
-        return (self.role, (self.text or "").strip(), calls, self.call_id or "")
+        if self._key is None:
+            calls = tuple((c.id or "", c.name, canonical(c.arguments)) for c in self.calls)
+            self._key = (self.role, (self.text or "").strip(), calls, self.call_id or "")
+        return self._key
 
 
 @dataclass(slots=True)
@@ -79,7 +82,7 @@ class ToolRun:
     error: str | None
 
 
-def conversation(exchanges: list[Exchange], runs: list[ToolRun]) -> list[Message]:
+def one_conversation(exchanges: list[Exchange], runs: list[ToolRun]) -> list[Message]:
     merges = [(e.start, 0, e.inputs) for e in exchanges]
     merges += [(e.end, 1, e.outputs) for e in exchanges]
     messages: list[Message] = []

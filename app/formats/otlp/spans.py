@@ -77,9 +77,16 @@ def attributes(raw: Any, where: str) -> dict[str, Any]:
         c.fail(where, f"expected an array of key-value pairs, got {c.type_name(raw)}")
     out: dict[str, Any] = {}
     for i, pair in enumerate(raw):
-        pair_where = c.path(where, i)
-        pair = c.as_dict(pair, pair_where)
-        out[c.req_str(pair, "key", pair_where)] = value(pair.get("value"), pair_where)
+        # The common case first; the paths of errors are written only for errors.
+        if isinstance(pair, dict) and isinstance(key := pair.get("key"), str):
+            given = pair.get("value")
+            if isinstance(given, dict) and len(given) == 1 and "stringValue" in given:
+                out[key] = given["stringValue"]
+            else:
+                out[key] = value(given, c.path(where, i))
+        else:
+            pair_where = c.path(where, i)
+            c.req_str(c.as_dict(pair, pair_where), "key", pair_where)
     return out
 
 

@@ -10,15 +10,17 @@ span id) are counted and reported, and the others stored: OTLP's partial success
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import orjson
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import LimitsConfig
@@ -35,6 +37,8 @@ Encoding = Literal["protobuf", "json"]
 PROTOBUF_TYPES = ("application/x-protobuf", "application/protobuf")
 # How many reasons a partial success lists; the count covers them all.
 _REASONS = 3
+# Spans per transaction at most (bounds its memory; requests are never split).
+_MAX_SPANS_PER_COMMIT = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +51,7 @@ class OtlpBody:
 
 @dataclass(frozen=True, slots=True)
 class Receipt:
-    stored: int  # spans new to the hub
-    resent: int  # spans it had already
-    rejected: int
+    rejected: int  # spans left out
     message: str  # why, for partial_success.error_message; "" when nothing was rejected
 
 
@@ -78,7 +80,18 @@ def _decoded(body: OtlpBody) -> tuple[ExportTraceServiceRequest, list[str]]:
     return wire.from_json(body.payload)
 
 
+@dataclass(slots=True)
+class _Waiting:
+    records: list[wire.SpanRecord]
+    done: asyncio.Future[None]
+    since: float  # time.monotonic() when it was queued
+
+
 class SpanReceiver:
+    """Group commit, as for traces (app/ingest/inserter.py): the spans of the requests
+    that queued while a transaction ran are written together in the next one, so that
+    concurrent exporters share its fsync; each request is answered once it committed."""
+
     def __init__(
         self, engine: AsyncEngine, admission: Admission | None, limits: LimitsConfig
     ) -> None:
@@ -86,13 +99,14 @@ class SpanReceiver:
         self._hop = OneHop(engine)
         self._admission = admission
         self._limits = limits
-        self._writes: list[float] = []  # when each write waiting or in progress began
+        self._queue: deque[_Waiting] = deque()
+        self._writer: asyncio.Task[None] | None = None
         if admission is not None:
             admission.watch(self.write_wait)
 
     def write_wait(self) -> float:
-        """How long the oldest write not yet committed has waited (0.0 when none)."""
-        return time.monotonic() - self._writes[0] if self._writes else 0.0
+        """How long the oldest request not yet committed has waited (0.0 when none)."""
+        return time.monotonic() - self._queue[0].since if self._queue else 0.0
 
     async def receive(self, body: OtlpBody) -> Receipt:
         """Store the request's usable spans; returns once they are committed."""
@@ -103,26 +117,43 @@ class SpanReceiver:
         # request of traces may take: the same back-pressure (503) as other ingest.
         places = min(len(records), self._limits.max_traces_per_request)
         with self._admission.admit(places) if self._admission else nullcontext():
-            stored = await self._store(records)
+            if records:
+                await self._store(records)
         if reasons:
             log.info("OTLP: %d spans rejected: %s", len(reasons), "; ".join(reasons[:_REASONS]))
-        return Receipt(stored, len(records) - stored, len(reasons), _message(reasons))
+        return Receipt(len(reasons), _message(reasons))
 
-    async def _store(self, records: list[wire.SpanRecord]) -> int:
-        now, began = utcnow(), time.monotonic()
-        self._writes.append(began)
-        try:
-            return await self._hop.run(lambda conn: store.add_spans(conn, records, now))
-        except (SQLAlchemyError, OSError) as exc:
-            log.error("storing %d spans failed: %s", len(records), exc)
-            raise Unavailable(
-                "the database did not accept the spans; retry",
-                retry_after=self._limits.retry_after_seconds,
-            ) from None
-        finally:
-            self._writes.remove(began)
+    async def _store(self, records: list[wire.SpanRecord]) -> None:
+        waiting = _Waiting(records, asyncio.get_running_loop().create_future(), time.monotonic())
+        self._queue.append(waiting)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write(), name="otlp-span-writer")
+        await asyncio.shield(waiting.done)  # a client gone mid-write does not stop it
+
+    async def _write(self) -> None:
+        while self._queue:
+            batch: list[_Waiting] = []
+            spans = 0
+            while self._queue and (not batch or spans < _MAX_SPANS_PER_COMMIT):
+                batch.append(self._queue[0])
+                spans += len(self._queue[0].records)
+                self._queue.popleft()
+            records = [record for waiting in batch for record in waiting.records]
+            try:
+                await self._hop.run(partial(store.add_spans, records=records, now=utcnow()))
+            except Exception as exc:  # the batch failed as a whole: nobody was acknowledged
+                log.error("storing %d spans failed: %s", len(records), exc)
+                failure = Unavailable("the database did not accept the spans; retry",
+                                      retry_after=self._limits.retry_after_seconds)
+                for waiting in batch:
+                    waiting.done.set_exception(failure)
+            else:
+                for waiting in batch:
+                    waiting.done.set_result(None)
 
     async def close(self) -> None:
+        if self._writer is not None:
+            await self._writer  # what was queued is committed (and answered) first
         await self._hop.close()
 
 

@@ -8,24 +8,34 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.dialect import dialect_of, insert_ignoring_conflicts, insert_or_update
-from app.db.models import OTLP_SPANS, OTLP_TRACES
+from app.db.models import OTLP_SPANS, OTLP_TRACES, TRACES
+from app.domain import Stage
 from app.formats.otlp.wire import SpanRecord
 
 _SPAN_COLUMNS = ("trace_id", "span_id", "start_ns", "resource", "scope", "span")
 
 
 class TraceState(StrEnum):
-    """Where a trace's assembly is (the otlp_traces.state column)."""
+    """Where a trace's assembly is (the otlp_traces.state column).
+
+    open -> assembled | refused; assembled -> sent once its trajectory is batched (or
+    deleted); refused -> dropped otlp.max_wait_seconds after its last span. A new span
+    makes any of them open again; one for a sent trace is counted late."""
 
     OPEN = "open"  # it has spans its trajectory does not hold yet
-    ASSEMBLED = "assembled"  # its trajectory holds every span, or it was sent before they came
+    ASSEMBLED = "assembled"  # its trajectory holds every span; they are kept to assemble again
+    SENT = "sent"  # its trajectory was batched or deleted: its spans are deleted
     REFUSED = "refused"  # its spans make no trajectory; `error` says why
+    DROPPED = "dropped"  # refused, and its spans deleted since
+
+
+# A trajectory in these stages went to training: it is not replaced any more.
+FINAL_STAGES = (Stage.BATCHED.value, Stage.DELIVERED.value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,27 +121,74 @@ async def spans_of(
     return out
 
 
-async def settle(
-    conn: AsyncConnection,
-    trace_id: str,
-    seen: int,
-    state: TraceState,
-    *,
-    late: bool = False,
-    error: str | None = None,
-) -> None:
-    """Record what became of a trace's first `seen` spans. It stays open when more
-    have come meanwhile; `late`: the spans since the last assembly came after its
-    trajectory was batched, and are counted as such."""
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What the assembly made of a trace's first `seen` spans."""
+
+    trace_id: str
+    seen: int
+    state: TraceState
+    late: bool = False  # the spans since the last assembly came after it was batched
+    error: str | None = None
+
+
+async def settle(conn: AsyncConnection, settled: list[Settled]) -> None:
+    """Record each trace's outcome. One that received spans meanwhile stays open; late
+    spans are counted."""
+    if not settled:
+        return
     t = OTLP_TRACES.c
-    values: dict[str, Any] = {
-        "seen_spans": seen,
-        "error": error,
-        "state": sa.case((t.spans == seen, state.value), else_=TraceState.OPEN.value),
-    }
-    if late:
-        values["late_spans"] = t.late_spans + (seen - t.seen_spans)
-    await conn.execute(sa.update(OTLP_TRACES).where(t.trace_id == trace_id).values(**values))
+    seen = sa.bindparam("b_seen", type_=sa.Integer)
+    await conn.execute(
+        sa.update(OTLP_TRACES)
+        .where(t.trace_id == sa.bindparam("b_trace_id", type_=sa.String))
+        .values(
+            seen_spans=seen,
+            error=sa.bindparam("b_error", type_=sa.Text),
+            state=sa.case((t.spans == seen, sa.bindparam("b_state", type_=sa.String)),
+                          else_=TraceState.OPEN.value),
+            late_spans=t.late_spans + sa.case(
+                (sa.bindparam("b_late", type_=sa.Boolean), seen - t.seen_spans), else_=0
+            ),
+        ),
+        [{"b_trace_id": s.trace_id, "b_seen": s.seen, "b_error": s.error,
+          "b_state": s.state.value, "b_late": s.late} for s in settled],
+    )
+
+
+async def forget(conn: AsyncConnection, now: datetime, max_wait: float, limit: int) -> int:
+    """Delete the spans no trajectory needs any more: those of traces whose trajectory
+    was batched or deleted (-> sent), and those of refused traces `max_wait` seconds
+    after their last span (-> dropped). Returns how many traces. The state moves first:
+    a span arriving meanwhile reopens its trace after this commits, and stays."""
+    t, traces = OTLP_TRACES.c, TRACES.c
+    final = (
+        sa.select(t.trace_id)
+        .outerjoin(TRACES, traces.trace_id == t.trace_id)
+        .where(t.state == TraceState.ASSEMBLED.value,
+               sa.or_(traces.trace_id.is_(None), traces.stage.in_(FINAL_STAGES)))
+        .limit(limit)
+    )
+    stale = (
+        sa.select(t.trace_id)
+        .where(t.state == TraceState.REFUSED.value,
+               t.last_span_at <= now - timedelta(seconds=max_wait))
+        .limit(limit)
+    )
+    forgotten = 0
+    for picked, was, becomes in ((final, TraceState.ASSEMBLED, TraceState.SENT),
+                                 (stale, TraceState.REFUSED, TraceState.DROPPED)):
+        moved = await conn.execute(
+            sa.update(OTLP_TRACES)
+            .where(t.trace_id.in_(picked.scalar_subquery()), t.state == was.value)
+            .values(state=becomes.value)
+            .returning(t.trace_id)
+        )
+        trace_ids = list(moved.scalars())
+        if trace_ids:
+            await conn.execute(sa.delete(OTLP_SPANS).where(OTLP_SPANS.c.trace_id.in_(trace_ids)))
+        forgotten += len(trace_ids)
+    return forgotten
 
 
 async def counts(conn: AsyncConnection) -> dict[str, int]:
@@ -141,10 +198,13 @@ async def counts(conn: AsyncConnection) -> dict[str, int]:
         sa.select(t.state, sa.func.count(), sa.func.sum(t.spans), sa.func.sum(t.late_spans))
         .group_by(t.state)
     )
-    out = {f"{state.value}_traces": 0 for state in TraceState}
+    # sent counts as assembled, dropped as refused: their spans are gone, not their fate.
+    shown = {TraceState.SENT.value: TraceState.ASSEMBLED.value,
+             TraceState.DROPPED.value: TraceState.REFUSED.value}
+    out = {f"{state}_traces": 0 for state in ("open", "assembled", "refused")}
     out.update(spans=0, late_spans=0)
     for state, traces, spans, late in rows.tuples():
-        out[f"{state}_traces"] = traces
+        out[f"{shown.get(state, state)}_traces"] += traces
         out["spans"] += int(spans or 0)
         out["late_spans"] += int(late or 0)
     return out
