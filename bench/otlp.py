@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import sqlite3
 import statistics
 import subprocess
