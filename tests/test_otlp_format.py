@@ -254,15 +254,20 @@ def _evaluation(time: int, score: float, name: str = "correctness") -> dict[str,
         "gen_ai.evaluation.score.label": "pass" if score > 0 else "fail"})
 
 
+def env_reward(trace: Any) -> Any:
+    """The environment's reward where the trace carries it: outcome.reward once the
+    env_reward column has landed, metadata["reward"] before."""
+    outcome_reward = getattr(trace.outcome, "reward", None)
+    return outcome_reward if outcome_reward is not None else trace.metadata.get("reward")
+
+
 def test_the_evaluation_on_the_root_span_is_the_reward() -> None:
     t = trace_id()
     spans = weather_run(t)
     spans[0]["events"] = [_evaluation(190, 0.75)]
     spans[3]["events"] = [_evaluation(140, 0.25, "tone")]
     trace = formats.parse(document(spans))
-    # The environment's reward, where every format carries it (outcome.reward once the
-    # env_reward column has landed; metadata before).
-    assert trace.metadata["reward"] == 0.75
+    assert env_reward(trace) == 0.75
     assert [e["name"] for e in trace.metadata["evaluations"]] == ["correctness", "tone"]
 
 
@@ -284,7 +289,7 @@ def test_atropos_attributes_state_outcome_and_reward() -> None:
                                {"key": "atropos.outcome.status", "value": {"stringValue": "success"}}]
     trace = formats.parse(document(spans))
     assert trace.outcome.status is Status.SUCCESS
-    assert trace.metadata["reward"] == 1.0
+    assert env_reward(trace) == 1.0
 
 
 def test_a_bad_explicit_status_is_refused_naming_the_attribute() -> None:
