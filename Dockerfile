@@ -17,8 +17,10 @@ RUN pip install . \
  && mkdir -p /data && chown atropos /data
 
 # Environment overrides (ATROPOS_<SECTION>__<KEY>) beat whatever config is mounted: the
-# database lives in the volume, and the server listens where EXPOSE and HEALTHCHECK say.
+# database and the jsonl target's batch files live in the volume, and the server listens
+# where EXPOSE and HEALTHCHECK say.
 ENV ATROPOS_TRACE_SERVER__DB_PATH=/data/traces.db \
+    ATROPOS_DISTRIBUTOR__OUTPUT_DIR=/data/batches \
     ATROPOS_TRACE_SERVER__HOST=0.0.0.0 \
     ATROPOS_TRACE_SERVER__PORT=8000
 

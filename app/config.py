@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
@@ -34,7 +35,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from app import formats
-from app.domain import Stage
+from app.domain import NEVER_PRUNED, Stage
 from app.durations import format_duration, parse_duration
 from app.errors import ConfigError
 
@@ -81,6 +82,13 @@ class TraceServerConfig(_Section):
 
 
 
+class EnvRewardConfig(_Section):
+    """How the environment's own reward (a trace's `env_reward`) enters `reward`:
+    weight x env_reward, its own line in reward_breakdown (docs/environment.md)."""
+
+    weight: float = Field(20, allow_inf_nan=False)
+
+
 class EnvironmentConfig(_Section):
     # Compiled and checked by scoring.RewardRules / filters.Filters at start-up.
     reward_rules: dict[str, Any] = Field(
@@ -95,6 +103,7 @@ class EnvironmentConfig(_Section):
     invalid_trace_filters: list[str] | dict[str, dict[str, Any]] = Field(
         default_factory=lambda: ["repeated_thought", "empty_action", "tool_error_streak"]
     )
+    env_reward: EnvRewardConfig = Field(default_factory=EnvRewardConfig)
 
 
 def _training_record(name: str) -> str:
@@ -106,11 +115,48 @@ def _training_record(name: str) -> str:
     return name
 
 
+class RetryPolicy(_Section):
+    """How a background stage retries a row whose work failed (compression.retry,
+    distributor.retry). Failed attempt n is retried after min(base_seconds * 2^(n-1),
+    max_seconds), less up to `jitter` of that at random, so that workers that failed
+    together do not retry together while the bounds still hold; after max_attempts
+    attempts the row is failed with its error (app/stages/leases.py `retry_later`)."""
+
+    max_attempts: int = Field(3, gt=0)
+    base_seconds: float = Field(5, ge=0)
+    max_seconds: float = Field(60, ge=0)
+    jitter: float = Field(0, ge=0, le=1)
+
+    def delay(self, attempt: int) -> float:
+        """Seconds from failed attempt `attempt` (1 for the first) to the next."""
+        ceiling = min(self.base_seconds * 2.0 ** (attempt - 1), self.max_seconds)
+        return ceiling * (1 - self.jitter * random.random())
+
+
+class DeliveryRetry(RetryPolicy):
+    """distributor.retry: the first retry within 5 s, none later than a minute."""
+
+    max_attempts: int = Field(6, gt=0)
+    base_seconds: float = Field(5, ge=0, le=5)
+    max_seconds: float = Field(60, ge=0, le=60)
+    jitter: float = Field(0.5, ge=0, le=1)
+
+
+# distributor keys from before `retry` was an object of its own, still read.
+_FLAT_RETRY_KEYS = {
+    "max_attempts": "max_attempts",
+    "retry_base_seconds": "base_seconds",
+    "retry_max_seconds": "max_seconds",
+}
+
+
 class DistributorConfig(_Section):
     """The keys every target shares. Each target (app/targets) adds its own in a
     subclass; HubConfig.distributor is that subclass, chosen by `target`."""
 
-    target: str = "tinker"
+    # jsonl by default: nothing leaves the machine unless the config says where to.
+    # tinker needs a tinker.json naming its base_url (checked by serve and worker).
+    target: str = "jsonl"
     batch_size: int = Field(32, gt=0)
     min_reward_threshold: float = 5
     # The record each trace becomes in a batch (jsonl and http targets; the tinker
@@ -118,11 +164,29 @@ class DistributorConfig(_Section):
     format: Annotated[str, AfterValidator(_training_record)] = "openai"
     # Send a trace's compressed view where it has one (SFT); false: always the whole trace.
     use_compressed: bool = True
-    # Failed deliveries are retried after min(base * 2^(attempt-1), max) seconds, then
-    # the batch is `failed` after max_attempts attempts (`atropos batches retry ID`).
-    max_attempts: int = Field(6, gt=0)
-    retry_base_seconds: float = Field(5, ge=0, le=5)
-    retry_max_seconds: float = Field(60, ge=0, le=60)
+    # Failed deliveries; after retry.max_attempts the batch is `failed`
+    # (`atropos batches retry ID` re-queues it).
+    retry: DeliveryRetry = Field(default_factory=DeliveryRetry)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_retry_keys(cls, data: Any) -> Any:
+        """max_attempts, retry_base_seconds, retry_max_seconds: the keys of retry
+        before it was an object, as older config files and overrides write them."""
+        if not isinstance(data, dict) or not _FLAT_RETRY_KEYS.keys() & data.keys():
+            return data
+        data = dict(data)
+        retry = data.get("retry") or {}
+        if not isinstance(retry, dict):
+            return data  # the retry field reports what is wrong with it
+        retry = dict(retry)
+        for flat, key in _FLAT_RETRY_KEYS.items():
+            if flat in data:
+                if key in retry:
+                    raise ValueError(f"{flat} and retry.{key} both set; keep retry.{key}")
+                retry[key] = data.pop(flat)
+        data["retry"] = retry
+        return data
 
 
 def _for_its_target(raw: dict[str, Any]) -> DistributorConfig:
@@ -229,16 +293,17 @@ class RetentionConfig(_Section):
     older_than: Duration
     # Only traces whose reward is below this (the seed's `reward < 5`); null: any.
     max_reward: float | None = None
-    # Only traces in these stages; empty: any stage (never `batched`).
+    # Only traces in these stages; empty: any stage (never `batched`: NEVER_PRUNED).
     stages: list[Stage] = Field(default_factory=list)
     every: Duration = Field(default_factory=lambda: timedelta(days=1))
     batch_size: int = Field(1000, gt=0)
 
     @field_validator("stages")
     @classmethod
-    def _not_batched(cls, value: list[Stage]) -> list[Stage]:
-        if Stage.BATCHED in value:
-            raise ValueError("batched traces wait for delivery and are never pruned")
+    def _prunable(cls, value: list[Stage]) -> list[Stage]:
+        for stage in value:
+            if stage in NEVER_PRUNED:
+                raise ValueError(f"{stage} traces wait for delivery and are never pruned")
         return value
 
 
@@ -335,6 +400,9 @@ class CompressionConfig(_Section):
     # trajectory_compressor defaults).
     protect_last_n_turns: int = Field(4, ge=0)
     summary_target_tokens: int = Field(750, gt=0)
+    # A trace whose compression failed (a strategy error, the model unreachable) is
+    # retried so, then `compression_failed` with its error.
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> CompressionConfig:

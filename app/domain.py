@@ -6,11 +6,15 @@ the same whether the agent wrote native steps, OpenAI messages, ShareGPT or ATIF
 
 from __future__ import annotations
 
+import json
+import math
 from enum import StrEnum
+from functools import lru_cache
+from itertools import chain
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class StepType(StrEnum):
@@ -49,31 +53,35 @@ class Stage(StrEnum):
     DELIVERED = "delivered"
 
 
-# Allowed moves; a stage move is `UPDATE ... WHERE stage = :expected` against this table.
+# The moves a trace makes, and the only ones it may (app/db/moves.py refuses others).
+# `received` never persists: scoring decides before the row is inserted, so a new
+# trace enters as one of TRANSITIONS[RECEIVED].
 TRANSITIONS: dict[Stage, frozenset[Stage]] = {
     Stage.RECEIVED: frozenset({Stage.ACCEPTED, Stage.REJECTED}),
+    # The compression stage; a rescore whose filters now match.
     Stage.ACCEPTED: frozenset(
-        {
-            Stage.COMPRESSED,
-            Stage.COMPRESSION_SKIPPED,
-            Stage.COMPRESSION_FAILED,
-            Stage.BELOW_THRESHOLD,
-            Stage.BATCHED,
-            Stage.REJECTED,
-        }
+        {Stage.COMPRESSED, Stage.COMPRESSION_SKIPPED, Stage.COMPRESSION_FAILED, Stage.REJECTED}
     ),
-    Stage.COMPRESSED: frozenset({Stage.BATCHED, Stage.BELOW_THRESHOLD, Stage.REJECTED}),
-    Stage.COMPRESSION_SKIPPED: frozenset({Stage.BATCHED, Stage.BELOW_THRESHOLD, Stage.REJECTED}),
-    Stage.COMPRESSION_FAILED: frozenset({Stage.ACCEPTED}),
-    Stage.BELOW_THRESHOLD: frozenset({Stage.ACCEPTED}),
+    # The distribution stage; a rescore; an OTLP trace assembled again (new spans: a new
+    # trajectory, scored again, whose stages start over; app/stages/assembly.py).
+    Stage.COMPRESSED: frozenset(
+        {Stage.BATCHED, Stage.BELOW_THRESHOLD, Stage.REJECTED, Stage.ACCEPTED}
+    ),
+    Stage.COMPRESSION_SKIPPED: frozenset(
+        {Stage.BATCHED, Stage.BELOW_THRESHOLD, Stage.REJECTED, Stage.ACCEPTED}
+    ),
+    # A rescore: rejected by the new filters, or (from below_threshold and rejected)
+    # back to accepted for the stages to decide again; an OTLP trace assembled again.
+    Stage.COMPRESSION_FAILED: frozenset({Stage.REJECTED, Stage.ACCEPTED}),
+    Stage.BELOW_THRESHOLD: frozenset({Stage.ACCEPTED, Stage.REJECTED}),
     Stage.REJECTED: frozenset({Stage.ACCEPTED}),
+    # Delivery; a rescore changes the scores of these two, never their stage.
     Stage.BATCHED: frozenset({Stage.DELIVERED}),
     Stage.DELIVERED: frozenset(),
 }
 
-
-def can_move(current: Stage, target: Stage) -> bool:
-    return target in TRANSITIONS[current]
+# Never deleted by retention (`atropos prune`, config `retention`): on its way to training.
+NEVER_PRUNED: frozenset[Stage] = frozenset({Stage.BATCHED})
 
 
 class BatchState(StrEnum):
@@ -91,6 +99,7 @@ class BatchState(StrEnum):
     FAILED = "failed"
 
 
+# A batch is inserted pending; `atropos batches retry` is failed -> pending.
 BATCH_TRANSITIONS: dict[BatchState, frozenset[BatchState]] = {
     BatchState.PENDING: frozenset({BatchState.DELIVERED, BatchState.FAILED}),
     BatchState.FAILED: frozenset({BatchState.PENDING}),
@@ -121,6 +130,23 @@ class Step(BaseModel):
     error: str | None = None
     exit_code: int | None = None
 
+    def text_parts(self) -> list[str]:
+        """The step's counted text: its content; for an action, the tool name and the
+        arguments (compact JSON); an error that is not already the content."""
+        parts = [self.content] if self.content else []
+        if self.type is StepType.ACTION:
+            if self.tool:
+                parts.append(self.tool)
+            if self.arguments is not None:
+                parts.append(
+                    self.arguments
+                    if isinstance(self.arguments, str)
+                    else _compact_json(self.arguments)
+                )
+        if self.error and self.error != self.content:
+            parts.append(self.error)
+        return parts
+
 
 class Agent(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -132,10 +158,21 @@ class Agent(BaseModel):
 class Outcome(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    # Only what the trace reported; never inferred from a reward.
     status: Status = Status.UNKNOWN
     code_runs_ok: bool | None = None
     # Why the status is what it is, in the source's own words (e.g. "max iteration").
     reason: str | None = None
+    # The scalar reward the environment (its verifier) sent with the trace; None when
+    # it sent none. Stored in the `env_reward` column; scored by environment.env_reward.
+    reward: float | None = None
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
 
 
 class Trace(BaseModel):
@@ -157,24 +194,44 @@ class Trace(BaseModel):
     source_format: str = "native"
 
     def text_parts(self) -> list[str]:
-        """The text that `total_tokens` counts: task, messages, thoughts, tool names and
-        arguments, observations and the final answer."""
-        parts = [self.task] if self.task else []
-        for step in self.steps:
-            if step.content:
-                parts.append(step.content)
-            if step.type is StepType.ACTION:
-                if step.tool:
-                    parts.append(step.tool)
-                if step.arguments is not None:
-                    parts.append(
-                        step.arguments
-                        if isinstance(step.arguments, str)
-                        else _compact_json(step.arguments)
-                    )
-            if step.error and step.error != step.content:
-                parts.append(step.error)
-        return parts
+        """The text that `total_tokens` counts: what a chat template would show the
+        model, without the template's own markup. In order: the tool list
+        (`tools_text`), the task, then every step's `Step.text_parts` (system prompts,
+        user and assistant messages, thoughts, tool calls, tool results, the final
+        answer). docs/decisions.md, "Token counts", says exactly what is counted."""
+        return [*self.context_parts(), *chain.from_iterable(s.text_parts() for s in self.steps)]
+
+    def context_parts(self) -> list[str]:
+        """The counted text before the steps: the tool list and the task."""
+        tools = self.tools_text()
+        return [part for part in (tools, self.task) if part]
+
+    def tools_text(self) -> str:
+        """The tools offered to the agent as a chat template lists them in its system
+        prompt: each schema the trace carried as JSON (`json.dumps`, as Jinja's
+        `tojson` writes it), one per line, and a tool known only by name as its name.
+        One part, so that the tool list an agent resends with every trace is tokenized
+        once (app/ingest/tokens.py remembers long parts)."""
+        schemas = self.metadata.get("tool_schemas")
+        schemas = schemas if isinstance(schemas, list) else []
+        described = {
+            inner["name"]
+            for schema in schemas
+            if isinstance(schema, dict)
+            and isinstance(inner := schema.get("function"), dict)
+            and isinstance(inner.get("name"), str)
+        }
+        lines = [_template_json(orjson.dumps(schemas))] if schemas else []
+        lines.extend(name for name in self.tools or [] if name not in described)
+        return "\n".join(lines)
+
+
+@lru_cache(maxsize=64)
+def _template_json(schemas: bytes) -> str:
+    # json.dumps is ~8x slower than orjson, whose compact output a template would not
+    # write; agents resend the same tool list with every trace, so its text is kept,
+    # keyed by the compact bytes.
+    return "\n".join(json.dumps(schema, ensure_ascii=False) for schema in orjson.loads(schemas))
 
 
 def _compact_json(value: Any) -> str:

@@ -150,8 +150,13 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
 
 
 def write_config(directory: Path, trace_server: dict[str, Any], **sections: Any) -> Path:
+    # The default target is jsonl: its files go to the test's directory, not ~/.atropos.
+    distributor = sections.pop("distributor", {})
+    if distributor.get("target", "jsonl") == "jsonl":
+        distributor = {"output_dir": str(directory / "batches"), **distributor}
     config = {
         "trace_server": {"host": "127.0.0.1", "port": 0, **trace_server},
+        "distributor": distributor,
         **sections,
     }
     path = directory / f"config-{uuid.uuid4().hex[:6]}.json"

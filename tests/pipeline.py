@@ -14,8 +14,10 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import TraceServerConfig
+from app.db import migrate
 from app.db.engine import create_engine
 from app.db.models import TRACES
+from app.db.types import utcnow
 from tests.conftest import native_trace
 
 T = TypeVar("T")
@@ -28,6 +30,34 @@ async def database(trace_server: dict[str, Any]) -> AsyncIterator[AsyncEngine]:
         yield engine
     finally:
         await engine.dispose()
+
+
+@asynccontextmanager
+async def migrated(trace_server: dict[str, Any]) -> AsyncIterator[AsyncEngine]:
+    """The test database at the current schema, for tests that run a stage in-process."""
+    async with database(trace_server) as engine:
+        await migrate.upgrade(engine)
+        yield engine
+
+
+async def insert_trace(
+    engine: AsyncEngine, trace_id: str, stage: str, *, trace: dict[str, Any] | None = None
+) -> None:
+    """A stored trace in `stage`, as the stages leave it (no ingest needed)."""
+    body = trace if trace is not None else {"task": "t", "steps": [{"type": "final"}]}
+    now = utcnow()
+    async with engine.begin() as conn:
+        await conn.execute(sa.insert(TRACES).values(
+            trace_id=trace_id, created_at=now, updated_at=now, status="success",
+            stage=stage, total_tokens=10, source_format="native", content_hash=trace_id,
+            original=body, trace=body,
+        ))
+
+
+async def stages(engine: AsyncEngine) -> dict[str, str]:
+    async with engine.connect() as conn:
+        rows = await conn.execute(sa.select(TRACES.c.trace_id, TRACES.c.stage))
+        return {trace_id: stage for trace_id, stage in rows}
 
 
 async def set_rewards(trace_server: dict[str, Any], rewards: dict[str, float]) -> None:

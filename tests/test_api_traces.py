@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import native_trace
+from tests.conftest import REAL, native_trace
 
 
 def post(client: httpx.Client, body: Any, **kwargs: Any) -> httpx.Response:
@@ -38,6 +38,16 @@ def test_one_trace_is_stored_and_read_back(client: httpx.Client) -> None:
 
     original = client.get("/v1/traces/t-1", params={"view": "original"}).json()
     assert original["trace"] == native_trace(trace_id="t-1")
+
+
+def test_total_tokens_count_the_system_prompt_and_tool_schemas(client: httpx.Client) -> None:
+    # A real Hermes line: ~12k tokens of tool schemas in its system prompt, 68 without.
+    line = (REAL / "hermes-agent/lucifexia_trajectory_samples.jsonl").read_bytes()
+    r = client.post("/v1/traces", content=line, headers={"content-type": "application/x-ndjson"})
+    assert r.status_code == 207, r.text
+    [answer] = r.json()["results"]
+    assert answer["total_tokens"] > 11_000
+    assert client.get(f"/v1/traces/{answer['trace_id']}").json()["total_tokens"] > 11_000
 
 
 def test_trace_without_id_gets_one(client: httpx.Client) -> None:

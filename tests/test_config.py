@@ -12,7 +12,7 @@ import pytest
 from app.config import load_compression, load_config, load_tinker
 from app.errors import ConfigError
 from app.targets.http import HttpTargetConfig
-from app.targets.tinker import TinkerTargetConfig
+from app.targets.jsonl import JsonlTargetConfig
 from tests.conftest import ROOT, run_cli
 
 
@@ -100,6 +100,7 @@ def test_examples_load_with_the_seed_values() -> None:
     assert config.trace_server.endpoint == "/v1/traces"
     assert config.environment.reward_rules["timeout"] == -15
     assert config.distributor.batch_size == 32 and config.distributor.min_reward_threshold == 5
+    assert config.distributor.retry == type(config.distributor.retry)()
     assert load_compression(ROOT / "compression.json.example").compression.enabled
     assert load_tinker(ROOT / "tinker.json.example").tinker.api_key_env
 
@@ -115,7 +116,7 @@ def test_each_target_gets_its_own_keys(tmp_path: Path) -> None:
     assert isinstance(distributor, HttpTargetConfig)
     assert (distributor.url, distributor.http_timeout_seconds) == ("https://trainer/batches", 5)
     assert "output_dir" not in distributor.model_dump()
-    assert isinstance(load_config(ROOT / "config.json.example").distributor, TinkerTargetConfig)
+    assert isinstance(load_config(ROOT / "config.json.example").distributor, JsonlTargetConfig)
 
 
 def test_home_is_expanded_and_env_overrides_apply(
@@ -133,6 +134,34 @@ def test_home_is_expanded_and_env_overrides_apply(
     monkeypatch.setenv("ATROPOS_TRACE_SERVER__PORT", "not-a-port")
     with pytest.raises(ConfigError, match="trace_server.port"):
         load_config(path)
+
+
+def test_retry_policies_and_the_older_delivery_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"distributor": {"retry": {"max_attempts": 2, "jitter": 0}}}))
+    retry = load_config(path).distributor.retry
+    assert (retry.max_attempts, retry.base_seconds, retry.max_seconds, retry.jitter) == (2, 5, 60, 0)
+    # The keys from before `retry` was an object still work, in a file or an override.
+    path.write_text(json.dumps({"distributor": {"max_attempts": 3, "retry_base_seconds": 1}}))
+    monkeypatch.setenv("ATROPOS_DISTRIBUTOR__RETRY_MAX_SECONDS", "4")
+    retry = load_config(path).distributor.retry
+    assert (retry.max_attempts, retry.base_seconds, retry.max_seconds, retry.jitter) == (3, 1, 4, 0.5)
+    # ... but not beside the key they stand for, and with the same bounds.
+    path.write_text(json.dumps({"distributor": {"retry": {"max_seconds": 30}}}))
+    with pytest.raises(ConfigError, match=r"^config.json: distributor: .*retry_max_seconds and "
+                                          r"retry.max_seconds both set; keep retry.max_seconds"):
+        load_config(path)
+    monkeypatch.delenv("ATROPOS_DISTRIBUTOR__RETRY_MAX_SECONDS")
+    path.write_text(json.dumps({"distributor": {"retry_base_seconds": 10}}))
+    with pytest.raises(ConfigError, match=r"distributor.retry.base_seconds: .*less than or equal to 5"):
+        load_config(path)
+
+    compression = tmp_path / "compression.json"
+    compression.write_text(json.dumps({"compression": {"retry": {"max_attempts": 5}}}))
+    retry = load_compression(compression).compression.retry
+    assert (retry.max_attempts, retry.base_seconds, retry.max_seconds, retry.jitter) == (5, 5, 60, 0)
 
 
 def test_api_key_is_read_from_the_named_variable_and_stripped(

@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from app.config import DistributorConfig
-from app.stages.delivery import retry_delay
 from tests.conftest import HubProcess, WorkerProcess, run_cli
 from tests.fakes.model_server import serve
 from tests.fakes.trainer_server import FakeTrainer
@@ -26,11 +25,11 @@ def trainer() -> Iterator[tuple[FakeTrainer, str]]:
         yield fake, f"{root}/batches"
 
 
-def sections(url: str, **distributor: Any) -> dict[str, Any]:
+def sections(url: str, **retry: Any) -> dict[str, Any]:
     return {
         "distributor": {"target": "http", "url": url, "batch_size": 3,
-                        "min_reward_threshold": 0, "retry_base_seconds": 0.2,
-                        "retry_max_seconds": 1, **distributor},
+                        "min_reward_threshold": 0,
+                        "retry": {"base_seconds": 0.2, "max_seconds": 1, **retry}},
         "workers": {"lease_seconds": 2},
     }
 
@@ -138,8 +137,8 @@ async def test_a_target_that_keeps_failing_ends_failed_and_can_be_retried(
 
 
 def test_backoff_first_within_5_s_then_growing_to_at_most_a_minute() -> None:
-    config = DistributorConfig()
-    ceilings = [max(retry_delay(n, config) for _ in range(200)) for n in range(1, 10)]
+    retry = DistributorConfig().retry
+    ceilings = [max(retry.delay(n) for _ in range(200)) for n in range(1, 10)]
     assert ceilings[0] <= 5 and all(c <= 60 for c in ceilings)
     assert ceilings[5] > 30  # it does grow towards the cap
-    assert min(retry_delay(1, config) for _ in range(200)) >= 2.5
+    assert min(retry.delay(1) for _ in range(200)) >= 2.5

@@ -409,7 +409,9 @@ def test_openai_maps_messages_to_steps() -> None:
     assert trace.task == "How many Python files are under src/?"
     assert trace.agent.model == "gpt-4o-mini"
     assert trace.tools == ["bash"]
-    assert trace.outcome.status is Status.SUCCESS and trace.metadata["reward"] == 1.0
+    # The environment's reward is kept as such; it does not make a status.
+    assert trace.outcome.status is Status.UNKNOWN and trace.outcome.reward == 1.0
+    assert "reward" not in trace.metadata
     assert _kinds(trace) == [
         "message",
         "thought",
@@ -741,6 +743,89 @@ def test_atif_export_keeps_what_atif_has_no_field_for() -> None:
     back = formats.parse(doc)
     assert back.outcome.status is Status.SUCCESS and back.tools == ["bash", "edit_file"]
     assert back.env == "swe-lite" and back.metadata["run"] == "r-17"
+
+
+# --- the environment's reward ---------------------------------------------------------
+
+_CHAT = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]
+_TURNS = [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "4"}]
+_ATIF_STEPS = [{"step_id": 1, "source": "user", "message": "What is 2+2?"},
+               {"step_id": 2, "source": "agent", "message": "4"}]
+
+
+@pytest.mark.parametrize(
+    "item",
+    [
+        {"task": "2+2?", "steps": [], "outcome": {"reward": 0.01}},
+        {"task": "2+2?", "steps": [], "reward": 0.01},
+        {"format": "openai", "messages": _CHAT, "reward": 0.01},
+        {"messages": _CHAT, "outcome": {"reward": 0.01}},
+        {"conversations": _TURNS, "reward": 0.01},
+        {"schema_version": "ATIF-v1.4", "steps": _ATIF_STEPS, "reward": 0.01},
+        {"schema_version": "ATIF-v1.4", "steps": _ATIF_STEPS,
+         "final_metrics": {"total_steps": 2, "extra": {"reward": 0.01}}},
+        {"schema_version": "ATIF-v1.4", "steps": _ATIF_STEPS, "final_metrics": {"reward": 0.01}},
+    ],
+    ids=["native-outcome", "native-top", "openai", "openai-outcome", "sharegpt", "atif-top",
+         "atif-final-metrics-extra", "atif-final-metrics"],
+)
+def test_env_reward_is_read_where_agents_put_it_and_makes_no_status(item: dict[str, Any]) -> None:
+    trace = formats.parse(item)
+    assert trace.outcome.reward == 0.01
+    assert trace.outcome.status is Status.UNKNOWN
+
+
+def test_a_reported_status_stays_beside_the_env_reward() -> None:
+    trace = formats.parse({"messages": _CHAT, "reward": 0.0, "status": "success"})
+    assert (trace.outcome.status, trace.outcome.reward) == (Status.SUCCESS, 0.0)
+    hermes = formats.parse({"conversations": _TURNS, "completed": False, "reward": 1})
+    assert (hermes.outcome.status, hermes.outcome.reward) == (Status.FAILURE, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("item", "field", "words"),
+    [
+        ({"messages": _CHAT, "reward": True}, "reward", "expected a number"),
+        ({"messages": _CHAT, "reward": "0.5"}, "reward", "expected a number"),
+        ({"messages": _CHAT, "reward": float("inf")}, "reward", "finite"),
+        ({"task": "t", "steps": [], "outcome": {"reward": float("nan")}}, "outcome.reward",
+         "finite"),
+        ({"task": "t", "steps": [], "outcome": {"reward": 1}, "reward": 2}, "reward",
+         "differs from outcome.reward"),
+        ({"schema_version": "ATIF-v1.4", "steps": _ATIF_STEPS, "reward": 1,
+          "final_metrics": {"extra": {"reward": 0}}}, "final_metrics.extra.reward", "differs"),
+    ],
+)
+def test_bad_env_rewards_are_refused_naming_the_field(
+    item: dict[str, Any], field: str, words: str
+) -> None:
+    with pytest.raises(Invalid) as err:
+        formats.parse(item)
+    assert err.value.field == field and words in err.value.message
+
+
+def test_the_same_env_reward_in_two_places_is_one_reward() -> None:
+    trace = formats.parse({"task": "t", "steps": [], "outcome": {"reward": 1}, "reward": 1.0})
+    assert trace.outcome.reward == 1.0
+
+
+@pytest.mark.parametrize("target", ["native", "atif", "sharegpt", "hermes"])
+def test_exports_keep_the_env_reward(target: str) -> None:
+    trace = formats.parse({**OPENAI, "reward": 0.25})
+    again = formats.parse(formats.export(trace, target), "hermes" if target == "hermes" else None)
+    assert again.outcome.reward == 0.25
+
+
+def test_atif_export_puts_the_env_reward_in_final_metrics() -> None:
+    doc = formats.export(formats.parse({"messages": _CHAT, "reward": 0.5}), "atif")
+    assert doc["final_metrics"] == {"extra": {"reward": 0.5}}
+    _assert_atif(doc)
+
+
+def test_openai_export_stays_a_fine_tuning_record_with_an_env_reward() -> None:
+    # Fine-tuning APIs validate these records: the reward goes beside them, not in.
+    record = formats.export(formats.parse({**OPENAI, "reward": 0.25}), "openai")
+    _assert_fine_tuning_record(record)
 
 
 # --- round trips ----------------------------------------------------------------------

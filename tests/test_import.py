@@ -42,8 +42,9 @@ def test_the_whole_corpus_is_stored_or_reported(tmp_path: Path) -> None:
             return conn.execute(sql).fetchone()[0]
 
         origin = "json_extract(trace, '$.metadata.imported_from.location')"
+        # tau-bench's reward is the environment's: its own column, no status made of it.
         assert one(f"SELECT count(*) FROM traces WHERE {origin} LIKE '%tau-bench%' "
-                   "AND status = 'success'") == 84
+                   "AND env_reward = 1 AND status = 'unknown'") == 84
         # The KnowAgent run that repeats one action 46 times (line 4) loops.
         assert one(f"SELECT json_extract(reward_breakdown, '$.loop_detected.fired') FROM traces "
                    f"WHERE {origin} LIKE '%KnowAgent%:4'") == 1
@@ -70,7 +71,8 @@ def test_import_through_a_running_hub(start_hub: Any, trace_server: dict[str, An
     assert summary(result.stdout)["stored"] == "200"
     with hub.client() as client:
         stats = client.get("/v1/stats").json()
-        assert stats["traces"] == 200 and stats["by_status"]["success"] == 84
+        assert stats["traces"] == 200 and stats["by_status"] == {"unknown": 200}
+        assert stats["env_reward"] == {"traces": 200, "mean": 84 / 200}
 
 
 def test_unknown_format_name_is_one_line(tmp_path: Path) -> None:

@@ -54,15 +54,20 @@ async def test_each_revision_steps_up_and_down(engine: Any) -> None:
         assert await migrate.current_revision(engine) == revision
 
 
-@pytest.mark.parametrize("start", revisions())
-async def test_upgrade_from_every_revision_keeps_the_rows(engine: Any, start: str) -> None:
-    await migrate.upgrade(engine, start)
+async def insert_trace(engine: Any, trace_id: str) -> None:
+    """A row with the columns every revision has (reward 20)."""
     async with engine.begin() as conn:
         await conn.execute(sa.text(
             "INSERT INTO traces (trace_id, created_at, updated_at, status, stage, total_tokens,"
-            " source_format, content_hash, original, trace, attempts) VALUES ('kept', "
-            "'2026-01-01 00:00:00', '2026-01-01 00:00:00', 'success', 'accepted', 3, 'native',"
-            " 'h', '{}', '{}', 0)"))
+            " reward, source_format, content_hash, original, trace, attempts) VALUES (:id, "
+            "'2026-01-01 00:00:00', '2026-01-01 00:00:00', 'success', 'accepted', 3, 20,"
+            " 'native', 'h', '{}', '{}', 0)"), {"id": trace_id})
+
+
+@pytest.mark.parametrize("start", revisions())
+async def test_upgrade_from_every_revision_keeps_the_rows(engine: Any, start: str) -> None:
+    await migrate.upgrade(engine, start)
+    await insert_trace(engine, "kept")
     await migrate.upgrade(engine)
     async with engine.connect() as conn:
         assert await conn.scalar(sa.text("SELECT trace_id FROM traces")) == "kept"
@@ -75,3 +80,29 @@ async def test_the_otlp_tables_match_their_models(engine: Any) -> None:
             lambda c: compare_metadata(MigrationContext.configure(c), Base.metadata)
         )
     assert [d for d in diff if "otlp_" in repr(d)] == []
+
+
+async def columns(engine: Any, table: str) -> dict[str, dict[str, Any]]:
+    async with engine.connect() as conn:
+        found = await conn.run_sync(lambda c: sa.inspect(c).get_columns(table))
+    return {column["name"]: column for column in found}
+
+
+async def test_env_reward_comes_and_goes_with_0006_keeping_the_rows(engine: Any) -> None:
+    assert revisions()[revisions().index("0005") + 1] == "0006"
+    await migrate.upgrade(engine, "0005")
+    assert "env_reward" not in await columns(engine, "traces")
+    await insert_trace(engine, "old")
+    await migrate.upgrade(engine)
+    column = (await columns(engine, "traces"))["env_reward"]
+    assert column["nullable"] and isinstance(column["type"], sa.Float)
+    async with engine.begin() as conn:
+        # Rows stored before keep everything and have no env_reward until `rescore`.
+        old = (await conn.execute(sa.text("SELECT reward, env_reward FROM traces"))).one()
+        assert tuple(old) == (20, None)
+        await conn.execute(sa.text("UPDATE traces SET env_reward = 0.25"))
+    await migrate.downgrade(engine, "0005")
+    assert "env_reward" not in await columns(engine, "traces")
+    async with engine.connect() as conn:
+        assert (await conn.execute(sa.text("SELECT trace_id, reward FROM traces"))).one() == (
+            "old", 20)

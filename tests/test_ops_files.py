@@ -64,7 +64,10 @@ def test_dockerfile_base_user_volume_and_port() -> None:
     assert users and users[-1] not in ("root", "0"), "the server must not run as root"
     assert _dockerfile("VOLUME") == ["/data"]
     assert _dockerfile("EXPOSE") == ["8000"]
-    assert "ATROPOS_TRACE_SERVER__DB_PATH=/data/traces.db" in " ".join(_dockerfile("ENV"))
+    env = " ".join(_dockerfile("ENV"))
+    assert "ATROPOS_TRACE_SERVER__DB_PATH=/data/traces.db" in env
+    # The jsonl target's files land in the volume too.
+    assert "ATROPOS_DISTRIBUTOR__OUTPUT_DIR=/data/batches" in env
 
 
 def test_dockerfile_cmd_is_the_serve_command() -> None:
@@ -112,7 +115,7 @@ def test_dockerignore_keeps_what_the_build_needs() -> None:
 def test_compose_sqlite_hub() -> None:
     compose = _compose()
     assert set(compose["services"]) == {"hub", "postgres", "hub-pg", "worker-1", "worker-2"}
-    assert set(compose["volumes"]) == {"hub-data", "pg-data"}
+    assert set(compose["volumes"]) == {"hub-data", "pg-data", "batches"}
     hub = compose["services"]["hub"]
     assert "profiles" not in hub, "`docker compose up` must start the SQLite hub"
     assert hub["build"] == "."
@@ -143,7 +146,10 @@ def test_compose_postgres_profile() -> None:
         assert env["ATROPOS_TRACE_SERVER__STORAGE_BACKEND"] == "postgresql", name
         url = _default(env["ATROPOS_TRACE_SERVER__DATABASE_URL"])
         assert re.fullmatch(rf"postgresql://{user}:[^@]+@postgres:5432/{db}", url), url
-        assert [_default(v) for v in services[name]["volumes"]] == CONFIG_MOUNTS, name
+    assert [_default(v) for v in hub_pg["volumes"]] == CONFIG_MOUNTS
+    for name in ["worker-1", "worker-2"]:  # they deliver: the batch files go to one volume
+        volumes = [_default(v) for v in services[name]["volumes"]]
+        assert volumes == [*CONFIG_MOUNTS, "batches:/data/batches"], name
     for name in ["worker-1", "worker-2"]:
         worker = services[name]
         assert worker["command"] == WORKER

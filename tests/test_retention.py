@@ -117,7 +117,10 @@ def test_worker_applies_retention_once_per_period(
 ) -> None:
     aged.kill()
     retention = {"older_than": "30d", "max_reward": 5, "every": "1h", "batch_size": 2}
-    hub = start_hub({**trace_server, "flush_interval_seconds": 0.2}, retention=retention)
+    # A target that never takes the batch, so that it stays pending (and protected).
+    never = {"target": "http", "url": "http://127.0.0.1:9/batches"}
+    hub = start_hub({**trace_server, "flush_interval_seconds": 0.2}, retention=retention,
+                    distributor=never)
     kept = {"old-high", "new-low", "old-batched", "old-leased", "old-pending-batch"}
     with hub.client() as client:
         deadline = time.monotonic() + 20

@@ -80,13 +80,42 @@ def test_reward_is_the_sum_of_fired_rules_and_breakdown_lists_every_rule() -> No
         "invalid_tool_call": {"fired": True, "count": 1, "points": -5.0},
         "loop_detected": {"fired": False, "count": 0, "points": 0.0},
         "timeout": {"fired": False, "count": 0, "points": 0.0},
+        "env_reward": {"fired": False, "count": 0, "points": 0.0},
     }
     assert orjson.loads(orjson.dumps(s.breakdown)) == s.breakdown
 
 
 def test_no_rules_give_zero() -> None:
     s = score(trace(), RewardRules.from_config({}))
-    assert (s.reward, s.breakdown) == (0.0, {})
+    assert (s.reward, s.breakdown) == (0.0, {"env_reward": {"fired": False, "count": 0,
+                                                             "points": 0.0}})
+
+
+# --- the environment's own reward ---------------------------------------------------------
+
+
+def test_env_reward_adds_weight_times_the_value_on_its_own_line() -> None:
+    t = Trace(task="t", outcome=Outcome(reward=0.01))
+    s = score(t, RewardRules.from_config(DEFAULT_RULES))
+    # The seed example: 0.01 x 20 and nothing else (no status was reported).
+    assert s.reward == pytest.approx(0.2)
+    assert s.breakdown["env_reward"] == {"fired": True, "count": 1, "points": pytest.approx(0.2)}
+    assert s.breakdown["task_success"]["fired"] is False
+    negative = score(Trace(task="t", outcome=Outcome(reward=-0.5)),
+                     RewardRules.from_config({}, env_reward_weight=4))
+    assert negative.reward == -2.0 and negative.breakdown["env_reward"]["points"] == -2.0
+
+
+def test_env_reward_and_a_reported_success_both_count() -> None:
+    t = Trace(task="t", outcome=Outcome(status=Status.SUCCESS, reward=1.0))
+    s = score(t, RewardRules.from_config({"task_success": 20}, env_reward_weight=10))
+    assert s.reward == 30.0
+
+
+def test_a_rule_cannot_take_the_env_reward_name() -> None:
+    message = config_error({"env_reward": {"points": 1, "match": {"status": "success"}}})
+    assert "environment.reward_rules.env_reward" in message
+    assert "environment.env_reward" in message
 
 
 def test_long_form_equals_short_form_and_takes_fractions() -> None:

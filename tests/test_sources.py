@@ -97,7 +97,9 @@ def test_locations_name_the_line_or_index(corpus: list[Record]) -> None:
 def test_tau_bench(corpus: list[Record]) -> None:
     traces = _traces(corpus, "tau-bench")
     assert len(traces) == 200
-    assert _statuses(traces) == {Status.SUCCESS: 84, Status.FAILURE: 116}
+    # `reward` is the environment's reward; it makes no status.
+    assert _statuses(traces) == {Status.UNKNOWN: 200}
+    assert Counter(t.outcome.reward for t in traces) == {1.0: 84, 0.0: 116}
     assert sum(len(_errors(t)) for t in traces) == 73
     assert all(e.startswith("Error:") for t in traces for e in _errors(t))
     # `think` calls are thoughts, not tool calls.
@@ -178,7 +180,9 @@ def test_openhands(corpus: list[Record]) -> None:
 def test_fireact(corpus: list[Record]) -> None:
     traces = _traces(corpus, "fireact")
     assert len(traces) == 500
-    assert _statuses(traces) == {Status.SUCCESS: 500}
+    # "Episode finished, reward = True": the environment's reward, not a status.
+    assert _statuses(traces) == {Status.UNKNOWN: 500}
+    assert {t.outcome.reward for t in traces} == {1.0}
     assert all(t.steps[-1].type is StepType.FINAL for t in traces)
 
 
@@ -248,12 +252,15 @@ def test_atropos_groups(corpus: list[Record]) -> None:
     assert len(rollouts) == 8
     assert all(t.tools == ["apply_move"] for t in rollouts)
     line_3 = _traces(corpus, "atropos", "rubiks_process_results_32_line3")
-    assert _statuses(line_3) == {Status.FAILURE: 4}
-    assert all(t.metadata["score"] < 0 and t.metadata["parsed_action"] is None for t in line_3)
+    # The scores are the environment's rewards; none makes a status.
+    assert _statuses(rollouts) == {Status.UNKNOWN: 8}
+    rewards = [t.outcome.reward for t in line_3]
+    assert all(r is not None and r < 0 for r in rewards)
+    assert all(t.metadata["parsed_action"] is None for t in line_3)
     # The last agent turn is a bare "<think>": an empty assistant turn.
     assert all(t.steps[-1].type is StepType.MESSAGE and t.steps[-1].content == "" for t in line_3)
-    [best] = [t for t in rollouts if t.metadata["score"] > 0]
-    assert best.outcome.status is Status.UNKNOWN and best.metadata["parsed_action"] == "U"
+    [best] = [t for t in rollouts if (t.outcome.reward or 0) > 0]
+    assert best.metadata["parsed_action"] == "U"
 
 
 def test_hermes_through_app_formats(corpus: list[Record]) -> None:
@@ -289,7 +296,8 @@ def test_a_bad_line_is_unreadable_and_reading_goes_on(tmp_path: Path) -> None:
             pytest.fail(f"unexpected records: {records}")
     assert bad_json.endswith("runs.jsonl:2") and "invalid JSON" in why_json
     assert "no adapter recognises" in why_unknown and "what" in why_unknown
-    assert trace.outcome.status is Status.SUCCESS and _errors(trace) == ["Error: no seats"]
+    assert trace.outcome.status is Status.UNKNOWN and trace.outcome.reward == 1.0
+    assert _errors(trace) == ["Error: no seats"]
     assert trace.steps[0].arguments == {"x": 1}
 
 

@@ -43,7 +43,12 @@ class IngestResult(BaseModel):
     stage: Stage = Field(description="Where the trace is in the pipeline")
     status: Status = Field(description="The task's outcome as the agent reported it")
     total_tokens: int = Field(description="Tokens of the canonical trace (cl100k_base)")
-    reward: float | None = Field(description="The sum of the reward rules' points")
+    reward: float | None = Field(
+        description="The sum of the reward rules' points and the weighted env_reward"
+    )
+    env_reward: float | None = Field(
+        description="The environment's own reward as the agent sent it; null when none"
+    )
     reward_breakdown: dict[str, RuleResult] | None = Field(
         description="Each reward rule's result, by name"
     )
@@ -75,6 +80,9 @@ class TraceSummary(BaseModel):
         description="Tokens of the compressed trace, once compressed"
     )
     reward: float | None
+    env_reward: float | None = Field(
+        description="The environment's own reward as the agent sent it; null when none"
+    )
     reject_reasons: list[RejectReason]
     format: str = Field(
         description="The format it arrived in (native, openai, sharegpt, atif, ...)"
@@ -202,6 +210,11 @@ class OtlpCounts(BaseModel):
     )
 
 
+class EnvRewardStats(BaseModel):
+    traces: int = Field(description="Traces that carry the environment's own reward")
+    mean: float | None = Field(description="Its mean over them")
+
+
 class TraceStats(BaseModel):
     """Counts over every stored trace and batch."""
 
@@ -211,6 +224,7 @@ class TraceStats(BaseModel):
     total_tokens: int
     compressed_tokens: int
     mean_reward: float | None
+    env_reward: EnvRewardStats
     batches: BatchCounts
     compression: CompressionCounts
     rejections_by_filter: dict[str, int] = Field(

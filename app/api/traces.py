@@ -88,10 +88,15 @@ def router(endpoint: str) -> APIRouter:
         max_reward: float | None = None,
         since: datetime | None = None,
         until: datetime | None = None,
+        min_env_reward: float | None = None,
+        max_env_reward: float | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 50,
         cursor: str | None = None,
     ) -> TracePage:
-        where = TraceFilter(stage, status, env, model, min_reward, max_reward, since, until)
+        where = TraceFilter(
+            stage, status, env, model, min_reward, max_reward, since, until,
+            min_env_reward, max_env_reward,
+        )
         records, next_cursor = await list_traces(conn, where, limit, cursor)
         return TracePage(traces=records, next_cursor=next_cursor)
 

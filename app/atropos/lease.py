@@ -15,6 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from app.atropos.tables import (
+    ATROPOS_BATCH_STATES,
     ATROPOS_BATCHES,
     AtroposBatchState,
     AtroposDb,
@@ -51,12 +52,11 @@ def expire(conn: sa.Connection, now: datetime) -> None:
     top = sa.select(sa.func.coalesce(sa.func.max(others.c.seq), 0) + 1).scalar_subquery()
     expired = (
         conn.execute(
-            sa.update(ATROPOS_BATCHES)
-            .where(
-                ATROPOS_BATCHES.c.state == AtroposBatchState.LEASED,
-                ATROPOS_BATCHES.c.lease_expires_at < now,
+            ATROPOS_BATCH_STATES.move(
+                AtroposBatchState.PENDING, expected=[AtroposBatchState.LEASED]
             )
-            .values(state=AtroposBatchState.PENDING, seq=top, updated_at=now)
+            .where(ATROPOS_BATCHES.c.lease_expires_at < now)
+            .values(seq=top, updated_at=now)
             .returning(ATROPOS_BATCHES.c.lease_id)
         )
         .scalars()

@@ -26,9 +26,18 @@ import sqlalchemy as sa
 
 from app.atropos.models import ScoredData
 from app.atropos.packing import groups_summing_to
-from app.atropos.tables import ENVS, GROUPS, PAYLOADS, WAITING, AtroposDb, AtroposGroupState
+from app.atropos.tables import (
+    ENVS,
+    GROUP_STATES,
+    GROUPS,
+    PAYLOADS,
+    WAITING,
+    AtroposDb,
+    AtroposGroupState,
+)
 from app.config import AtroposConfig
 from app.db.dialect import Dialect, for_update, reserve_ids
+from app.db.engine import database_refusal
 from app.db.types import utcnow
 from app.errors import HubError, Invalid, Unavailable
 
@@ -143,7 +152,11 @@ class GroupWriter:
             try:
                 results = await self._db.write(partial(self._store, taken=taken))
             except Exception as exc:  # nothing in this transaction was committed
-                log.error("storing %d Atropos submissions failed: %s", len(taken), exc)
+                said = database_refusal(exc)
+                if said is None:
+                    log.exception("storing %d Atropos submissions failed", len(taken))
+                else:
+                    log.error("storing %d Atropos submissions failed: %s", len(taken), said)
                 error = Unavailable("the database did not accept the write; retry", retry_after=1)
                 results = [(request, error) for request in taken]
             finally:
@@ -271,7 +284,7 @@ _COPIED = ["state", "env_id", "size", "bytes", "fill_logprobs", "payload_id", "c
 
 def _copy_of(group_id: int) -> sa.Select[Any]:
     return sa.select(
-        sa.literal(AtroposGroupState.QUEUED.value, sa.String(16)),
+        sa.literal(GROUP_STATES.enter(AtroposGroupState.QUEUED), sa.String(16)),
         GROUPS.c.env_id,
         GROUPS.c.size,
         GROUPS.c.bytes,
@@ -293,7 +306,7 @@ def _row(
     group: NewGroup, state: AtroposGroupState, payload_id: int, now: datetime
 ) -> dict[str, Any]:
     return {
-        "state": state,
+        "state": GROUP_STATES.enter(state),
         "env_id": group.env_id,
         "size": group.size,
         "bytes": group.nbytes,

@@ -13,6 +13,7 @@ from app.atropos.models import RegisterEnv, Registration
 from app.atropos.tables import (
     ATROPOS_BATCHES,
     ENVS,
+    GROUP_STATES,
     GROUPS,
     PAYLOADS,
     STATE,
@@ -145,5 +146,5 @@ def _reset(conn: sa.Connection) -> None:
     if latest is not None:
         # A wipe, not a step of the pipeline: the group kept is only an example now.
         conn.execute(
-            sa.update(GROUPS).where(GROUPS.c.id == latest.id).values(state=AtroposGroupState.SERVED)
+            GROUP_STATES.move(AtroposGroupState.SERVED).where(GROUPS.c.id == latest.id)
         )

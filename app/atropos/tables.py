@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db import models
 from app.db.dialect import Dialect, OneHop, dialect_of, for_update
+from app.db.moves import StateMachine
 
 STATE = models.ATROPOS_STATE
 ENVS = models.ATROPOS_ENVS
@@ -49,22 +50,34 @@ class AtroposBatchState(StrEnum):
 # Groups still waiting to be served: what the queue bound counts.
 WAITING = (AtroposGroupState.BUFFERED, AtroposGroupState.QUEUED, AtroposGroupState.BATCHED)
 
-GROUP_MOVES: dict[AtroposGroupState, set[AtroposGroupState]] = {
-    AtroposGroupState.BUFFERED: set(),  # released by copying into the queue, never moved
-    AtroposGroupState.QUEUED: {AtroposGroupState.BATCHED, AtroposGroupState.SERVED},
-    AtroposGroupState.BATCHED: {AtroposGroupState.SERVED},
-    AtroposGroupState.SERVED: set(),
-}
-BATCH_MOVES: dict[AtroposBatchState, set[AtroposBatchState]] = {
-    AtroposBatchState.PENDING: {
-        AtroposBatchState.SERVED,
-        AtroposBatchState.LEASED,
-        AtroposBatchState.ACKED,
+GROUP_STATES: StateMachine[AtroposGroupState] = StateMachine(
+    "Atropos group",
+    GROUPS.c.state,
+    {
+        # Released by copying into the queue as a new row, never moved.
+        AtroposGroupState.BUFFERED: set(),
+        AtroposGroupState.QUEUED: {AtroposGroupState.BATCHED, AtroposGroupState.SERVED},
+        AtroposGroupState.BATCHED: {AtroposGroupState.SERVED},
+        AtroposGroupState.SERVED: set(),
     },
-    AtroposBatchState.LEASED: {AtroposBatchState.ACKED, AtroposBatchState.PENDING},
-    AtroposBatchState.SERVED: set(),
-    AtroposBatchState.ACKED: set(),
-}
+    entries={AtroposGroupState.BUFFERED, AtroposGroupState.QUEUED},
+)
+ATROPOS_BATCH_STATES: StateMachine[AtroposBatchState] = StateMachine(
+    "Atropos batch",
+    ATROPOS_BATCHES.c.state,
+    {
+        AtroposBatchState.PENDING: {
+            AtroposBatchState.SERVED,
+            AtroposBatchState.LEASED,
+            AtroposBatchState.ACKED,
+        },
+        # Acknowledged, or not in time: then pending again (lease.expire).
+        AtroposBatchState.LEASED: {AtroposBatchState.ACKED, AtroposBatchState.PENDING},
+        AtroposBatchState.SERVED: set(),
+        AtroposBatchState.ACKED: set(),
+    },
+    entries={AtroposBatchState.PENDING},
+)
 
 
 class Contention(Exception):
@@ -139,16 +152,12 @@ def move_groups(
     conn: sa.Connection, ids: Iterable[int], source: AtroposGroupState, target: AtroposGroupState
 ) -> None:
     """UPDATE ... SET state = target WHERE state = source, for every id or none."""
-    assert target in GROUP_MOVES[source], f"group {source} -> {target}"
+    move = GROUP_STATES.move(target, expected=[source])
     ids = list(ids)
     moved = 0
     for start in range(0, len(ids), _IN_CHUNK):
         chunk = ids[start : start + _IN_CHUNK]
-        moved += conn.execute(
-            sa.update(GROUPS)
-            .where(GROUPS.c.id.in_(chunk), GROUPS.c.state == source)
-            .values(state=target)
-        ).rowcount
+        moved += conn.execute(move.where(GROUPS.c.id.in_(chunk))).rowcount
     if moved != len(ids):
         raise Contention(f"{len(ids) - moved} of {len(ids)} groups were no longer {source}")
 
@@ -160,12 +169,10 @@ def move_batch(
     target: AtroposBatchState,
     **values: Any,
 ) -> None:
-    for source in sources:
-        assert target in BATCH_MOVES[source], f"batch {source} -> {target}"
     result = conn.execute(
-        sa.update(ATROPOS_BATCHES)
-        .where(ATROPOS_BATCHES.c.id == batch_id, ATROPOS_BATCHES.c.state.in_(sources))
-        .values(state=target, **values)
+        ATROPOS_BATCH_STATES.move(target, expected=sources)
+        .where(ATROPOS_BATCHES.c.id == batch_id)
+        .values(**values)
     )
     if result.rowcount != 1:
         raise Contention(f"batch {batch_id} was no longer {'/'.join(sources)}")

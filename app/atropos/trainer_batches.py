@@ -24,6 +24,7 @@ from app.atropos import lease
 from app.atropos.logprobs import fill_inference_logprobs
 from app.atropos.packing import EnvShare, Item, form_batches
 from app.atropos.tables import (
+    ATROPOS_BATCH_STATES,
     ATROPOS_BATCHES,
     ENVS,
     GROUPS,
@@ -152,7 +153,7 @@ def _form(conn: sa.Connection, run: AtroposRunState) -> int:
         [
             {
                 "seq": (top or 0) + 1 + i,
-                "state": AtroposBatchState.PENDING,
+                "state": ATROPOS_BATCH_STATES.enter(AtroposBatchState.PENDING),
                 "group_ids": [item.id for item in batch],
                 "sequences": sum(item.size for item in batch),
                 "deliveries": 0,

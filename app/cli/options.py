@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from app.config import load_compression, load_config, load_tinker
 from app.durations import parse_duration
+from app.errors import ConfigError
 from app.hub import Settings
 
 Run = Callable[[argparse.Namespace], Awaitable[int]]
@@ -39,9 +41,27 @@ def add_hub_files(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tinker", help="tinker.json (model and training endpoint)")
 
 
-def load_settings(args: argparse.Namespace) -> Settings:
-    return Settings(
+def load_settings(args: argparse.Namespace, *, delivers: bool = False) -> Settings:
+    """The config files; `delivers`: this process will hand batches to the target."""
+    settings = Settings(
         load_config(args.config), load_compression(args.compression), load_tinker(args.tinker)
+    )
+    if delivers:
+        _named_training_service(settings, args.config)
+    return settings
+
+
+def _named_training_service(settings: Settings, config: str) -> None:
+    """The tinker target sends every batch to a training service: only to one the user
+    named. tinker.json's own default (api.openai.com) is not naming one."""
+    if settings.config.distributor.target != "tinker":
+        return
+    if "base_url" in settings.tinker.tinker.model_fields_set:
+        return
+    raise ConfigError(
+        f"{Path(config).name}: distributor.target is tinker, which sends every batch to a "
+        "training service, but no tinker.json names one: pass --tinker FILE with "
+        'tinker.base_url set, or deliver to "jsonl" (files in distributor.output_dir)'
     )
 
 

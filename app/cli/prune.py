@@ -7,7 +7,7 @@ import argparse
 
 from app.cli.options import Commands, command, duration
 from app.config import load_config
-from app.domain import Stage
+from app.domain import NEVER_PRUNED, Stage
 from app.errors import ConfigError
 from app.hub import database
 from app.stages import retention
@@ -43,8 +43,8 @@ def _prunable_stage(value: str) -> Stage:
         raise argparse.ArgumentTypeError(
             f"unknown stage {value!r}; one of {', '.join(Stage)}"
         ) from None
-    if stage is Stage.BATCHED:
-        raise argparse.ArgumentTypeError("batched traces wait for delivery; never pruned")
+    if stage in NEVER_PRUNED:
+        raise argparse.ArgumentTypeError(f"{stage} traces wait for delivery; never pruned")
     return stage
 
 

@@ -4,42 +4,55 @@ filters, for when a user changes the weights.
 Traces whose `scored_with` fingerprint differs from the current environment's are
 rescored in batches, oldest first, one transaction per batch; a run that is stopped
 resumes where it stopped (the finished traces carry the new fingerprint).
+
+Traces stored before the hub kept the environment's reward (revision 0006) have no
+`env_reward` and may carry a status the parsers then inferred from that reward (reward
+> 0 was "success"). Rescoring reads their outcome again (`reported_outcome`): from the
+item as received, through today's parser, or, for imports, from what the adapter kept
+in metadata; then `env_reward`, `status` and the stored traces' outcome are updated with
+the scores.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app import formats
 from app.cli.options import Commands, add_since, command
 from app.cli.progress import Progress
 from app.config import load_config
 from app.db.models import TRACES
+from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
-from app.domain import Stage, Trace
+from app.domain import Outcome, Stage, Trace
+from app.errors import HubError
 from app.evaluation.environment import Environment
 from app.hub import database
+from app.import_sources import fireact
+from app.import_sources._common import env_reward
 
 BATCH = 500
 # Traces already handed to training keep their stage; only their scores change.
-SENT = {Stage.BATCHED.value, Stage.DELIVERED.value}
+SENT = {Stage.BATCHED, Stage.DELIVERED}
 
 
-def new_stage(stage: str, rejected: bool) -> str:
+def new_stage(stage: Stage, rejected: bool) -> Stage:
     if stage in SENT:
         return stage
     if rejected:
-        return Stage.REJECTED.value
+        return Stage.REJECTED
     # Un-rejected, or under a threshold that the new reward may pass: back to the
     # start of the background stages, which decide again.
-    if stage in (Stage.REJECTED.value, Stage.BELOW_THRESHOLD.value):
-        return Stage.ACCEPTED.value
+    if stage in (Stage.REJECTED, Stage.BELOW_THRESHOLD):
+        return Stage.ACCEPTED
     return stage
 
 
@@ -56,33 +69,56 @@ async def rescore(
     since: datetime | None = None,
     on_batch: Callable[[int], None] = lambda n: None,
 ) -> Counter[str]:
-    """Returns counts: rescored, and the stage moves made (e.g. "accepted->rejected")."""
+    """Returns counts: rescored, the stage moves made (e.g. "accepted->rejected"), and
+    the outcomes read again (traces stored before the environment's reward was kept)."""
     counts: Counter[str] = Counter()
     after: tuple[datetime, str] | None = None
     while True:
         async with engine.begin() as conn:
-            query = sa.select(TRACES.c.trace_id, TRACES.c.created_at, TRACES.c.stage,
-                              TRACES.c.trace).where(*_todo(environment, since))
+            c = TRACES.c
+            unfilled = c.env_reward.is_(None)
+            query = sa.select(
+                c.trace_id, c.created_at, c.stage, c.trace,
+                # Read only where the environment's reward may still be missing.
+                sa.case((unfilled, c.original)).label("original"),
+                sa.case((unfilled, c.compressed)).label("compressed"),
+            ).where(*_todo(environment, since))
             if after is not None:
-                query = query.where(sa.tuple_(TRACES.c.created_at, TRACES.c.trace_id) > after)
-            rows = (await conn.execute(
-                query.order_by(TRACES.c.created_at, TRACES.c.trace_id).limit(BATCH)
-            )).all()
+                query = query.where(sa.tuple_(c.created_at, c.trace_id) > after)
+            rows = (await conn.execute(query.order_by(c.created_at, c.trace_id).limit(BATCH))).all()
             if not rows:
                 return counts
-            updates = [_update(row, environment, counts) for row in rows]
-            await conn.execute(
-                sa.update(TRACES)
-                .where(TRACES.c.trace_id == sa.bindparam("b_id"),
-                       TRACES.c.stage == sa.bindparam("b_stage"))
-                .values(reward=sa.bindparam("reward"),
-                        reward_breakdown=sa.bindparam("reward_breakdown"),
-                        reject_reasons=sa.bindparam("reject_reasons"),
-                        scored_with=environment.fingerprint,
-                        stage=sa.bindparam("stage"),
-                        updated_at=utcnow()),
-                updates,
-            )
+            # One statement per (stage, new stage): each row is updated only if it is
+            # still in the stage it was read in (a stage may have moved it since).
+            moves: dict[tuple[Stage, Stage], list[_Update]] = defaultdict(list)
+            for row in rows:
+                update = _update(row, environment, counts)
+                moves[Stage(row.stage), update.stage].append(update)
+            for (source, target), updates in moves.items():
+                stmt = (TRACE_STAGES.move(target, expected=[source]) if target != source
+                        else sa.update(TRACES).where(c.stage == source.value))
+                await conn.execute(
+                    stmt.where(c.trace_id == sa.bindparam("b_id"))
+                    .values(reward=sa.bindparam("reward"),
+                            env_reward=sa.bindparam("env_reward"),
+                            status=sa.bindparam("status"),
+                            reward_breakdown=sa.bindparam("reward_breakdown"),
+                            reject_reasons=sa.bindparam("reject_reasons"),
+                            scored_with=environment.fingerprint,
+                            updated_at=utcnow()),
+                    [u.scores for u in updates],
+                )
+                # The stored traces get the outcome read again, so that exports and
+                # batches say what the columns say. The stage was just set to `target`.
+                reread = [u.payloads for u in updates if u.payloads is not None]
+                if reread:
+                    await conn.execute(
+                        sa.update(TRACES)
+                        .where(c.trace_id == sa.bindparam("b_id"), c.stage == target.value)
+                        .values(trace=sa.bindparam("trace"),
+                                compressed=sa.bindparam("compressed")),
+                        reread,
+                    )
         after = (rows[-1].created_at, rows[-1].trace_id)
         on_batch(len(rows))
 
@@ -95,20 +131,79 @@ def _todo(environment: Environment, since: datetime | None) -> list[sa.ColumnEle
     return where
 
 
-def _update(row: Any, environment: Environment, counts: Counter[str]) -> dict[str, Any]:
-    evaluation = environment.evaluate(Trace.model_validate(row.trace))
-    stage = new_stage(row.stage, bool(evaluation.reject_reasons))
+@dataclass(frozen=True, slots=True)
+class _Update:
+    stage: Stage
+    scores: dict[str, Any]
+    # The canonical and compressed traces with the outcome read again; None: unchanged.
+    payloads: dict[str, Any] | None
+
+
+def _update(row: Any, environment: Environment, counts: Counter[str]) -> _Update:
+    """The trace's new stage and scores, and its payloads when the outcome changed."""
+    trace = Trace.model_validate(row.trace)
+    outcome = reported_outcome(trace, row.original)
+    evaluation = environment.evaluate(trace.model_copy(update={"outcome": outcome}))
+    stage = new_stage(Stage(row.stage), bool(evaluation.reject_reasons))
     counts["rescored"] += 1
     if stage != row.stage:
         counts[f"{row.stage}->{stage}"] += 1
-    return {
+    scores = {
         "b_id": row.trace_id,
-        "b_stage": row.stage,
+        "env_reward": outcome.reward,
+        "status": outcome.status.value,
         "reward": evaluation.reward,
         "reward_breakdown": evaluation.breakdown,
         "reject_reasons": evaluation.reject_reasons,
-        "stage": stage,
     }
+    if outcome == trace.outcome:
+        return _Update(stage, scores, None)
+    counts["outcomes read again"] += 1
+    payloads = {
+        "b_id": row.trace_id,
+        "trace": _with_outcome(row.trace, outcome),
+        "compressed": _with_outcome(row.compressed, outcome),
+    }
+    return _Update(stage, scores, payloads)
+
+
+# Imports are stored as native traces; before revision 0006 the adapters kept the
+# environment's reward in metadata (and inferred a status from it).
+_IMPORTED_REWARD: dict[str, Callable[[Trace], float | None]] = {
+    "tau_bench": lambda trace: env_reward(trace.metadata.get("reward")),
+    "atropos_group": lambda trace: env_reward(trace.metadata.get("score")),
+    "fireact": lambda trace: fireact.verdict_outcome(trace.outcome.reason).reward,
+}
+
+
+def reported_outcome(trace: Trace, original: Any) -> Outcome:
+    """The trace's outcome as today's parsers read it: unchanged when it carries the
+    environment's reward; else read again from `original` (the item as received, None
+    when not loaded) or, for an import, from what its adapter kept in metadata."""
+    if trace.outcome.reward is not None:
+        return trace.outcome
+    imported = trace.metadata.get("imported_from")
+    source = imported.get("format") if isinstance(imported, dict) else None
+    if isinstance(source, str):
+        read = _IMPORTED_REWARD.get(source)
+        reward = None if read is None else read(trace)
+        if reward is None:
+            return trace.outcome
+        # The status those adapters wrote was inferred from this very reward.
+        return Outcome(code_runs_ok=trace.outcome.code_runs_ok, reward=reward)
+    if original is None or trace.source_format == "native":
+        return trace.outcome  # native traces could not carry a reward before 0006
+    try:
+        return formats.parse(original, trace.source_format).outcome
+    except HubError:  # an original today's parser refuses: keep what was stored
+        return trace.outcome
+
+
+def _with_outcome(payload: dict[str, Any] | None, outcome: Outcome) -> dict[str, Any] | None:
+    """A stored trace (canonical or compressed) with `outcome`; None stays None."""
+    if payload is None:
+        return None
+    return {**payload, "outcome": outcome.model_dump(mode="json", exclude_none=True)}
 
 
 # --- the command ----------------------------------------------------------------
@@ -128,6 +223,6 @@ async def _rescore(args: argparse.Namespace) -> int:
         counts = await rescore(engine, environment, since=args.since, on_batch=progress.advance)
         progress.close()
     print(f"rescored: {counts.pop('rescored', 0)}")
-    for move, n in sorted(counts.items()):
-        print(f"stage {move}: {n}")
+    for key, n in sorted(counts.items()):
+        print(f"stage {key}: {n}" if "->" in key else f"{key}: {n}")
     return 0

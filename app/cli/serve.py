@@ -35,8 +35,8 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    settings = load_settings(args)
     workers = not args.no_workers
+    settings = load_settings(args, delivers=workers)
     # Rules and tokenizer first, then the database: a mistake costs no migration.
     environment = Environment.from_config(settings.config.environment)
     encoding()
@@ -84,7 +84,7 @@ class _Server(uvicorn.Server):
 
 
 async def _worker(args: argparse.Namespace) -> int:
-    settings = load_settings(args)
+    settings = load_settings(args, delivers=True)
     config = settings.config
     environment = Environment.from_config(config.environment)
     encoding()  # the compression stage counts tokens

@@ -13,7 +13,6 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import cast
 
 from app.domain import Step, StepType, Trace
 from app.ingest.tokens import count_parts, count_tokens
@@ -47,19 +46,9 @@ class Budget:
     lower: int
 
 
-class _OneStep:
-    """Just what Trace.text_parts reads: a task and steps. Building a Trace per step
-    (even with model_construct) costs more than tokenizing the step."""
-
-    task = ""
-
-    def __init__(self, step: Step):
-        self.steps = [step]
-
-
 def step_parts(step: Step) -> list[str]:
     # The trace's own definition of counted text, so step counts add up to total_tokens.
-    return Trace.text_parts(cast(Trace, _OneStep(step)))
+    return step.text_parts()
 
 
 class Ledger:
@@ -73,7 +62,9 @@ class Ledger:
         self.steps = steps
         self.tokens = tokens
         self.estimated = estimated
-        self.fixed = count_tokens(trace.task) + 1 if trace.task else 0
+        # The tool list and the task: counted in total_tokens, never compressed.
+        context = trace.context_parts()
+        self.fixed = count_parts(context) + 1 if context else 0
         self.total = self.fixed + sum(tokens)
         # Steps affected, per kind of removal (a step trimmed twice counts once).
         self.removed: Counter[str] = Counter()

@@ -8,8 +8,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.models import BATCHES, MEMBERS
+from app.db.moves import BATCH_STATES
 from app.db.trace_queries import newest_first
-from app.db.types import utcnow
 from app.domain import BatchState
 from app.errors import Conflict, NotFound
 from app.stages.leases import RELEASED
@@ -45,9 +45,9 @@ async def retry_batch(engine: AsyncEngine, batch_id: str) -> dict[str, Any]:
     last_error stay (a training job is resumed, not started twice)."""
     async with engine.begin() as conn:
         moved = await conn.execute(
-            sa.update(BATCHES)
-            .where(BATCHES.c.batch_id == batch_id, BATCHES.c.state == BatchState.FAILED.value)
-            .values(state=BatchState.PENDING.value, attempts=0, updated_at=utcnow(), **RELEASED)
+            BATCH_STATES.move(BatchState.PENDING, expected=[BatchState.FAILED])
+            .where(BATCHES.c.batch_id == batch_id)
+            .values(attempts=0, **RELEASED)
         )
         if moved.rowcount == 1:
             return await get_batch(conn, batch_id)

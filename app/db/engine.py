@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
@@ -29,6 +30,19 @@ def database_url(cfg: TraceServerConfig) -> str:
     if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
         url = url.set(drivername="postgresql+asyncpg")
     return url.render_as_string(hide_password=False)
+
+
+def database_refusal(exc: BaseException) -> str | None:
+    """What the database said, in one line, when `exc` is the database refusing or
+    failing a statement (locked, disk full, connection lost, no connection free): an
+    expected condition, logged so. None for anything else: a bug, to be logged with
+    its traceback."""
+    if isinstance(exc, sa_exc.DBAPIError):
+        # Not str(exc): that carries the statement and its parameters (trace contents).
+        return f"{type(exc.orig).__name__}: {exc.orig}"
+    if isinstance(exc, (sa_exc.TimeoutError, OSError)):
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def redacted(url: str) -> str:

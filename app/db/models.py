@@ -38,6 +38,9 @@ class TraceRow(Base):
     total_tokens: Mapped[int] = mapped_column(sa.Integer)
     compressed_tokens: Mapped[int | None] = mapped_column(sa.Integer)
     reward: Mapped[float | None] = mapped_column(sa.Float)
+    # The scalar reward the environment sent with the trace (outcome.reward); NULL when
+    # none. It enters `reward` through environment.env_reward.
+    env_reward: Mapped[float | None] = mapped_column(sa.Float)
     reward_breakdown: Mapped[dict[str, Any] | None] = mapped_column(JSON_)
     reject_reasons: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON_)
     # Fingerprint of the rules and filters that scored it; `atropos rescore` redoes

@@ -31,6 +31,7 @@ SUMMARY_COLUMNS = (
     TRACES.c.total_tokens,
     TRACES.c.compressed_tokens,
     TRACES.c.reward,
+    TRACES.c.env_reward,
     TRACES.c.reject_reasons,
     TRACES.c.source_format,
     TRACES.c.env,
@@ -50,6 +51,9 @@ class TraceFilter:
     max_reward: float | None = None
     since: datetime | None = None
     until: datetime | None = None
+    # The environment's own reward; a bound leaves out traces that carry none.
+    min_env_reward: float | None = None
+    max_env_reward: float | None = None
 
     def clauses(self) -> list[sa.ColumnElement[bool]]:
         c = TRACES.c
@@ -60,6 +64,10 @@ class TraceFilter:
             clauses.append(c.reward >= self.min_reward)
         if self.max_reward is not None:
             clauses.append(c.reward <= self.max_reward)
+        if self.min_env_reward is not None:
+            clauses.append(c.env_reward >= self.min_env_reward)
+        if self.max_env_reward is not None:
+            clauses.append(c.env_reward <= self.max_env_reward)
         if self.since is not None:
             clauses.append(c.created_at >= self.since)
         if self.until is not None:
@@ -139,6 +147,8 @@ async def stats(conn: AsyncConnection) -> dict[str, Any]:
                 sa.func.coalesce(sa.func.sum(c.total_tokens), 0),
                 sa.func.coalesce(sa.func.sum(c.compressed_tokens), 0),
                 sa.func.avg(c.reward),
+                sa.func.count(c.env_reward),
+                sa.func.avg(c.env_reward),
             )
         )
     ).one()
@@ -151,6 +161,11 @@ async def stats(conn: AsyncConnection) -> dict[str, Any]:
         "total_tokens": int(totals[1]),
         "compressed_tokens": int(totals[2]),
         "mean_reward": float(totals[3]) if totals[3] is not None else None,
+        # Traces that carry the environment's own reward, and its mean over them.
+        "env_reward": {
+            "traces": totals[4],
+            "mean": float(totals[5]) if totals[5] is not None else None,
+        },
         "batches": await batch_counts(conn),
         "compression": await _compression_stats(conn, by_stage),
         "rejections_by_filter": await _name_counts(conn, reject_reason_counts),
@@ -229,6 +244,7 @@ def _summary(row: Any) -> dict[str, Any]:
         "total_tokens": row["total_tokens"],
         "compressed_tokens": row["compressed_tokens"],
         "reward": row["reward"],
+        "env_reward": row["env_reward"],
         "reject_reasons": row["reject_reasons"] or [],
         "format": row["source_format"],
         "env": row["env"],

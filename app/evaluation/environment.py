@@ -35,7 +35,9 @@ class Environment:
         canonical = orjson.dumps(config.model_dump(mode="json"), option=orjson.OPT_SORT_KEYS)
         return cls(
             config,
-            RewardRules.from_config(config.reward_rules),
+            RewardRules.from_config(
+                config.reward_rules, env_reward_weight=config.env_reward.weight
+            ),
             Filters.from_config(config.invalid_trace_filters),
             fingerprint=hashlib.sha256(canonical).hexdigest()[:16],
         )

@@ -2,8 +2,10 @@
 `RewardRules.from_config`, applied to a canonical trace by `score`.
 
 reward = the sum, over the rules that fired, of their points; a per-occurrence rule gives
-points x count, the count capped by `max_count`. Rules read only the canonical step list,
-so a trace scores the same whatever format it arrived in.
+points x count, the count capped by `max_count`; plus `environment.env_reward.weight` x the
+environment's own reward when the trace carries one (`outcome.reward`), on its own
+breakdown line `env_reward`. Rules read only the canonical trace, so a trace scores the
+same whatever format it arrived in.
 
 Custom rules match text with RE2 patterns (the google-re2 package), not Python's `re`:
 RE2 never backtracks and runs in time linear in its input, whereas `re` needs minutes
@@ -27,7 +29,7 @@ from typing_extensions import TypedDict  # pydantic needs this one on 3.11 (app/
 from app.domain import Status, Step, StepType, Trace
 from app.evaluation.params import BuiltIn, Param, config_error, read_params, show, unknown_name
 
-__all__ = ["MATCH_WINDOW", "RewardRules", "Rule", "RuleResult", "Score", "score"]
+__all__ = ["ENV_REWARD", "MATCH_WINDOW", "RewardRules", "Rule", "RuleResult", "Score", "score"]
 
 # Enum member lookup costs ~130 ns on Python 3.11 and the rules test a type per step,
 # so the hot loops read these module-level aliases instead.
@@ -41,6 +43,9 @@ _ACTION, _OBSERVATION, _THOUGHT, _FINAL = (
 # Characters of a text's head and of its tail that a pattern sees; a test summary or a
 # traceback sits at one end, and the middle of a 100 KB log is not worth the time.
 MATCH_WINDOW = 8192
+# The breakdown line of the environment's reward (environment.env_reward, not a rule).
+ENV_REWARD = "env_reward"
+DEFAULT_ENV_REWARD_WEIGHT = 20.0
 
 
 class RuleResult(TypedDict):
@@ -99,13 +104,21 @@ class Rule:
 @dataclass(frozen=True, slots=True)
 class RewardRules:
     rules: tuple[Rule, ...] = ()
+    # Points per unit of the environment's reward (environment.env_reward.weight).
+    env_reward_weight: float = DEFAULT_ENV_REWARD_WEIGHT
 
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(rule.name for rule in self.rules)
 
     @classmethod
-    def from_config(cls, raw: Mapping[str, Any], *, file: str = "config.json") -> RewardRules:
+    def from_config(
+        cls,
+        raw: Mapping[str, Any],
+        *,
+        env_reward_weight: float = DEFAULT_ENV_REWARD_WEIGHT,
+        file: str = "config.json",
+    ) -> RewardRules:
         """Compiles `environment.reward_rules`; raises ConfigError with one line naming
         the rule and the fix."""
         prefix = f"{file}: environment.reward_rules"
@@ -113,11 +126,13 @@ class RewardRules:
             raise config_error(
                 prefix, f"expected an object of rule name -> points, got {show(raw)}"
             )
-        return cls(tuple(_compile_rule(prefix, str(name), spec) for name, spec in raw.items()))
+        rules = tuple(_compile_rule(prefix, str(name), spec) for name, spec in raw.items())
+        return cls(rules, env_reward_weight)
 
 
 def score(trace: Trace, rules: RewardRules) -> Score:
-    """Applies every rule to the trace; the breakdown lists each configured rule."""
+    """Applies every rule to the trace, then adds the environment's weighted reward;
+    the breakdown lists each configured rule, then `env_reward`."""
     view = _View(trace)
     breakdown: dict[str, RuleResult] = {}
     reward = 0.0
@@ -126,7 +141,11 @@ def score(trace: Trace, rules: RewardRules) -> Score:
         points = rule.points_for(count)
         breakdown[rule.name] = {"fired": count > 0, "count": count, "points": points}
         reward += points
-    return Score(reward=reward, breakdown=breakdown)
+    env_reward = trace.outcome.reward
+    points = 0.0 if env_reward is None else rules.env_reward_weight * env_reward
+    sent = env_reward is not None
+    breakdown[ENV_REWARD] = {"fired": sent, "count": int(sent), "points": points}
+    return Score(reward=reward + points, breakdown=breakdown)
 
 
 # --- built-in rules -------------------------------------------------------------------
@@ -485,6 +504,12 @@ _CUSTOM_HINT = '; a custom rule needs the long form with "match"'
 
 def _compile_rule(prefix: str, name: str, spec: Any) -> Rule:
     where = f"{prefix}.{name}"
+    if name == ENV_REWARD:
+        raise config_error(
+            where,
+            'is not a rule: the environment\'s reward is weighted by environment.env_reward '
+            '({"weight": W}); give a custom rule another name',
+        )
     if _is_points(spec):
         spec = {"points": spec}
     elif not isinstance(spec, dict):

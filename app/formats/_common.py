@@ -12,6 +12,7 @@ in Python) and a backstop that cannot let a malformed trace through.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -272,34 +273,63 @@ def status(value: Any, where: str) -> Status:
 def outcome_object(value: Any, where: str) -> dict[str, Any]:
     obj = as_dict(value, where)
     raw = obj.get("status")
+    reward = obj.get("reward")
     return {
         "status": Status.UNKNOWN if raw is None else status(raw, path(where, "status")),
         "code_runs_ok": opt_bool(obj, "code_runs_ok", where),
         "reason": opt_str(obj, "reason", where),
+        "reward": None if reward is None else reward_value(reward, path(where, "reward")),
     }
 
 
-def reported_outcome(obj: dict[str, Any], parent: str = "") -> tuple[dict[str, Any], float | None]:
-    """The outcome keys foreign formats may carry next to their own: `outcome`
-    (as in native), `status`, and `reward`. Without a status, a reward > 0 counts as
-    success and <= 0 as failure; the reward itself is kept in metadata."""
-    outcome: dict[str, Any] = {"status": Status.UNKNOWN}
+def reward_value(value: Any, where: str) -> float:
+    """An environment's reward: a finite number (a boolean is not one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        fail(where, f"expected a number, got {type_name(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        fail(where, "number out of range")
+    if not math.isfinite(number):
+        fail(where, "expected a finite number")
+    return number
+
+
+def env_reward(*places: tuple[str, Any]) -> float | None:
+    """The environment's reward from whichever of `places` ((JSON path, value), None
+    where absent) carry it. Several may, with the same number; two different numbers
+    are refused rather than one silently chosen."""
+    found: tuple[str, float] | None = None
+    for where, value in places:
+        if value is None:
+            continue
+        number = reward_value(value, where)
+        if found is None:
+            found = (where, number)
+        elif number != found[1]:
+            fail(where, f"{number!r} differs from {found[0]} ({found[1]!r}); the trace must "
+                 "carry one environment reward")
+    return None if found is None else found[1]
+
+
+def reported_outcome(
+    obj: dict[str, Any], parent: str = "", *also: tuple[str, Any]
+) -> dict[str, Any]:
+    """The outcome keys every format accepts beside its own: `outcome` (as in native),
+    a top-level `status`, and the environment's reward as `outcome.reward` or a
+    top-level `reward` (`also`: the format's own places for it). The status is only
+    what the trace reported: a reward never makes one, so without one it is unknown."""
+    outcome: dict[str, Any] = {"status": Status.UNKNOWN, "reward": None}
     if obj.get("outcome") is not None:
         outcome = outcome_object(obj["outcome"], path(parent, "outcome"))
     if obj.get("status") is not None and outcome["status"] is Status.UNKNOWN:
         outcome["status"] = status(obj["status"], path(parent, "status"))
-    reward = obj.get("reward")
-    if reward is None:
-        return outcome, None
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-        fail(path(parent, "reward"), f"expected a number, got {type_name(reward)}")
-    try:
-        value = float(reward)
-    except OverflowError:
-        fail(path(parent, "reward"), "number out of range")
-    if outcome["status"] is Status.UNKNOWN:
-        outcome["status"] = Status.SUCCESS if value > 0 else Status.FAILURE
-    return outcome, value
+    outcome["reward"] = env_reward(
+        (path(path(parent, "outcome"), "reward"), outcome["reward"]),
+        (path(parent, "reward"), obj.get("reward")),
+        *also,
+    )
+    return outcome
 
 
 @dataclass(slots=True)

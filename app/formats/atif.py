@@ -17,6 +17,10 @@ be v1.6 content-part arrays (text parts are kept). `agent.version`, `notes`,
 (the original body is stored beside the trace). Tool names come from v1.5
 `agent.tool_definitions`.
 
+The environment's reward is read from `final_metrics.extra.reward`,
+`final_metrics.reward`, a top-level `reward` or `extra.atropos_hub.outcome.reward`
+(several only with the same number), and exported to the first and the last.
+
 ATIF has no place for an outcome, tool errors, exit codes or non-object arguments, so
 the export writes them into the `extra` objects the RFC provides, and parsing reads
 them back:
@@ -68,9 +72,9 @@ def parse(item: dict[str, Any]) -> Trace:
     for key in ("notes", "final_metrics"):
         if item.get(key) is not None:
             metadata[key] = c.check_json(item[key], key)
-    outcome, reward = c.reported_outcome(hub, hub_where)
-    if reward is not None:
-        metadata["reward"] = reward
+    outcome = c.reported_outcome(
+        hub, hub_where, ("reward", item.get("reward")), *_metric_rewards(item)
+    )
     task, steps = _steps(c.req_list(item, "steps"))
     c.promote_final(steps)
     return c.build(
@@ -102,13 +106,32 @@ def export(trace: Trace) -> dict[str, Any]:
     }
     if isinstance(trace.metadata.get("notes"), str):
         body["notes"] = trace.metadata["notes"]
-    if isinstance(trace.metadata.get("final_metrics"), dict):
-        body["final_metrics"] = trace.metadata["final_metrics"]
+    metrics = trace.metadata.get("final_metrics")
+    metrics = dict(metrics) if isinstance(metrics, dict) else {}
+    if trace.outcome.reward is not None:
+        extra = metrics.get("extra")
+        metrics["extra"] = {**(extra if isinstance(extra, dict) else {}),
+                            "reward": trace.outcome.reward}
+    if metrics:
+        body["final_metrics"] = metrics
     body["extra"] = {**metadata, _HUB: _hub(trace)}
     return body
 
 
 # --- parsing -----------------------------------------------------------------------
+
+
+def _metric_rewards(item: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Where ATIF writers put a verifier's reward: `final_metrics.extra.reward` (the
+    RFC's place for custom aggregate metrics) or `final_metrics.reward`."""
+    metrics = item.get("final_metrics")
+    if not isinstance(metrics, dict):
+        return []
+    extra = metrics.get("extra")
+    return [
+        ("final_metrics.extra.reward", extra.get("reward") if isinstance(extra, dict) else None),
+        ("final_metrics.reward", metrics.get("reward")),
+    ]
 
 
 def _agent(item: dict[str, Any], env: c.Envelope, metadata: dict[str, Any]) -> list[str] | None:

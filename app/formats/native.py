@@ -2,7 +2,7 @@
 
     {"trace_id"?, "task", "agent"?: {"name", "model"}, "env"?, "policy_version"?,
      "tools"?, "steps": [{"type": ..., ...}], "outcome"?: {"status", "code_runs_ok"?,
-     "reason"?}, "metadata"?}
+     "reason"?, "reward"?}, "reward"?, "metadata"?}
 
 Decisions:
 - `task` is required and must be a non-empty string: native traces are written by
@@ -15,6 +15,8 @@ Decisions:
 - Observation `error` may be a string or a boolean: true becomes the text "error",
   false/""/null mean success. `content` may be a JSON object or array, kept as its
   compact JSON text.
+- `outcome.reward` (or a top-level `reward`) is the environment's own scalar reward;
+  it never sets the status, which stays `unknown` unless `outcome.status` says.
 - `tools` is a list of tool names or of tool schemas (OpenAI or Hermes style);
   schemas are kept in `metadata["tool_schemas"]` for the exports.
 """
@@ -40,6 +42,7 @@ _TOP_KEYS = frozenset(
         "tools",
         "steps",
         "outcome",
+        "reward",
         "metadata",
     }
 )
@@ -64,14 +67,13 @@ def parse(item: dict[str, Any]) -> Trace:
         names, schemas = c.tools(item["tools"], "tools")
         if schemas:
             env.metadata["tool_schemas"] = schemas
-    outcome = item.get("outcome")
     return c.build(
         env,
         task=task,
         steps=[_step(raw, i) for i, raw in enumerate(c.req_list(item, "steps"))],
         source_format=NAME,
         tools=names,
-        outcome=None if outcome is None else c.outcome_object(outcome, "outcome"),
+        outcome=c.reported_outcome(item),
     )
 
 

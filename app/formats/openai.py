@@ -13,8 +13,9 @@ Parsing:
 - tool / function messages are observations (`call_id` = `tool_call_id`); content
   starting with "Error:" is the error.
 - `tools` (or legacy `functions`) give the tool names; `model` the agent's model.
-- Outcome: `outcome` (as in native), `status`, or `reward` at the top level; without
-  a status, reward > 0 is success and <= 0 failure (see `_common.reported_outcome`).
+- Outcome: `outcome` (as in native) or `status` at the top level; the environment's
+  reward as `outcome.reward` or a top-level `reward`. A reward never makes a status:
+  without one it is unknown (see `_common.reported_outcome`).
 
 Export is one fine-tuning record `{"messages", "tools"?}`: assistant `tool_calls`
 with `arguments` as a JSON string, `tool` messages with `tool_call_id`. Reasoning goes
@@ -50,9 +51,7 @@ def parse(item: dict[str, Any]) -> Trace:
             if schemas:
                 env.metadata["tool_schemas"] = schemas
             break
-    outcome, reward = c.reported_outcome(item)
-    if reward is not None:
-        env.metadata["reward"] = reward
+    outcome = c.reported_outcome(item)
     task, steps = _messages(c.req_list(item, "messages"))
     c.promote_final(steps)
     return c.build(env, task=task, steps=steps, source_format=NAME, tools=names, outcome=outcome)

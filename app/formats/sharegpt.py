@@ -22,12 +22,15 @@ Parsing:
   top-level `error`, else `success: false`, else content starting with "Error:";
   `exit_code` comes from `content` (or the block). A tool turn without blocks is one
   observation.
-- `completed` true/false is success/failure; absent, the `outcome`/`status`/`reward`
-  keys of `_common.reported_outcome` apply, else unknown. `partial: true` is the reason.
+- `completed` true/false is success/failure; absent, the `outcome`/`status` keys of
+  `_common.reported_outcome` apply, else unknown. `partial: true` is the reason. A
+  top-level `reward` (or `outcome.reward`) is the environment's reward; it never sets
+  the status.
 
 Exports: `export_hermes` writes what Hermes Agent writes (synthetic system turn with
 `<tools>`, every gpt turn opening with a think block, merged tool turns, `completed`);
-`export` writes plain ShareGPT with the same tags but none of Hermes' envelope.
+`export` writes plain ShareGPT with the same tags but none of Hermes' envelope. Both
+carry the environment's reward, when there is one, as a top-level `reward`.
 """
 
 from __future__ import annotations
@@ -103,8 +106,8 @@ def parse(item: dict[str, Any]) -> Trace:
 
 
 def export(trace: Trace) -> dict[str, Any]:
-    """Plain ShareGPT: only `conversations`."""
-    return {"conversations": _conversations(trace, hermes=False)}
+    """Plain ShareGPT: `conversations`, and the environment's `reward` if any."""
+    return _with_reward({"conversations": _conversations(trace, hermes=False)}, trace)
 
 
 def export_hermes(trace: Trace) -> dict[str, Any]:
@@ -116,6 +119,12 @@ def export_hermes(trace: Trace) -> dict[str, Any]:
     if trace.agent.model:
         body["model"] = trace.agent.model
     body["completed"] = trace.outcome.status is Status.SUCCESS
+    return _with_reward(body, trace)
+
+
+def _with_reward(body: dict[str, Any], trace: Trace) -> dict[str, Any]:
+    if trace.outcome.reward is not None:
+        body["reward"] = trace.outcome.reward
     return body
 
 
@@ -123,7 +132,7 @@ def export_hermes(trace: Trace) -> dict[str, Any]:
 
 
 def _outcome(item: dict[str, Any]) -> dict[str, Any]:
-    outcome, _ = c.reported_outcome(item)
+    outcome = c.reported_outcome(item)
     completed = c.opt_bool(item, "completed")
     if completed is not None and outcome["status"] is Status.UNKNOWN:
         outcome["status"] = Status.SUCCESS if completed else Status.FAILURE

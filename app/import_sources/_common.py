@@ -15,6 +15,7 @@ Conventions every adapter follows, so that scoring sees the same shapes:
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
@@ -37,6 +38,14 @@ class Adapter(Protocol):
     def looks_like(self, obj: Any) -> bool: ...
 
     def parse(self, obj: Any) -> Iterator[Trace]: ...
+
+
+def env_reward(value: Any) -> float | None:
+    """A source's reward as the environment's reward (`Outcome.reward`): a finite
+    number, else None (a source that wrote something else sent no usable reward)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
 
 
 # -- steps -------------------------------------------------------------------------

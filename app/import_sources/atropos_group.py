@@ -7,9 +7,9 @@ are Hermes-style: `<think>...</think>` then `<tool_call>{"name", "arguments"}</t
 the system prompt declares the tools in `<tools>[...]</tools>`. An environment turn
 after a call is its observation.
 
-There is no success flag, only a float score: a negative score is a `failure`, any
-other is `unknown` (a positive score is partial credit, not a solved task). The score
-and the parsed action are in metadata. An agent turn with neither text nor a call
+There is no success flag, only a float score: the environment's reward. A reward is
+not a status, so the status is `unknown` whatever the score. The parsed action is in
+metadata. An agent turn with neither text nor a call
 (a truncated `<think>`) is kept as an empty assistant message, so `empty_action`
 can see it. Token ids and masks are not kept: the messages carry the trajectory.
 """
@@ -22,11 +22,12 @@ from typing import Any
 
 import orjson
 
-from app.domain import Outcome, Status, Step, Trace
+from app.domain import Outcome, Step, Trace
 from app.import_sources._common import (
     CallIds,
     Unusable,
     action,
+    env_reward,
     message,
     observation,
     parse_arguments,
@@ -81,13 +82,10 @@ def _rollout(
         task=task,
         tools=_declared_tools(system),
         steps=steps,
-        outcome=Outcome(
-            status=Status.FAILURE if score < 0 else Status.UNKNOWN, reason=f"score {score}"
-        ),
+        outcome=Outcome(reward=env_reward(score)),
         metadata={
             "rollout": index,
             "group_size": len(group["scores"]),
-            "score": score,
             "parsed_action": parsed,
             "seed": group.get("seed"),
         },

@@ -4,7 +4,8 @@ in ReAct text form. The first user message is the question; the assistant writes
 `Observation: ...` with the tool output.
 
 The environment's last observation, `Episode finished, reward = True|False`, is the
-outcome: True is success, False failure. The source marks no tool errors.
+environment's reward (True 1.0, False 0.0); a reward is not a status, so the status is
+unknown. The source marks no tool errors.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from app.domain import Agent, Outcome, Status, Trace
+from app.domain import Agent, Outcome, Trace
 from app.import_sources._common import react_steps, take_task, text_of
 
 NAME = "fireact"
@@ -42,7 +43,7 @@ def parse(obj: dict[str, Any]) -> Iterator[Trace]:
         task=task,
         agent=Agent(name="FireAct ReAct"),
         steps=steps,
-        outcome=_outcome(verdict),
+        outcome=verdict_outcome(verdict),
         source_format=NAME,
     )
 
@@ -58,9 +59,16 @@ def _blocks(msg: dict[str, Any]) -> Iterator[tuple[str, str]]:
         yield mark.group(1), text[mark.end() : after.start() if after else len(text)]
 
 
-def _outcome(verdict: str | None) -> Outcome:
+def verdict_outcome(verdict: str | None) -> Outcome:
+    """The outcome the environment's closing line says (also read by `atropos rescore`
+    from traces imported before the hub kept environment rewards)."""
     found = _REWARD.match(verdict or "")
     if found is None:
-        return Outcome(status=Status.UNKNOWN)
-    status = Status.SUCCESS if found.group(1) == "True" else Status.FAILURE
-    return Outcome(status=status, reason=verdict)
+        return Outcome()
+    word = found.group(1)
+    if word in ("True", "False"):
+        return Outcome(reward=1.0 if word == "True" else 0.0, reason=verdict)
+    try:
+        return Outcome(reward=float(word), reason=verdict)
+    except ValueError:  # neither a boolean nor a number: keep the words, claim nothing
+        return Outcome(reason=verdict)

@@ -1,9 +1,9 @@
 """tau-bench historical trajectories: `{task_id, trial, reward, info, traj}` records,
 `traj` being OpenAI chat messages with `tool_calls`.
 
-Success is `reward == 1.0` (anything else is a failure, as tau-bench's pass^k counts
-it); a tool result starting with `Error:` is a tool error; calls to the `think` tool
-are the agent's thoughts.
+`reward` is the environment's reward (tau-bench's pass^k counts 1.0 as solved); it is
+not a status, so the status is unknown. A tool result starting with `Error:` is a tool
+error; calls to the `think` tool are the agent's thoughts.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from app.domain import Outcome, Status, Trace
-from app.import_sources._common import chat_steps, take_task
+from app.domain import Outcome, Trace
+from app.import_sources._common import chat_steps, env_reward, take_task
 
 NAME = "tau_bench"
 
@@ -26,15 +26,13 @@ def looks_like(obj: Any) -> bool:
 def parse(obj: dict[str, Any]) -> Iterator[Trace]:
     task, messages = take_task(obj["traj"])
     info = obj.get("info") or {}
-    reward = obj.get("reward")
     yield Trace(
         task=task,
         steps=list(chat_steps(messages, tool_error=_tool_error, thought_tools=_THOUGHT_TOOLS)),
-        outcome=_outcome(reward),
+        outcome=Outcome(reward=env_reward(obj.get("reward"))),
         metadata={
             "task_id": obj.get("task_id"),
             "trial": obj.get("trial"),
-            "reward": reward,
             # Who ended the conversation: the user (###STOP###) or a tool such as
             # transfer_to_human_agents.
             "ended_by": info.get("source"),
@@ -42,13 +40,6 @@ def parse(obj: dict[str, Any]) -> Iterator[Trace]:
         },
         source_format=NAME,
     )
-
-
-def _outcome(reward: Any) -> Outcome:
-    if reward is None:
-        return Outcome(status=Status.UNKNOWN)
-    status = Status.SUCCESS if reward == 1.0 else Status.FAILURE
-    return Outcome(status=status, reason=f"reward {reward}")
 
 
 def _tool_error(content: str) -> str | None:

@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import formats
 from app.config import HubConfig, LimitsConfig
+from app.db.moves import TRACE_STAGES
 from app.db.types import EncodedJSON, utcnow
 from app.domain import Stage, Trace
 from app.errors import HubError, Invalid
@@ -60,10 +61,13 @@ class Preparer:
             "created_at": now,
             "updated_at": now,
             "status": trace.outcome.status.value,
-            "stage": (Stage.REJECTED if evaluation.reject_reasons else Stage.ACCEPTED).value,
+            "stage": TRACE_STAGES.enter(
+                Stage.REJECTED if evaluation.reject_reasons else Stage.ACCEPTED
+            ),
             "total_tokens": count_parts(trace.text_parts()),
             "compressed_tokens": None,
             "reward": evaluation.reward,
+            "env_reward": trace.outcome.reward,
             "reward_breakdown": evaluation.breakdown,
             "reject_reasons": evaluation.reject_reasons,
             "scored_with": self.environment.fingerprint,

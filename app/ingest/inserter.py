@@ -21,6 +21,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.dialect import dialect_of, insert_ignoring_conflicts
+from app.db.engine import database_refusal
 from app.db.models import TRACES
 from app.errors import Conflict, Invalid, Unavailable
 
@@ -35,6 +36,7 @@ RESULT_COLUMNS = (
     TRACES.c.status,
     TRACES.c.total_tokens,
     TRACES.c.reward,
+    TRACES.c.env_reward,
     TRACES.c.reward_breakdown,
     TRACES.c.reject_reasons,
 )
@@ -49,6 +51,7 @@ class Stored:
     status: str
     total_tokens: int
     reward: float | None
+    env_reward: float | None
     reward_breakdown: dict[str, Any] | None
     reject_reasons: list[dict[str, Any]] | None
     duplicate: bool = False
@@ -60,6 +63,7 @@ class Stored:
             "status": self.status,
             "total_tokens": self.total_tokens,
             "reward": self.reward,
+            "env_reward": self.env_reward,
             "reward_breakdown": self.reward_breakdown,
             "reject_reasons": self.reject_reasons or [],
             "duplicate": self.duplicate,
@@ -137,7 +141,11 @@ class TraceInserter:
             try:
                 await self._write(batch)
             except Exception as exc:  # the batch failed as a whole: nobody was acknowledged
-                log.error("storing %d traces failed: %s", len(batch), exc)
+                said = database_refusal(exc)
+                if said is None:
+                    log.exception("storing %d traces failed", len(batch))
+                else:
+                    log.error("storing %d traces failed: %s", len(batch), said)
                 for p in batch:
                     if not p.done.done():
                         p.done.set_exception(
@@ -219,6 +227,7 @@ def _stored(row: dict[str, Any], *, duplicate: bool) -> Stored:
         status=row["status"],
         total_tokens=row["total_tokens"],
         reward=row["reward"],
+        env_reward=row["env_reward"],
         reward_breakdown=row["reward_breakdown"],
         reject_reasons=row["reject_reasons"],
         duplicate=duplicate,

@@ -72,8 +72,10 @@ class IngestProcesses:
     async def _start_all(self) -> None:
         try:
             await self._fill()
-        except Exception as exc:
+        except OSError as exc:  # no fork, no socket: the system's limits
             log.error("the ingest processes did not start (%s); the next trace tries again", exc)
+        except Exception:
+            log.exception("the ingest processes did not start; the next trace tries again")
 
     async def rows(self, items: list[Any], fmt: str | None) -> Reply:
         """Each item's row or the HubError that refuses it, in order."""

@@ -2,7 +2,8 @@
 
 A run lives in the database, not in the hub's memory, so that a restarted hub (or
 another one sharing the database) knows every run and what became of it. Status
-moves are `UPDATE ... WHERE status IN (:expected)`: whoever moves second sees it.
+moves are `UPDATE ... WHERE status IN (:expected)` (app/db/moves.py): whoever moves
+second sees it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.models import RUN_PROCESSES as PROCESSES
 from app.db.models import RUNS
+from app.db.moves import StateMachine
 from app.db.types import utcnow
 from app.errors import NotFound
 
@@ -58,6 +60,9 @@ TRANSITIONS: dict[RunStatus, frozenset[RunStatus]] = {
 }
 
 ACTIVE = [status for status in RunStatus if not status.finished]
+RUN_STATUSES: StateMachine[RunStatus] = StateMachine(
+    "run", RUNS.c.status, TRANSITIONS, entries={RunStatus.PENDING}
+)
 
 
 @dataclass(frozen=True)
@@ -127,7 +132,7 @@ async def create_run(
     await conn.execute(
         sa.insert(RUNS).values(
             run_id=run_id,
-            status=RunStatus.PENDING.value,
+            status=RUN_STATUSES.enter(RunStatus.PENDING),
             created_at=now,
             updated_at=now,
             spec=spec,
@@ -149,14 +154,13 @@ async def move(
     run_id: str,
     target: RunStatus,
     *,
-    expected: Iterable[RunStatus],
+    expected: Iterable[RunStatus] | None = None,
     error_message: str | None = None,
 ) -> bool:
-    """Move the run to `target` if it is in one of `expected`; False if it was not
-    (someone else moved it first)."""
-    expected = [status for status in expected if target in TRANSITIONS[status]]
+    """Move the run to `target` if it is in one of `expected` (default: any status
+    that may move there); False if it was not (someone else moved it first)."""
     now = utcnow()
-    values: dict[str, Any] = {"status": target.value, "updated_at": now}
+    values: dict[str, Any] = {"updated_at": now}
     if error_message is not None:
         values["error_message"] = error_message
     if target == RunStatus.RUNNING:
@@ -164,8 +168,8 @@ async def move(
     if target.finished:
         values["finished_at"] = now
     result = await conn.execute(
-        sa.update(RUNS)
-        .where(RUNS.c.run_id == run_id, RUNS.c.status.in_([s.value for s in expected]))
+        RUN_STATUSES.move(target, expected=expected)
+        .where(RUNS.c.run_id == run_id)
         .values(**values)
     )
     return result.rowcount == 1

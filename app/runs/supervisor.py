@@ -342,18 +342,8 @@ class _Run:
             async with self._engine.begin() as conn:
                 await records.record_exit(conn, self.run_id, position, proc.exit_code())
         async with self._engine.begin() as conn:
-            moved = await records.move(
-                conn,
-                self.run_id,
-                status,
-                expected=[
-                    RunStatus.PENDING,
-                    RunStatus.STARTING,
-                    RunStatus.RUNNING,
-                    RunStatus.STOPPING,
-                ],
-                error_message=message,
-            )
+            # From whichever unfinished status may end so.
+            moved = await records.move(conn, self.run_id, status, error_message=message)
         if moved:
             log.info("run %s: %s%s", self.run_id, status.value, f": {message}" if message else "")
 

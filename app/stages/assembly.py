@@ -30,7 +30,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from app.config import OtlpConfig
 from app.db.dialect import dialect_of, insert_ignoring_conflicts
 from app.db.models import TRACES
+from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
+from app.domain import Stage
 from app.errors import HubError
 from app.formats.otlp import NAME, wire
 from app.ingest.otlp import store
@@ -101,6 +103,8 @@ class AssemblyStage:
                 outcome, error = await _outcome(conn, d.trace_id, rows.get(d.trace_id),
                                                 stored.get(d.trace_id), new)
                 outcomes[outcome] += 1
+                if outcome == "again":
+                    continue  # left open, and due: the next round takes it
                 if error is not None:
                     log.warning("OTLP trace %s makes no trajectory: %s", d.trace_id, error)
                 state = {"late": TraceState.SENT, "refused": TraceState.REFUSED}.get(
@@ -139,7 +143,7 @@ async def _outcome(
 ) -> tuple[str, str | None]:
     """What became of a trace come due, and why it makes no trajectory if it does not:
     new | replaced (scored again) | unchanged | late (batched already: kept as it is) |
-    refused."""
+    refused | again (its trajectory moved meanwhile: it stays due)."""
     if stored is not None and stored.source_format != NAME:
         return "refused", (f"trace_id {trace_id} is already stored, from another format; "
                            "its spans are kept but make no trajectory")
@@ -149,26 +153,31 @@ async def _outcome(
         return "refused", row.message
     if trace_id in new:
         return "new", None
+    if stored.content_hash == row["content_hash"]:
+        return "unchanged", None  # assembled again from the same spans (after a restart)
     c = TRACES.c
+    current, target = Stage(stored.stage), Stage(row["stage"])
+    content = {k: v for k, v in row.items() if k not in ("trace_id", "created_at", "stage")}
+    # A move of the trace's stage (app/db/moves.py), unless it stays where it is.
+    update = (sa.update(TRACES).where(c.stage == current.value) if current is target
+              else TRACE_STAGES.move(target, expected=[current]))
     replaced = await conn.execute(
-        sa.update(TRACES)
-        .where(c.trace_id == trace_id, c.source_format == NAME,
-               c.stage.not_in(FINAL_STAGES), c.content_hash != row["content_hash"])
-        .values(**{k: v for k, v in row.items() if k not in ("trace_id", "created_at")},
-                **_STARTED_OVER)
+        update.where(c.trace_id == trace_id).values(**content, **_STARTED_OVER)
     )
     if replaced.rowcount == 1:
         return "replaced", None
+    # Its stage moved since the look above: batched (then these spans are late), or on
+    # through the pipeline (then the next round replaces it).
     stage = await conn.scalar(sa.select(c.stage).where(c.trace_id == trace_id))
-    # Batched between the look above and now, or the very same trajectory again.
-    return ("late" if stage in FINAL_STAGES else "unchanged"), None
+    return ("late" if stage in FINAL_STAGES else "again"), None
 
 
 async def _stored(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, Any]:
     """The trajectories already stored under these ids: their stage and format."""
     c = TRACES.c
     rows = await conn.execute(
-        sa.select(c.trace_id, c.stage, c.source_format).where(c.trace_id.in_(trace_ids))
+        sa.select(c.trace_id, c.stage, c.source_format, c.content_hash)
+        .where(c.trace_id.in_(trace_ids))
     )
     return {row.trace_id: row for row in rows}
 

@@ -11,23 +11,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
-import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.compression import Compressed, Skipped, Summarizer, compress
 from app.config import CompressionConfig
 from app.db.models import TRACES
-from app.db.types import utcnow
+from app.db.moves import TRACE_STAGES
 from app.domain import Stage, Trace
-from app.stages.leases import RELEASED, Lease, claim, held_by
+from app.llm import LLMError
+from app.stages.leases import RELEASED, Lease, claim, held_by, retry_later
 
 log = logging.getLogger("atropos.compression")
-
-MAX_ATTEMPTS = 3
-RETRY_BACKOFF_SECONDS = 5
 
 
 class CompressionStage:
@@ -134,14 +130,9 @@ class CompressionStage:
         self, conn: AsyncConnection, trace_id: str, target: Stage, **values: Any
     ) -> bool:
         result = await conn.execute(
-            sa.update(TRACES)
-            .where(
-                TRACES.c.trace_id == trace_id,
-                TRACES.c.stage == Stage.ACCEPTED.value,
-                held_by(TRACES, self._lease),
-            )
-            .values(stage=target.value, updated_at=utcnow(), stage_error=None,
-                    **RELEASED, **values)
+            TRACE_STAGES.move(target, expected=[Stage.ACCEPTED])
+            .where(TRACES.c.trace_id == trace_id, held_by(TRACES, self._lease))
+            .values(stage_error=None, **RELEASED, **values)
         )
         moved = result.rowcount == 1
         if not moved:
@@ -151,18 +142,19 @@ class CompressionStage:
 
     async def _failed(self, conn: AsyncConnection, row: Any, exc: Exception) -> None:
         error = f"{type(exc).__name__}: {exc}"
-        if row.attempts >= MAX_ATTEMPTS:
-            log.error("trace %s: compression failed %d times, giving up: %s",
-                      row.trace_id, row.attempts, error)
-            await self._move(conn, row.trace_id, Stage.COMPRESSION_FAILED, stage_error=error)
-            return
-        retry_in = RETRY_BACKOFF_SECONDS * row.attempts
-        log.warning("trace %s: compression failed (attempt %d of %d), retrying in %d s: %s",
-                    row.trace_id, row.attempts, MAX_ATTEMPTS, retry_in, error)
-        # Keep the lease but shorten it to the backoff: the trace is claimable again
-        # (by any worker) once it runs out.
-        await conn.execute(
-            sa.update(TRACES)
-            .where(TRACES.c.trace_id == row.trace_id, held_by(TRACES, self._lease))
-            .values(stage_error=error, lease_expires_at=utcnow() + timedelta(seconds=retry_in))
+        policy = self._policy.retry
+        delay = await retry_later(
+            conn, TRACES, row.trace_id, row.attempts, lease=self._lease, policy=policy,
+            give_up=TRACE_STAGES.move(Stage.COMPRESSION_FAILED, expected=[Stage.ACCEPTED]),
+            wake=self._on_advance, stage_error=error,
         )
+        # The model's failures are said in one line; anything else is a bug in a
+        # strategy, logged with its traceback.
+        trace = None if isinstance(exc, LLMError) else exc
+        if delay is None:
+            log.error("trace %s: compression failed %d times, giving up: %s",
+                      row.trace_id, row.attempts, error, exc_info=trace)
+        else:
+            log.warning("trace %s: compression failed (attempt %d of %d), retrying in "
+                        "%.1f s: %s", row.trace_id, row.attempts, policy.max_attempts,
+                        delay, error, exc_info=trace)

@@ -6,39 +6,39 @@
 - The acknowledgement (batch `delivered`, its traces `delivered`) is one transaction
   that checks the lease, so a batch is acknowledged exactly once; the target sees
   the same batch_id on every attempt and delivers it once (see app/targets).
-- A failed attempt keeps the lease but shortens it to the backoff, min(base *
-  2^(attempt-1), max) with jitter below that bound, after which any worker may try
-  again; after distributor.max_attempts the batch is `failed` with its last error.
+- A failed attempt keeps the lease but shortens it to the backoff of
+  distributor.retry (leases.retry_later), after which any worker may try again; after
+  its max_attempts the batch is `failed` with its last error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
+import httpx
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import DistributorConfig
 from app.db.models import BATCHES, MEMBERS, TRACES
+from app.db.moves import BATCH_STATES, TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import BatchState, Stage, Trace
-from app.stages.leases import RELEASED, Lease, claim, held_by, renew
-from app.targets import Batch, BatchItem, Target
+from app.llm import LLMError
+from app.stages.leases import RELEASED, Lease, claim, held_by, renew, retry_later
+from app.targets import Batch, BatchItem, DeliveryError, Target
+from app.training import TrainingFailed
+from app.training.openai_api import TrainingTimeout
 
 log = logging.getLogger("atropos.delivery")
 
-
-def retry_delay(attempt: int, config: DistributorConfig) -> float:
-    """Seconds before attempt `attempt + 1`: exponential, capped, jittered downwards so
-    that the bounds hold (the first retry within retry_base_seconds, none later than
-    retry_max_seconds) while workers that failed together do not retry together."""
-    ceiling = min(config.retry_base_seconds * 2.0 ** (attempt - 1), config.retry_max_seconds)
-    return ceiling * random.uniform(0.5, 1.0)
+# What a target raises when the service it delivers to fails or refuses: said in one
+# line (and kept as last_error). Anything else is also logged with its traceback.
+EXPECTED_FAILURES = (DeliveryError, LLMError, TrainingFailed, TrainingTimeout,
+                     httpx.HTTPError, OSError)
 
 
 class DeliveryStage:
@@ -127,14 +127,10 @@ class DeliveryStage:
         now = utcnow()
         async with self._engine.begin() as conn:
             acked = await conn.execute(
-                sa.update(BATCHES)
-                .where(
-                    BATCHES.c.batch_id == batch.batch_id,
-                    BATCHES.c.state == BatchState.PENDING.value,
-                    held_by(BATCHES, self._lease),
-                )
-                .values(state=BatchState.DELIVERED.value, delivered_at=now, updated_at=now,
-                        receipt=receipt, target=self._target.name, **RELEASED)
+                BATCH_STATES.move(BatchState.DELIVERED, expected=[BatchState.PENDING])
+                .where(BATCHES.c.batch_id == batch.batch_id, held_by(BATCHES, self._lease))
+                .values(delivered_at=now, updated_at=now, receipt=receipt,
+                        target=self._target.name, **RELEASED)
             )
             if acked.rowcount != 1:
                 log.warning("batch %s: delivered, but the lease was lost first; its new "
@@ -142,9 +138,9 @@ class DeliveryStage:
                 return False
             members = sa.select(MEMBERS.c.trace_id).where(MEMBERS.c.batch_id == batch.batch_id)
             await conn.execute(
-                sa.update(TRACES)
-                .where(TRACES.c.trace_id.in_(members), TRACES.c.stage == Stage.BATCHED.value)
-                .values(stage=Stage.DELIVERED.value, updated_at=now)
+                TRACE_STAGES.move(Stage.DELIVERED, expected=[Stage.BATCHED])
+                .where(TRACES.c.trace_id.in_(members))
+                .values(updated_at=now)
             )
         log.info("batch %s delivered to %s (%d traces, attempt %d)", batch.batch_id,
                  self._target.name, len(batch.items), batch.attempts)
@@ -152,26 +148,19 @@ class DeliveryStage:
 
     async def _failed(self, batch_id: str, attempts: int, exc: Exception) -> None:
         error = f"{type(exc).__name__}: {exc}"
-        limit = self._config.max_attempts
-        where = sa.and_(BATCHES.c.batch_id == batch_id,
-                        BATCHES.c.state == BatchState.PENDING.value, held_by(BATCHES, self._lease))
-        if attempts >= limit:
+        policy = self._config.retry
+        async with self._engine.begin() as conn:
+            delay = await retry_later(
+                conn, BATCHES, batch_id, attempts, lease=self._lease, policy=policy,
+                give_up=BATCH_STATES.move(BatchState.FAILED, expected=[BatchState.PENDING]),
+                wake=self._on_advance, last_error=error,
+            )
+        trace = None if isinstance(exc, EXPECTED_FAILURES) else exc
+        if delay is None:
             log.error("batch %s: delivery to %s failed %d times, giving up: %s; "
                       "`atropos batches retry %s` re-queues it", batch_id,
-                      self._target.name, attempts, error, batch_id)
-            values: dict[str, Any] = {"state": BatchState.FAILED.value, **RELEASED}
+                      self._target.name, attempts, error, batch_id, exc_info=trace)
         else:
-            delay = retry_delay(attempts, self._config)
             log.warning("batch %s: delivery to %s failed (attempt %d of %d), retrying in "
-                        "%.1f s: %s", batch_id, self._target.name, attempts, limit,
-                        delay, error)
-            # Keep the lease, shortened to the backoff: claimable again once it runs out.
-            values = {"lease_expires_at": utcnow() + timedelta(seconds=delay)}
-            if self._on_advance is not None:
-                # Wake the stages when it is due, not at the next flush interval.
-                asyncio.get_running_loop().call_later(delay + 0.05, self._on_advance)
-        async with self._engine.begin() as conn:
-            await conn.execute(
-                sa.update(BATCHES).where(where).values(last_error=error, updated_at=utcnow(),
-                                                       **values)
-            )
+                        "%.1f s: %s", batch_id, self._target.name, attempts,
+                        policy.max_attempts, delay, error, exc_info=trace)

@@ -24,13 +24,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from app.config import DistributorConfig
 from app.db.dialect import dialect_of, skip_locked
 from app.db.models import BATCHES, MEMBERS, TRACES
+from app.db.moves import BATCH_STATES, TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import BatchState, Stage
 
 log = logging.getLogger("atropos.distribution")
 # Every accepted trace passes through the compression stage (which skips it when
 # compression is off), so these two are where a trace becomes eligible.
-ELIGIBLE = (Stage.COMPRESSED.value, Stage.COMPRESSION_SKIPPED.value)
+ELIGIBLE = (Stage.COMPRESSED, Stage.COMPRESSION_SKIPPED)
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,8 @@ async def mark_below_threshold(conn: AsyncConnection, threshold: float) -> int:
     """Move eligible traces whose reward is under `threshold` (or unknown) out of the way."""
     c = TRACES.c
     result = await conn.execute(
-        sa.update(TRACES)
-        .where(c.stage.in_(ELIGIBLE), sa.or_(c.reward.is_(None), c.reward < threshold))
-        .values(stage=Stage.BELOW_THRESHOLD.value, updated_at=utcnow())
+        TRACE_STAGES.move(Stage.BELOW_THRESHOLD, expected=ELIGIBLE)
+        .where(sa.or_(c.reward.is_(None), c.reward < threshold))
     )
     return result.rowcount
 
@@ -100,7 +100,7 @@ async def form_batch(conn: AsyncConnection, config: DistributorConfig) -> Formed
     c = TRACES.c
     pick = (
         sa.select(c.trace_id)
-        .where(c.stage.in_(ELIGIBLE), c.reward >= config.min_reward_threshold)
+        .where(c.stage.in_([s.value for s in ELIGIBLE]), c.reward >= config.min_reward_threshold)
         .order_by(c.created_at, c.trace_id)
         .limit(config.batch_size)
     )
@@ -112,7 +112,8 @@ async def form_batch(conn: AsyncConnection, config: DistributorConfig) -> Formed
     await conn.execute(
         sa.insert(BATCHES).values(
             batch_id=batch_id, created_at=now, updated_at=now, size=len(trace_ids),
-            target=config.target, format=config.format, state=BatchState.PENDING.value,
+            target=config.target, format=config.format,
+            state=BATCH_STATES.enter(BatchState.PENDING),
             attempts=0,
         )
     )
@@ -121,9 +122,9 @@ async def form_batch(conn: AsyncConnection, config: DistributorConfig) -> Formed
         [{"trace_id": t, "batch_id": batch_id, "position": i} for i, t in enumerate(trace_ids)],
     )
     moved = await conn.execute(
-        sa.update(TRACES)
-        .where(c.trace_id.in_(trace_ids), c.stage.in_(ELIGIBLE))
-        .values(stage=Stage.BATCHED.value, updated_at=now)
+        TRACE_STAGES.move(Stage.BATCHED, expected=ELIGIBLE)
+        .where(c.trace_id.in_(trace_ids))
+        .values(updated_at=now)
     )
     if moved.rowcount != len(trace_ids):
         raise _Raced(batch_id)

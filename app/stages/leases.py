@@ -6,13 +6,19 @@ UPDATE ... WHERE id IN picked AND <lease free> RETURNING ...`: atomic on SQLite'
 single writer and, with SKIP LOCKED, free of waiting on PostgreSQL. The final move
 of a claimed row checks `lease_owner` so that a worker whose lease expired cannot
 overwrite its successor.
+
+A failed attempt is retried through the lease too (`retry_later`): the row stays
+leased until its backoff has passed, then any worker may claim it again. The claim
+counts the attempts; `retry_later` alone compares them with the policy's limit.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -20,6 +26,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from app.config import RetryPolicy
 from app.db.dialect import dialect_of, picked_once
 from app.db.types import utcnow
 
@@ -84,3 +91,37 @@ async def renew(conn: AsyncConnection, table: sa.Table, key_value: Any, lease: L
 
 
 RELEASED = {"lease_owner": None, "lease_expires_at": None}
+
+
+async def retry_later(
+    conn: AsyncConnection,
+    table: sa.Table,
+    key_value: Any,
+    attempts: int,
+    *,
+    lease: Lease,
+    policy: RetryPolicy,
+    give_up: sa.Update,
+    wake: Callable[[], None] | None = None,
+    **record: Any,
+) -> float | None:
+    """After failed attempt `attempts` on a row `lease` holds: while the policy allows
+    another, keep the lease but shorten it to the backoff, so that any worker may claim
+    the row once it runs out (and `wake` the stages then); returns the backoff. After
+    the last attempt: `give_up` (the move to the failed state) with the lease released;
+    returns None. `record` (the error) is written either way."""
+    key = next(iter(table.primary_key.columns))
+    now = utcnow()
+    if attempts >= policy.max_attempts:
+        delay = None
+        stmt = give_up.values(**RELEASED)
+    else:
+        delay = policy.delay(attempts)
+        stmt = sa.update(table).values(lease_expires_at=now + timedelta(seconds=delay))
+        if wake is not None:
+            # When the row is due, not at the next flush interval.
+            asyncio.get_running_loop().call_later(delay + 0.05, wake)
+    if "updated_at" in table.c:
+        stmt = stmt.values(updated_at=now)
+    await conn.execute(stmt.where(key == key_value, held_by(table, lease)).values(**record))
+    return delay

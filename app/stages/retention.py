@@ -23,7 +23,7 @@ from app.config import RetentionConfig
 from app.db.dialect import after_bulk_delete, dialect_of, skip_locked
 from app.db.models import TRACES
 from app.db.types import utcnow
-from app.domain import Stage
+from app.domain import NEVER_PRUNED, BatchState, Stage
 from app.durations import format_duration
 from app.stages import schedule
 from app.stages.leases import lease_is_free
@@ -34,7 +34,6 @@ log = logging.getLogger("atropos.retention")
 # that has them and on one that does not (yet).
 _MEMBERS = sa.table("batch_traces", sa.column("trace_id"), sa.column("batch_id"))
 _BATCHES = sa.table("batches", sa.column("batch_id"), sa.column("state"))
-DELIVERED = "delivered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +134,8 @@ async def _where(
     conn: AsyncConnection, criteria: Criteria, cutoff: datetime
 ) -> list[sa.ColumnElement[bool]]:
     c = TRACES.c
-    where = [c.created_at < cutoff, c.stage != Stage.BATCHED.value, lease_is_free(TRACES)]
+    kept = [s.value for s in NEVER_PRUNED]
+    where = [c.created_at < cutoff, c.stage.not_in(kept), lease_is_free(TRACES)]
     if criteria.max_reward is not None:
         where.append(c.reward < criteria.max_reward)
     if criteria.stages:
@@ -145,7 +145,7 @@ async def _where(
             ~sa.exists().where(
                 _MEMBERS.c.trace_id == c.trace_id,
                 _MEMBERS.c.batch_id == _BATCHES.c.batch_id,
-                _BATCHES.c.state != DELIVERED,
+                _BATCHES.c.state != BatchState.DELIVERED.value,
             )
         )
     return where

@@ -30,6 +30,11 @@ class BatchItem:
     trace: Trace
     compressed: bool  # `trace` is the compressed view (token ids no longer match)
 
+    @property
+    def env_reward(self) -> float | None:
+        """The environment's own reward (the row's env_reward), None when it sent none."""
+        return self.trace.outcome.reward
+
     def record(self, fmt: str) -> dict[str, Any]:
         return formats.export(self.trace, fmt)
 

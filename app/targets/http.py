@@ -1,6 +1,7 @@
 """The `http` target: POST each batch to distributor.url as gzip JSON,
 
-    {"batch_id", "created_at", "format", "traces": [{"trace_id", "reward", ...record}]}
+    {"batch_id", "created_at", "format",
+     "traces": [{"trace_id", "reward", "env_reward", ...record}]}
 
 where each record is the trace in distributor.format, with the header
 `Idempotency-Key: <batch_id>`. Any 2xx acknowledges; anything else (or no answer) is
@@ -44,7 +45,12 @@ class HttpTarget:
             "created_at": batch.created_at.isoformat(),
             "format": self._fmt,
             "traces": [
-                {**item.record(self._fmt), "trace_id": item.trace_id, "reward": item.reward}
+                {
+                    **item.record(self._fmt),
+                    "trace_id": item.trace_id,
+                    "reward": item.reward,
+                    "env_reward": item.env_reward,
+                }
                 for item in batch.items
             ],
         }

@@ -66,6 +66,10 @@ class JsonlTarget:
             "created_at": batch.created_at.isoformat(),
             "written_at": utcnow().isoformat(),
             "trace_ids": [item.trace_id for item in batch.items],
+            # Aligned with trace_ids: the hub's reward and the environment's own (null
+            # when it sent none).
+            "rewards": [item.reward for item in batch.items],
+            "env_rewards": [item.env_reward for item in batch.items],
         }
         manifest = self._dir / MANIFEST
         if not (existed and _listed(manifest, batch.batch_id)):

@@ -1,7 +1,7 @@
 """otlp_spans and otlp_traces: OTLP spans waiting to become trajectories
 
 Revision ID: 0009
-Revises: 0005
+Revises: 0006
 Create Date: 2026-12-02
 """
 
@@ -13,7 +13,7 @@ from alembic import op
 from migrations.types import TIMESTAMP
 
 revision = "0009"
-down_revision = "0005"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 

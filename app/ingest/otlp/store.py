@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.dialect import dialect_of, insert_ignoring_conflicts, insert_or_update
 from app.db.models import OTLP_SPANS, OTLP_TRACES, TRACES
+from app.db.moves import StateMachine
 from app.domain import Stage
 from app.formats.otlp.wire import SpanRecord
 
@@ -33,6 +34,20 @@ class TraceState(StrEnum):
     REFUSED = "refused"  # its spans make no trajectory; `error` says why
     DROPPED = "dropped"  # refused, and its spans deleted since
 
+
+# The moves the stage makes (app/db/moves.py). Every state reopens when a new span
+# arrives: the receiver's insert-or-update does that, the one write of this column that
+# is not a move (an upsert has no WHERE on the state).
+TRANSITIONS: dict[TraceState, frozenset[TraceState]] = {
+    TraceState.OPEN: frozenset({TraceState.ASSEMBLED, TraceState.REFUSED, TraceState.SENT}),
+    TraceState.ASSEMBLED: frozenset({TraceState.SENT, TraceState.OPEN}),
+    TraceState.SENT: frozenset({TraceState.OPEN}),
+    TraceState.REFUSED: frozenset({TraceState.DROPPED, TraceState.OPEN}),
+    TraceState.DROPPED: frozenset({TraceState.OPEN}),
+}
+TRACE_STATES: StateMachine[TraceState] = StateMachine(
+    "OTLP trace", OTLP_TRACES.c.state, TRANSITIONS, entries={TraceState.OPEN}
+)
 
 # A trajectory in these stages went to training: it is not replaced any more.
 FINAL_STAGES = (Stage.BATCHED.value, Stage.DELIVERED.value)
@@ -75,7 +90,7 @@ def add_spans(conn: sa.Connection, records: Sequence[SpanRecord], now: datetime)
             },
         ),
         [
-            {"trace_id": trace_id, "state": TraceState.OPEN.value, "spans": count,
+            {"trace_id": trace_id, "state": TRACE_STATES.enter(TraceState.OPEN), "spans": count,
              "seen_spans": 0, "late_spans": 0, "root_ended": trace_id in roots,
              "first_span_at": now, "last_span_at": now, "error": None}
             for trace_id, count in per_trace.items()
@@ -133,26 +148,29 @@ class Settled:
 
 
 async def settle(conn: AsyncConnection, settled: list[Settled]) -> None:
-    """Record each trace's outcome. One that received spans meanwhile stays open; late
-    spans are counted."""
+    """Record each trace's outcome. One that received spans meanwhile stays open (and
+    due), with what was done counted; late spans are counted."""
     if not settled:
         return
     t = OTLP_TRACES.c
     seen = sa.bindparam("b_seen", type_=sa.Integer)
-    await conn.execute(
-        sa.update(OTLP_TRACES)
-        .where(t.trace_id == sa.bindparam("b_trace_id", type_=sa.String))
-        .values(
-            seen_spans=seen,
-            error=sa.bindparam("b_error", type_=sa.Text),
-            state=sa.case((t.spans == seen, sa.bindparam("b_state", type_=sa.String)),
-                          else_=TraceState.OPEN.value),
-            late_spans=t.late_spans + sa.case(
-                (sa.bindparam("b_late", type_=sa.Boolean), seen - t.seen_spans), else_=0
-            ),
+    done = {
+        "seen_spans": seen,
+        "error": sa.bindparam("b_error", type_=sa.Text),
+        "late_spans": t.late_spans + sa.case(
+            (sa.bindparam("b_late", type_=sa.Boolean), seen - t.seen_spans), else_=0
         ),
-        [{"b_trace_id": s.trace_id, "b_seen": s.seen, "b_error": s.error,
-          "b_state": s.state.value, "b_late": s.late} for s in settled],
+    }
+    this_trace = t.trace_id == sa.bindparam("b_trace_id", type_=sa.String)
+    params = {s.trace_id: {"b_trace_id": s.trace_id, "b_seen": s.seen, "b_error": s.error,
+                           "b_late": s.late} for s in settled}
+    for state in {s.state for s in settled}:
+        move = TRACE_STATES.move(state, expected=[TraceState.OPEN])
+        await conn.execute(move.where(this_trace, t.spans == seen).values(done),
+                           [params[s.trace_id] for s in settled if s.state is state])
+    await conn.execute(
+        sa.update(OTLP_TRACES).where(this_trace, t.spans != seen).values(done),
+        list(params.values()),
     )
 
 
@@ -179,9 +197,8 @@ async def forget(conn: AsyncConnection, now: datetime, max_wait: float, limit: i
     for picked, was, becomes in ((final, TraceState.ASSEMBLED, TraceState.SENT),
                                  (stale, TraceState.REFUSED, TraceState.DROPPED)):
         moved = await conn.execute(
-            sa.update(OTLP_TRACES)
-            .where(t.trace_id.in_(picked.scalar_subquery()), t.state == was.value)
-            .values(state=becomes.value)
+            TRACE_STATES.move(becomes, expected=[was])
+            .where(t.trace_id.in_(picked.scalar_subquery()))
             .returning(t.trace_id)
         )
         trace_ids = list(moved.scalars())
