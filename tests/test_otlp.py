@@ -134,11 +134,13 @@ def otlp_stats(client: httpx.Client) -> dict[str, int]:
 def test_the_sdk_exporter_makes_one_trajectory(
     otlp_hub: HubProcess, exporter: OTLPSpanExporter
 ) -> None:
-    tid, spans = recorded_run()
+    tid, spans = recorded_run(**{"atropos.reward": 0.5})
     assert exporter.export(spans) is SpanExportResult.SUCCESS
     with otlp_hub.client() as client:
         record = trajectory(client, tid)
         assert record["trace_id"] == tid and len(tid) == 32
+        assert record["env_reward"] == 0.5  # the environment's reward, scored by its rule
+        assert record["reward_breakdown"]["env_reward"]["points"] == 10
         assert record["format"] == "otlp"
         assert (record["agent"], record["model"], record["env"]) == (
             "weather", "gpt-4o-mini", "weather-agent")
