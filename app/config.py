@@ -382,7 +382,9 @@ class HubConfig(_Section):
 
 
 PreservedField = Literal["user_instruction", "final_action", "reward_signal", "error_context"]
-DroppedField = Literal["intermediate_thoughts", "repeated_observations", "redundant_tool_outputs"]
+DroppedField = Literal[
+    "intermediate_thoughts", "repeated_observations", "redundant_tool_outputs", "system_prompt"
+]
 
 
 class CompressionConfig(_Section):
@@ -394,7 +396,11 @@ class CompressionConfig(_Section):
     preserve_fields: list[PreservedField] = Field(
         default_factory=lambda: list(get_args(PreservedField))
     )
-    drop_fields: list[DroppedField] = Field(default_factory=lambda: list(get_args(DroppedField)))
+    # `system_prompt` (cut the system prompt when nothing else is left) is not a default:
+    # the prompt defines the tools and the policy every step follows.
+    drop_fields: list[DroppedField] = Field(
+        default_factory=lambda: [f for f in get_args(DroppedField) if f != "system_prompt"]
+    )
     dedup_window: int = Field(5, ge=0)
     # summarize_middle: turns kept verbatim at the end, and the summary's size (Hermes'
     # trajectory_compressor defaults).

@@ -7,6 +7,7 @@ HubError
  │    └── UnknownFormat (400)
  ├── UnsupportedMediaType (415)
  ├── Invalid (422)                well-formed, but wrong types or values
+ │    └── Unexportable (422)      a trace the export format cannot hold (no assistant turn)
  ├── NotFound (404)
  ├── Conflict (409)               a trace_id resent with other content
  ├── PayloadTooLarge (413)        a size limit; `field` names it (limits.max_...)
@@ -62,6 +63,10 @@ class UnsupportedMediaType(HubError):
 class Invalid(HubError):
     status = 422
     code = "invalid"
+
+
+class Unexportable(Invalid):
+    code = "unexportable"
 
 
 class NotFound(HubError):

@@ -24,26 +24,32 @@ ASSISTANT_KEYS = {"role", "content", "tool_calls", "reasoning_content", "name", 
 
 
 def check_openai(record: dict[str, Any]) -> None:
-    """OpenAI chat fine-tuning JSONL: messages (+ tools); every tool message answers a
-    call made before it; arguments are JSON text. `reasoning_content` is allowed on
-    assistant messages (the DeepSeek/Hermes convention for reasoning)."""
+    """OpenAI chat fine-tuning JSONL: messages (+ tools); one system message, first;
+    every tool message answers a call of the assistant message before it; arguments
+    are JSON text; the record ends on an assistant message. `reasoning_content` is
+    allowed on assistant messages (the DeepSeek/Hermes convention for reasoning)."""
     assert set(record) <= {"messages", "tools", "parallel_tool_calls"}
     calls: set[str] = set()
     messages = record["messages"]
-    assert messages and any(m["role"] == "assistant" for m in messages)
-    for m in messages:
+    assert messages and messages[-1]["role"] == "assistant"
+    assert all(m["role"] != "system" for m in messages[1:])
+    for before, m in zip([None, *messages], messages):
         assert m["role"] in OPENAI_ROLES
         if m["role"] == "assistant":
             assert set(m) <= ASSISTANT_KEYS and ("content" in m or "tool_calls" in m)
+            assert m.get("content") or m.get("tool_calls") or m.get("reasoning_content")
+            calls = set()
             for call in m.get("tool_calls", []):
                 assert call["type"] == "function" and isinstance(call["id"], str)
                 assert isinstance(call["function"]["name"], str)
-                assert isinstance(json.loads(call["function"]["arguments"]), dict)
+                assert isinstance(call["function"]["arguments"], str)
                 calls.add(call["id"])
         elif m["role"] == "tool":
+            assert before is not None and before["role"] in ("assistant", "tool")
             assert m["tool_call_id"] in calls and isinstance(m["content"], str)
         else:
             assert isinstance(m["content"], str)
+            assert not (m["role"] == "user" and before is not None and before["role"] == "user")
 
 
 def check_sharegpt(record: dict[str, Any]) -> None:
@@ -135,21 +141,33 @@ async def test_every_format_validates_and_filters_apply(
     async with database(trace_server) as engine, engine.begin() as conn:
         await conn.execute(sa.update(TRACES).where(TRACES.c.trace_id == "e-rejected").values(stage="rejected"))
 
-    exported = {fmt: run_export(hub, tmp_path / f"{fmt}.jsonl", "--format", fmt)
-                for fmt in CHECKS}
+    # By default, what training would get: not rejected, reward >= the threshold (5).
+    done = run_cli("export", "--config", str(hub.config), "--format", "atif",
+                   "-o", str(tmp_path / "default.jsonl"))
+    assert done.returncode == 0, done.stderr
+    default = [json.loads(line) for line in (tmp_path / "default.jsonl").read_text().splitlines()]
+    assert [r["session_id"] for r in default] == ["e-1", "e-openai"]
+    assert "left out 3: 2 reward under 5, 1 rejected" in done.stderr
+
+    exported = {fmt: run_export(hub, tmp_path / f"{fmt}.jsonl", "--format", fmt,
+                                "--all", "--stage", "accepted") for fmt in CHECKS}
     for fmt, records in exported.items():
         assert len(records) == len(ids), fmt  # the rejected trace is left out
         for record in records:
             CHECKS[fmt](record)
             formats.parse(record)  # and the hub reads its own export back
     assert [r["session_id"] for r in exported["atif"]] == ids  # oldest first
+    everything = run_export(hub, tmp_path / "all.jsonl", "--format", "atif", "--all")
+    assert [r["session_id"] for r in everything] == [*ids, "e-rejected"]
 
-    high = run_export(hub, tmp_path / "high.jsonl", "--format", "atif", "--min-reward", "9")
+    high = run_export(hub, tmp_path / "high.jsonl", "--format", "atif", "--all",
+                      "--stage", "accepted", "--min-reward", "9")
     assert [r["session_id"] for r in high] == ["e-1", "e-openai"]
     assert run_export(hub, tmp_path / "recent.jsonl", "--format", "atif", "--since", "1h")
-    assert not run_export(hub, tmp_path / "future.jsonl", "--format", "atif",
+    assert not run_export(hub, tmp_path / "future.jsonl", "--format", "atif", "--all",
                           "--since", "2999-01-01")
-    rejected = run_export(hub, tmp_path / "rej.jsonl", "--format", "atif", "--stage", "rejected")
+    rejected = run_export(hub, tmp_path / "rej.jsonl", "--format", "atif", "--all",
+                          "--stage", "rejected")
     assert [r["session_id"] for r in rejected] == ["e-rejected"]
 
 
@@ -184,6 +202,6 @@ async def test_export_is_paged_and_complete(
     out = tmp_path / "paged.jsonl"
     async with database(trace_server) as engine:
         with open(out, "wb") as f:
-            written = await export_traces(engine, ExportQuery("atif"), f)
-    assert written == 7
+            tally = await export_traces(engine, ExportQuery("atif"), f)
+    assert tally.total == 7 and not tally.left_out
     assert [json.loads(line)["session_id"] for line in out.read_text().splitlines()] == ids

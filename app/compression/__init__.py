@@ -6,7 +6,8 @@
 
 Modules: `compress` (entry point and the target rules), `extract`
 (key_decision_extract and its removal order), `summarize` (summarize_middle, Hermes'
-algorithm), `ledger` (per-step token bookkeeping).
+algorithm), `ledger` (per-step token bookkeeping, and the links a removal must not
+break), `invariants` (what every strategy keeps, checked on every result).
 """
 
 from __future__ import annotations

@@ -5,8 +5,11 @@ Rules (DESIGN §6): target = clamp(ratio x total_tokens, min_tokens_after,
 max_tokens_after). A trace with ratio x total_tokens < min_tokens_after is kept whole,
 unless `forced` (compression disabled but the trace is over max_trace_tokens): then it
 is compressed toward min_tokens_after. The result lands within 25% of the target
-unless what is preserved is larger; it is never under min_tokens_after; over
-max_tokens_after it is marked `over_limit`.
+unless what is preserved, or what the conversation needs to stay valid, is larger; it
+is never under min_tokens_after; over max_tokens_after it is marked `over_limit`.
+
+Every result is checked against the invariants (app.compression.invariants) before it
+is returned; one that breaks them is not returned: the trace is kept whole.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.compression.extract import key_decision_extract
+from app.compression.invariants import violations
 from app.compression.ledger import Budget, Ledger
 from app.compression.summarize import Summarizer, summarize_middle
 from app.config import CompressionConfig
@@ -38,7 +42,8 @@ class Compressed:
 
     `strategy` is the one that produced the trace; `fallback` says why it is not the
     configured one (summarize_middle fell back to key_decision_extract). `removed`
-    counts the steps affected per kind of removal.
+    counts the steps affected per kind of removal; `removed_steps` lists them, as
+    indices into the original trace's steps.
     """
 
     trace: Trace
@@ -47,6 +52,7 @@ class Compressed:
     target: int
     strategy: str
     removed: dict[str, int] = field(default_factory=dict)
+    removed_steps: dict[str, list[int]] = field(default_factory=dict)
     over_limit: bool = False
     fallback: str | None = None
 
@@ -63,6 +69,7 @@ class Compressed:
             "target": self.target,
             "ratio": self.ratio,
             "removed": self.removed,
+            "removed_steps": self.removed_steps,
             "over_limit": self.over_limit,
             "fallback": self.fallback,
         }
@@ -115,10 +122,16 @@ async def compress(
         target=target,
         strategy=strategy,
         removed=dict(ledger.removed),
+        removed_steps={kind: sorted(at) for kind, at in ledger.listed.items()},
         over_limit=tokens_after > policy.max_tokens_after,
         fallback=fallback,
     )
-    return _mark(result, policy, reward, breakdown)
+    result = _mark(result, policy, reward, breakdown)
+    broken = violations(trace, result.trace, policy)
+    if broken:
+        # The strategies are built not to get here; if one does, nothing is lost.
+        return Skipped(f"compression would break the trace ({'; '.join(broken[:3])}); kept whole")
+    return result
 
 
 def _target(total: int, policy: CompressionConfig, forced: bool) -> int | Skipped:

@@ -248,17 +248,52 @@ def tool_schemas(trace: Trace) -> dict[str, dict[str, Any]]:
 
 
 def openai_tools(trace: Trace) -> list[dict[str, Any]]:
-    """The trace's tools as OpenAI schemas; a tool known only by name gets an empty
-    parameter object, which is valid and claims nothing."""
+    """The trace's tools as OpenAI schemas: those it carried; for a tool known only by
+    name, or when the trace declared no tools at all, the schema its calls imply (the
+    name, and each argument key with its JSON type when every call agrees on one). A
+    tool never called and never described gets an empty parameter object, which is
+    valid and claims nothing."""
     known = tool_schemas(trace)
+    implied = _implied_schemas(trace)
+    names = trace.tools if trace.tools is not None else list(implied)
+    empty = {"type": "object", "properties": {}}
     return [
         {
             "type": "function",
-            "function": known.get(name)
-            or {"name": name, "parameters": {"type": "object", "properties": {}}},
+            "function": known.get(name) or implied.get(name) or {"name": name, "parameters": empty},
         }
-        for name in trace.tools or []
+        for name in names
     ]
+
+
+_JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+               (list, "array"), (dict, "object"))
+
+
+def _implied_schemas(trace: Trace) -> dict[str, dict[str, Any]]:
+    """name -> the schema the trace's calls imply, in the order tools were first called."""
+    seen: dict[str, dict[str, set[str]]] = {}
+    for step in trace.steps:
+        if step.type is not StepType.ACTION or not step.tool:
+            continue
+        keys = seen.setdefault(step.tool, {})
+        if isinstance(step.arguments, dict):
+            for key, value in step.arguments.items():
+                json_type = next((t for kind, t in _JSON_TYPES if isinstance(value, kind)), None)
+                keys.setdefault(key, set()).add(json_type or "null")
+    return {
+        name: {
+            "name": name,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    key: {"type": types.pop()} if len(types) == 1 and "null" not in types else {}
+                    for key, types in keys.items()
+                },
+            },
+        }
+        for name, keys in seen.items()
+    }
 
 
 def status(value: Any, where: str) -> Status:
@@ -501,6 +536,53 @@ def turns(trace: Trace) -> list[Turn]:
         out.append(Turn("user", trace.task))
     _link_ids(out)
     return out
+
+
+def chat(trace: Trace) -> list[Turn]:
+    """`turns()` as a chat template or a trainer accepts it, for the training exports:
+    - one system turn, first: the leading system messages joined; a system message
+      later in the run is the environment speaking, so a user turn;
+    - a tool result that answers no call of its assistant turn (smolagents' and
+      OpenHands' reply to output that made no valid call) is a user turn after it;
+    - an assistant turn with nothing in it (no text, reasoning or call) is left out;
+    - user turns that end up next to each other are joined into one."""
+    out: list[Turn] = []
+    for turn in turns(trace):
+        if turn.role == "assistant":
+            answered = [i for i, r in enumerate(turn.result_ids) if r in turn.call_ids]
+            stray = [obs for i, obs in enumerate(turn.observations) if i not in answered]
+            turn.observations = [turn.observations[i] for i in answered]
+            turn.result_ids = [turn.result_ids[i] for i in answered]
+            said = has_text(turn.thought) or has_text(turn.text) or bool(turn.actions)
+            if said:
+                out.append(turn)
+            if stray:
+                _add_user(out, "\n\n".join(result_text(obs) for obs in stray))
+        elif turn.role == "system" and all(t.role == "system" for t in out):
+            if out:
+                out[0].text = f"{out[0].text}\n\n{turn.text or ''}"
+            else:
+                out.append(Turn("system", turn.text or ""))
+        else:
+            _add_user(out, turn.text or "")
+    return out
+
+
+def _add_user(out: list[Turn], text: str) -> None:
+    if out and out[-1].role == "user":
+        out[-1].text = f"{out[-1].text}\n\n{text}"
+    else:
+        out.append(Turn("user", text))
+
+
+def result_text(obs: Step) -> str:
+    """A tool result as the model reads it. Chat formats have no error flag: the error
+    is said in the content, the way agents write it ("Error: ..."), so the model still
+    sees that the call failed."""
+    content = obs.content or ""
+    if obs.error is None or error_from_text(content) or obs.error == content:
+        return content
+    return f"Error: {obs.error}" + (f"\n{content}" if content else "")
 
 
 def _opens_turn(turn: Turn, step: Step) -> bool:

@@ -9,8 +9,9 @@ Parsing:
 - `from` is system, human/user, gpt/assistant or tool/function/observation.
 - A system turn holding a `<tools>[...]</tools>` list is Hermes' synthetic
   function-calling prompt, not something the agent was told: it gives the tool names
-  (and schemas, kept in `metadata["tool_schemas"]`) and is not a step. Other system
-  turns are message steps.
+  (and schemas, kept in `metadata["tool_schemas"]`) and is not a step; text after
+  the prompt's closing example is the agent's own system prompt (as `export_hermes`
+  writes it), a message step. Other system turns are message steps.
 - The first human turn is the task; later ones are message steps.
 - gpt turns: each non-empty `<think>` block is a thought (Hermes pads every turn with
   an empty one); each `<tool_call>{json}</tool_call>` an action (bad JSON: an action
@@ -27,10 +28,14 @@ Parsing:
   top-level `reward` (or `outcome.reward`) is the environment's reward; it never sets
   the status.
 
-Exports: `export_hermes` writes what Hermes Agent writes (synthetic system turn with
-`<tools>`, every gpt turn opening with a think block, merged tool turns, `completed`);
-`export` writes plain ShareGPT with the same tags but none of Hermes' envelope. Both
-carry the environment's reward, when there is one, as a top-level `reward`.
+Exports, of the chat `_common.chat()` makes (one system turn, every tool turn right
+after the gpt turn whose calls it answers): `export_hermes` writes what Hermes Agent
+writes (one system turn: the synthetic prompt, whose `<tools>` lists the schemas the
+trace carried or, when it carried none, those its calls imply, then the trace's own
+system prompt; every gpt turn opening with a think block; merged tool turns;
+`completed`); `export` writes plain ShareGPT with the same tags but none of Hermes'
+envelope. Both carry the environment's reward, when there is one, as a
+top-level `reward`.
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ _HERMES_PROMPT = (
     "Each function call should be enclosed within <tool_call> </tool_call> XML tags.\n"
     "Example:\n<tool_call>\n{{'name': <function-name>,'arguments': <args-dict>}}\n</tool_call>"
 )
+# Where the synthetic prompt ends: after it, export_hermes writes the agent's own.
+_HERMES_END = "<args-dict>}\n</tool_call>"
 
 
 def looks_like(item: dict[str, Any]) -> bool:
@@ -112,8 +119,13 @@ def export(trace: Trace) -> dict[str, Any]:
 
 def export_hermes(trace: Trace) -> dict[str, Any]:
     """One line of a Hermes Agent trajectory file."""
-    system = {"from": "system", "value": _HERMES_PROMPT.format(tools=_hermes_tools(trace))}
-    body: dict[str, Any] = {"conversations": [system, *_conversations(trace, hermes=True)]}
+    prompt = _HERMES_PROMPT.format(tools=_hermes_tools(trace))
+    conversations = _conversations(trace, hermes=True)
+    if conversations and conversations[0]["from"] == "system":
+        # One system turn: how to call the tools, then what the agent was told.
+        prompt = f"{prompt}\n\n{conversations.pop(0)['value']}"
+    system = {"from": "system", "value": prompt}
+    body: dict[str, Any] = {"conversations": [system, *conversations]}
     if isinstance(trace.metadata.get("timestamp"), str):
         body["timestamp"] = trace.metadata["timestamp"]
     if trace.agent.model:
@@ -160,6 +172,10 @@ def _turns(
             names, schemas = found
             if schemas:
                 metadata["tool_schemas"] = schemas
+            end = value.find(_HERMES_END)
+            own = value[end + len(_HERMES_END) :].strip() if end >= 0 else ""
+            if own:
+                steps.append(c.message("system", own))
         elif role == "system":
             steps.append(c.message("system", value))
         elif role == "user" and task is None:
@@ -300,7 +316,7 @@ def _exit_code(details: dict[str, Any], block: dict[str, Any]) -> int | None:
 
 def _conversations(trace: Trace, *, hermes: bool) -> list[dict[str, str]]:
     out: list[dict[str, str]] = []
-    for turn in c.turns(trace):
+    for turn in c.chat(trace):
         if turn.role != "assistant":
             out.append(
                 {"from": "human" if turn.role == "user" else turn.role, "value": turn.text or ""}

@@ -46,7 +46,8 @@ class JsonlTarget:
     def _write(self, batch: Batch) -> dict[str, Any]:
         self._dir.mkdir(parents=True, exist_ok=True)
         path = self._dir / f"{batch.batch_id}.jsonl"
-        body = b"".join(orjson.dumps(item.record(self._fmt)) + b"\n" for item in batch.items)
+        records = batch.records(self._fmt)
+        body = b"".join(orjson.dumps(record) + b"\n" for _, record in records)
         existed = path.exists()
         # A name of its own: a worker whose lease expired may still be writing the same batch.
         tmp = self._dir / f".{batch.batch_id}.{uuid.uuid4().hex[:8]}.tmp"
@@ -60,16 +61,16 @@ class JsonlTarget:
             "batch_id": batch.batch_id,
             "file": path.name,
             "format": self._fmt,
-            "size": len(batch.items),
+            "size": len(records),
             "bytes": len(body),
             "sha256": hashlib.sha256(body).hexdigest(),
             "created_at": batch.created_at.isoformat(),
             "written_at": utcnow().isoformat(),
-            "trace_ids": [item.trace_id for item in batch.items],
+            "trace_ids": [item.trace_id for item, _ in records],
             # Aligned with trace_ids: the hub's reward and the environment's own (null
             # when it sent none).
-            "rewards": [item.reward for item in batch.items],
-            "env_rewards": [item.env_reward for item in batch.items],
+            "rewards": [item.reward for item, _ in records],
+            "env_rewards": [item.env_reward for item, _ in records],
         }
         manifest = self._dir / MANIFEST
         if not (existed and _listed(manifest, batch.batch_id)):
