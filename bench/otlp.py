@@ -56,8 +56,9 @@ def _kv(key: str, value: str | int) -> KeyValue:
 
 
 def _span(name: str, sid: bytes, parent: bytes, start: int, attrs: dict[str, Any]) -> Span:
-    return Span(trace_id=_TRACE, span_id=sid, parent_span_id=parent, name=name, kind=3,
-                start_time_unix_nano=start, end_time_unix_nano=start + 900_000,
+    return Span(trace_id=_TRACE, span_id=sid, parent_span_id=parent, name=name,
+                kind=Span.SPAN_KIND_CLIENT, start_time_unix_nano=start,
+                end_time_unix_nano=start + 900_000,
                 attributes=[_kv(k, v) for k, v in attrs.items()])
 
 
@@ -226,6 +227,11 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
     return own, sum(stats[p][1] for p in tree if p != pid and p in stats)
 
 
+def spent(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """CPU seconds between two `cpu_seconds` readings, the process and its children."""
+    return sum(after) - sum(before)
+
+
 def count(db: Path, sql: str) -> int:
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30) as conn:
         return int(conn.execute(sql).fetchone()[0])
@@ -247,15 +253,15 @@ def run_hub(args: argparse.Namespace, template: list[bytes], work: Path) -> None
                   "--compression", str(work / "compression.json")],
                  {"PYTHONPATH": str(ROOT)}, "Compression pipeline ready", work / "hub.log")
     try:
-        main0, children0 = cpu_seconds(proc.pid)
+        cpu = [cpu_seconds(proc.pid)]
         sent = asyncio.run(send(args.port, "/v1/traces", args.seconds, template))
         stored = count(db, "SELECT count(*) FROM otlp_spans")
-        main1, children1 = cpu_seconds(proc.pid)
+        cpu.append(cpu_seconds(proc.pid))
         runs = len(sent.finished)
         deadline = time.monotonic() + args.quiet_seconds + 300
         while count(db, "SELECT count(*) FROM traces") < runs and time.monotonic() < deadline:
             time.sleep(0.5)
-        main2, children2 = cpu_seconds(proc.pid)
+        cpu.append(cpu_seconds(proc.pid))
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
             created = dict(conn.execute("SELECT trace_id, created_at FROM traces"))
     finally:
@@ -273,12 +279,11 @@ def run_hub(args: argparse.Namespace, template: list[bytes], work: Path) -> None
           f"(target: quiet_seconds {args.quiet_seconds:g} + 5 s)")
     # CPU time, not wall time: the figures that do not depend on what else the machine
     # runs (the wall-time rates above do: read them as ratios within one run).
-    loading = main1 - main0 + children1 - children0
-    total = main2 - main0 + children2 - children0
+    loading, total = spent(cpu[0], cpu[1]), spent(cpu[0], cpu[2])
     print(f"  CPU: {sent.spans / loading:,.0f} spans acknowledged per CPU-second while the "
           f"load ran ({loading:.1f} s); {sent.spans / total:,.0f} received and assembled per "
-          f"CPU-second ({total:.1f} s in all: {main2 - main0:.1f} s the serving process, "
-          f"{children2 - children0:.1f} s the ingest processes)")
+          f"CPU-second ({total:.1f} s in all: {cpu[2][0] - cpu[0][0]:.1f} s the serving "
+          f"process, {cpu[2][1] - cpu[0][1]:.1f} s the ingest processes)")
 
 
 def run_phoenix(args: argparse.Namespace, template: list[bytes], work: Path) -> None:
@@ -289,21 +294,20 @@ def run_phoenix(args: argparse.Namespace, template: list[bytes], work: Path) -> 
                  work / "phoenix.log")
     db = work / "phoenix" / "phoenix.db"
     try:
-        main0, children0 = cpu_seconds(proc.pid)
+        cpu = [cpu_seconds(proc.pid)]
         sent = asyncio.run(send(args.port + 1, "/v1/traces", args.seconds, template))
         stored = count(db, "SELECT count(*) FROM spans")
-        main1, children1 = cpu_seconds(proc.pid)
+        cpu.append(cpu_seconds(proc.pid))
         time.sleep(args.settle)  # not a wait for a condition: Phoenix is given this long
         later = count(db, "SELECT count(*) FROM spans")
-        main2, children2 = cpu_seconds(proc.pid)
+        cpu.append(cpu_seconds(proc.pid))
     finally:
         proc.terminate()
         proc.wait(60)
     print(f"arize-phoenix: {sent.spans / sent.seconds:,.0f} spans/s acknowledged, "
           f"{stored:,} of {sent.spans:,} stored when acknowledged "
           f"({later:,} {args.settle:g} s later); errors {sent.errors}")
-    loading = main1 - main0 + children1 - children0
-    total = main2 - main0 + children2 - children0
+    loading, total = spent(cpu[0], cpu[1]), spent(cpu[0], cpu[2])
     print(f"  CPU: {sent.spans / loading:,.0f} spans acknowledged per CPU-second while the "
           f"load ran ({loading:.1f} s); {later / total:,.0f} stored per CPU-second "
           f"({total:.1f} s in all)")

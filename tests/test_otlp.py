@@ -12,7 +12,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -45,6 +45,7 @@ from tests.otlp_spans import (
     weather_run,
     weather_steps,
 )
+from tests.pipeline import wait_until
 from tests.test_admission import write_lock
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}
@@ -96,24 +97,13 @@ def exporter(otlp_hub: HubProcess) -> Iterator[OTLPSpanExporter]:
     exp.shutdown()
 
 
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 30) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still waiting for {what} after {timeout} s")
-        time.sleep(0.1)
-
-
 def trajectory(client: httpx.Client, tid: str, **headers: str) -> dict[str, Any]:
     """The trace once the hub has assembled it."""
     def stored() -> dict[str, Any] | None:
         r = client.get(f"/v1/traces/{tid}", headers=headers)
         return r.json() if r.status_code == 200 else None
 
-    record: dict[str, Any] = wait_for(stored, f"trajectory {tid}")
+    record: dict[str, Any] = wait_until(stored, what=f"trajectory {tid}")
     return record
 
 
@@ -283,10 +273,10 @@ def test_a_span_after_assembly_scores_the_trajectory_again(
                                                  "atropos.outcome.status": "success"},
                        parent=format(root.context.span_id, "016x"))
         assert client.post("/v1/traces", json=document([verdict])).status_code == 200
-        again = wait_for(
+        again = wait_until(
             lambda: (r := client.get(f"/v1/traces/{tid}").json())["trace"]["metadata"]["spans"]
             == 5 and r,
-            "the trajectory assembled again",
+            what="the trajectory assembled again",
         )
         assert again["created_at"] == first["created_at"]
         assert again["status"] == "success" and first["status"] == "unknown"
@@ -305,14 +295,14 @@ def test_a_span_after_batching_is_kept_and_counted_late(
     spans = weather_run(tid)
     with hub.client() as client:
         assert client.post("/v1/traces", json=document(spans)).status_code == 200
-        wait_for(lambda: client.get(f"/v1/traces/{tid}").json().get("stage")
-                 in ("batched", "delivered"), "the trajectory batched")
+        wait_until(lambda: client.get(f"/v1/traces/{tid}").json().get("stage")
+                 in ("batched", "delivered"), what="the trajectory batched")
         before = client.get(f"/v1/traces/{tid}").json()
         # The spans it was made of leave the staging table: its original holds them.
-        wait_for(lambda: not staged(trace_server, tid), "the batched spans deleted")
+        wait_until(lambda: not staged(trace_server, tid), what="the batched spans deleted")
         late = span(tid, "late", 400, {"atropos.reward": 1.0}, parent=spans[0]["spanId"])
         assert client.post("/v1/traces", json=document([late])).status_code == 200
-        wait_for(lambda: otlp_stats(client)["late_spans"] == 1, "the late span counted")
+        wait_until(lambda: otlp_stats(client)["late_spans"] == 1, what="the late span counted")
         after = client.get(f"/v1/traces/{tid}").json()
         assert after["trace"] == before["trace"] and after["reward"] == before["reward"]
         assert otlp_stats(client)["spans"] == 5
@@ -342,14 +332,14 @@ def test_spans_without_agent_content_are_refused_and_said_why(
     with hub.client() as client:
         assert client.post("/v1/traces", json=plain).status_code == 200
         posted = time.monotonic()
-        wait_for(lambda: otlp_stats(client)["refused_traces"] == 1, "the trace refused")
+        wait_until(lambda: otlp_stats(client)["refused_traces"] == 1, what="the trace refused")
         assert client.get(f"/v1/traces/{tid}").status_code == 404
         hub.wait_for_log(f"OTLP trace {tid} makes no trajectory")
         # Kept for otlp.max_wait_seconds after its last span (more might make it one).
         spans_now = staged(trace_server, tid)
         if time.monotonic() - posted < 7:
             assert spans_now
-        wait_for(lambda: not staged(trace_server, tid), "the refused spans dropped")
+        wait_until(lambda: not staged(trace_server, tid), what="the refused spans dropped")
         assert otlp_stats(client)["refused_traces"] == 1
 
 
