@@ -4,6 +4,8 @@ any export format.
 Streamed: traces are read in pages of PAGE rows by keyset (created_at, trace_id), each
 page written and dropped before the next is read, so memory stays flat whatever the
 size of the database, and no transaction stays open for the whole export. Oldest first.
+`--min-reward` reads `traces.reward`, which holds a reviewer's override where there is
+one; `--label good` keeps the traces a reviewer labelled good.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from app.cli.options import Commands, add_since, command
 from app.cli.progress import Progress
 from app.config import load_config
 from app.db.models import TRACES
+from app.db.trace_queries import LabelFilter, labelled
 from app.domain import Stage, Trace
 from app.hub import database
 
@@ -43,6 +46,7 @@ class ExportQuery:
     min_reward: float | None = None
     since: datetime | None = None
     stages: tuple[str, ...] = DEFAULT_STAGES
+    label: LabelFilter | None = None
 
     def clauses(self) -> list[sa.ColumnElement[bool]]:
         c = TRACES.c
@@ -51,6 +55,8 @@ class ExportQuery:
             clauses.append(c.reward >= self.min_reward)
         if self.since is not None:
             clauses.append(c.created_at >= self.since)
+        if self.label is not None:
+            clauses.append(labelled(self.label))
         return clauses
 
 
@@ -96,13 +102,15 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
     add_since(export)
     export.add_argument("--stage", action="append", choices=[s.value for s in Stage],
                         help="only traces at this stage (repeatable; default: all but rejected)")
+    export.add_argument("--label", choices=["good", "bad", "unreviewed"],
+                        help="only traces a reviewer labelled so (unreviewed: none did)")
     export.add_argument("-o", "--output", required=True, help="the file to write ('-': stdout)")
 
 
 async def _export(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     query = ExportQuery(args.format, args.compressed, args.min_reward, args.since,
-                        tuple(args.stage) if args.stage else DEFAULT_STAGES)
+                        tuple(args.stage) if args.stage else DEFAULT_STAGES, args.label)
     async with database(config) as engine:
         progress = Progress("exported", await count(engine, query))
         if args.output == "-":

@@ -3,7 +3,8 @@ filters, for when a user changes the weights.
 
 Traces whose `scored_with` fingerprint differs from the current environment's are
 rescored in batches, oldest first, one transaction per batch; a run that is stopped
-resumes where it stopped (the finished traces carry the new fingerprint).
+resumes where it stopped (the finished traces carry the new fingerprint). A reviewer's
+reward override outlives a rescore: the breakdown is new, the reward stays the override.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.cli.options import Commands, add_since, command
 from app.cli.progress import Progress
 from app.config import load_config
-from app.db.models import TRACES
+from app.db.models import REVIEWS, TRACES
 from app.db.types import utcnow
 from app.domain import Stage, Trace
 from app.evaluation.environment import Environment
@@ -61,8 +62,12 @@ async def rescore(
     after: tuple[datetime, str] | None = None
     while True:
         async with engine.begin() as conn:
-            query = sa.select(TRACES.c.trace_id, TRACES.c.created_at, TRACES.c.stage,
-                              TRACES.c.trace).where(*_todo(environment, since))
+            query = (
+                sa.select(TRACES.c.trace_id, TRACES.c.created_at, TRACES.c.stage,
+                          TRACES.c.trace, REVIEWS.c.reward.label("override"))
+                .select_from(TRACES.outerjoin(REVIEWS))
+                .where(*_todo(environment, since))
+            )
             if after is not None:
                 query = query.where(sa.tuple_(TRACES.c.created_at, TRACES.c.trace_id) > after)
             rows = (await conn.execute(
@@ -104,7 +109,7 @@ def _update(row: Any, environment: Environment, counts: Counter[str]) -> dict[st
     return {
         "b_id": row.trace_id,
         "b_stage": row.stage,
-        "reward": evaluation.reward,
+        "reward": evaluation.reward if row.override is None else row.override,
         "reward_breakdown": evaluation.breakdown,
         "reject_reasons": evaluation.reject_reasons,
         "stage": stage,

@@ -26,14 +26,20 @@ def dialect_of(conn: AsyncConnection | AsyncEngine | sa.Connection) -> Dialect:
     raise ValueError(f"unsupported database dialect {name!r}")
 
 
+def insert(dialect: Dialect, table: sa.Table) -> Any:
+    """The dialect's own INSERT, which has ON CONFLICT (`on_conflict_do_nothing`,
+    `on_conflict_do_update`) with the same signature on both."""
+    if dialect == "sqlite":
+        return sqlite.insert(table)
+    if dialect == "postgresql":
+        return postgresql.insert(table)
+    assert_never(dialect)
+
+
 def insert_ignoring_conflicts(dialect: Dialect, table: sa.Table, key: str) -> Any:
     """INSERT ... ON CONFLICT (key) DO NOTHING: an idempotent insert whose RETURNING
     lists only the rows that were new."""
-    if dialect == "sqlite":
-        return sqlite.insert(table).on_conflict_do_nothing(index_elements=[key])
-    if dialect == "postgresql":
-        return postgresql.insert(table).on_conflict_do_nothing(index_elements=[key])
-    assert_never(dialect)
+    return insert(dialect, table).on_conflict_do_nothing(index_elements=[key])
 
 
 def migration_lock(sync_conn: sa.Connection) -> None:
@@ -187,6 +193,22 @@ def reject_reason_counts(dialect: Dialect) -> sa.TextClause:
             "SELECT r->>'filter' AS name, count(*) AS n "
             "FROM traces, jsonb_array_elements(traces.reject_reasons) AS r "
             "WHERE traces.reject_reasons IS NOT NULL GROUP BY name"
+        )
+    assert_never(dialect)
+
+
+def rejected_by_filter(dialect: Dialect, name: str) -> sa.ColumnElement[bool]:
+    """Traces whose reject_reasons (a JSON array of {"filter", ...}) name filter `name`."""
+    reasons: sa.ColumnElement[Any] = sa.literal_column("traces.reject_reasons")  # outer row
+    if dialect == "sqlite":
+        return sa.exists(
+            sa.select(sa.literal(1))
+            .select_from(sa.func.json_each(reasons))
+            .where(sa.func.json_extract(sa.literal_column("value"), "$.filter") == name)
+        )
+    if dialect == "postgresql":
+        return reasons.bool_op("@>")(
+            sa.func.jsonb_build_array(sa.func.jsonb_build_object("filter", name))
         )
     assert_never(dialect)
 

@@ -115,6 +115,53 @@ BATCHES: sa.Table = BatchRow.__table__  # type: ignore[assignment]
 MEMBERS: sa.Table = BatchTraceRow.__table__  # type: ignore[assignment]
 
 
+class ReviewRow(Base):
+    """A person's verdict on a trace (app/db/review_queries.py): one per trace, the latest wins.
+    `reward`, when set, overrides the computed reward: it is what `traces.reward`
+    holds while the review stands."""
+
+    __tablename__ = "reviews"
+
+    trace_id: Mapped[str] = mapped_column(
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), primary_key=True
+    )
+    label: Mapped[str] = mapped_column(sa.String(8), index=True)
+    note: Mapped[str | None] = mapped_column(sa.Text)
+    reward: Mapped[float | None] = mapped_column(sa.Float)
+    reviewer: Mapped[str] = mapped_column(sa.String(200))  # the API key's name
+    reviewed_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+
+
+class ReviewClaimRow(Base):
+    """The review queue's lease on a trace: served to `holder` until `expires_at`."""
+
+    __tablename__ = "review_claims"
+
+    trace_id: Mapped[str] = mapped_column(
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), primary_key=True
+    )
+    holder: Mapped[str] = mapped_column(sa.String(200), index=True)
+    expires_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+
+
+class TraceSearchRow(Base):
+    """The searchable text of a trace (task and final answer, lowercased), filled by a
+    trigger on insert into traces (migration 0010): a search scans this narrow table,
+    not the payloads."""
+
+    __tablename__ = "trace_search"
+
+    trace_id: Mapped[str] = mapped_column(
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), primary_key=True
+    )
+    text: Mapped[str] = mapped_column(sa.Text)
+
+
+REVIEWS: sa.Table = ReviewRow.__table__  # type: ignore[assignment]
+REVIEW_CLAIMS: sa.Table = ReviewClaimRow.__table__  # type: ignore[assignment]
+TRACE_SEARCH: sa.Table = TraceSearchRow.__table__  # type: ignore[assignment]
+
+
 class RunRow(Base):
     """One training run (app/runs): a trainer and its environments, started, watched
     and stopped by the hub. The injected model channel (keys, URLs) is never stored."""

@@ -1,4 +1,9 @@
-"""Reading traces back: one record, a filtered page with a cursor, and the stats."""
+"""Reading traces back: one record, a filtered and sorted page with a cursor, and the
+stats.
+
+Pages are keyset-paged: the cursor holds the sort key and the trace_id of the last row,
+so a page costs the same however deep it is and stays stable while traces arrive.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +20,26 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.dialect import Dialect, dialect_of, reject_reason_counts, rule_firing_counts
-from app.db.models import BATCHES, TRACES
-from app.domain import BatchState, Stage
+from app.db.dialect import (
+    Dialect,
+    dialect_of,
+    reject_reason_counts,
+    rejected_by_filter,
+    rule_firing_counts,
+)
+from app.db.models import BATCHES, MEMBERS, REVIEWS, TRACE_SEARCH, TRACES
+from app.domain import BatchState, Label, Stage
 from app.errors import BadRequest, NotFound
 
 HISTOGRAM_BUCKET = 5.0
 View = Literal["canonical", "original", "compressed"]
+# A trace's review label, or `unreviewed` for the traces nobody has reviewed yet.
+LabelFilter = Literal["good", "bad", "unreviewed"]
+# The orders a page can come in: a column, descending with a leading "-". Each ties on
+# trace_id, and each has an index that gives the order as it is (migration 0010).
+Sort = Literal["-created_at", "created_at", "-reward", "reward", "-total_tokens", "total_tokens"]
+SORTS: tuple[Sort, ...] = ("-created_at", "created_at", "-reward", "reward",
+                           "-total_tokens", "total_tokens")
 
 SUMMARY_COLUMNS = (
     TRACES.c.trace_id,
@@ -42,6 +60,9 @@ SUMMARY_COLUMNS = (
 
 @dataclass(frozen=True, slots=True)
 class TraceFilter:
+    """The filters of GET /v1/traces and of the dashboard's list, which take the same
+    query parameters."""
+
     stage: str | None = None
     status: str | None = None
     env: str | None = None
@@ -50,8 +71,13 @@ class TraceFilter:
     max_reward: float | None = None
     since: datetime | None = None
     until: datetime | None = None
+    label: LabelFilter | None = None
+    # The name of a filter among the trace's reject reasons.
+    rejected_by: str | None = None
+    # Words in the task or the final answer (case-insensitive; ASCII only on SQLite).
+    q: str | None = None
 
-    def clauses(self) -> list[sa.ColumnElement[bool]]:
+    def clauses(self, dialect: Dialect) -> list[sa.ColumnElement[bool]]:
         c = TRACES.c
         equal = {"stage": c.stage, "status": c.status, "env": c.env, "model": c.model}
         clauses = [col == getattr(self, name) for name, col in equal.items()
@@ -64,7 +90,25 @@ class TraceFilter:
             clauses.append(c.created_at >= self.since)
         if self.until is not None:
             clauses.append(c.created_at < self.until)
+        if self.label is not None:
+            clauses.append(labelled(self.label))
+        if self.rejected_by is not None:
+            clauses.append(rejected_by_filter(dialect, self.rejected_by))
+        if self.q is not None and self.q.strip():
+            words = self.q.strip().lower()
+            clauses.append(c.trace_id.in_(
+                sa.select(TRACE_SEARCH.c.trace_id)
+                .where(TRACE_SEARCH.c.text.contains(words, autoescape=True))
+            ))
         return clauses
+
+
+def labelled(label: LabelFilter) -> sa.ColumnElement[bool]:
+    """Traces with this review label (`unreviewed`: with no review)."""
+    reviewed = sa.select(REVIEWS.c.trace_id).where(REVIEWS.c.trace_id == TRACES.c.trace_id)
+    if label == "unreviewed":
+        return ~reviewed.exists()
+    return reviewed.where(REVIEWS.c.label == Label(label).value).exists()
 
 
 async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[str, Any]:
@@ -80,7 +124,11 @@ async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[st
                 TRACES.c.compression,
                 TRACES.c.stage_error,
                 payload.label("payload"),
-            ).where(TRACES.c.trace_id == trace_id)
+                *REVIEW_COLUMNS,
+                MEMBERS.c.batch_id,
+            )
+            .select_from(TRACES.outerjoin(REVIEWS).outerjoin(MEMBERS))
+            .where(TRACES.c.trace_id == trace_id)
         )
     ).one_or_none()
     if row is None:
@@ -95,6 +143,8 @@ async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[st
         reward_breakdown=row.reward_breakdown,
         compression=row.compression,
         stage_error=row.stage_error,
+        review=_review(row._mapping),
+        batch_id=row.batch_id,
         view=view,
         trace=row.payload,
     )
@@ -102,32 +152,70 @@ async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[st
 
 
 async def list_traces(
-    conn: AsyncConnection, where: TraceFilter, limit: int, cursor: str | None
+    conn: AsyncConnection,
+    where: TraceFilter,
+    limit: int,
+    cursor: str | None,
+    sort: Sort = "-created_at",
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Newest first, paged by `newest_first`."""
-    query = sa.select(*SUMMARY_COLUMNS).where(*where.clauses())
-    rows, next_cursor = await newest_first(conn, query, TRACES, limit, cursor)
+    """One page in `sort` order, and the cursor of the next."""
+    query = (
+        sa.select(*SUMMARY_COLUMNS, REVIEWS.c.label.label("review_label"))
+        .select_from(TRACES.outerjoin(REVIEWS))
+        .where(*where.clauses(dialect_of(conn)))
+    )
+    rows, next_cursor = await keyset_page(conn, query, _order(sort), limit, cursor)
     return [_summary(row._mapping) for row in rows], next_cursor
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    """A page order: by `column`, ties broken by the table's primary key `key`."""
+
+    name: str
+    column: sa.ColumnElement[Any]
+    key: sa.ColumnElement[Any]
+    descending: bool
+
+
+def _order(sort: Sort) -> Order:
+    if sort not in SORTS:
+        raise BadRequest(f"sort must be one of {', '.join(SORTS)}", field="sort")
+    column = TRACES.c[sort.lstrip("-")]
+    return Order(sort, column, TRACES.c.trace_id, sort.startswith("-"))
 
 
 async def newest_first(
     conn: AsyncConnection, query: sa.Select[Any], table: sa.Table, limit: int, cursor: str | None
 ) -> tuple[list[sa.Row[Any]], str | None]:
-    """One page of `query` over `table`, newest first, and the cursor of the next page.
-    The cursor is opaque to clients: (created_at, primary key) of the last row, so
-    paging is stable while new rows arrive."""
+    """One page of `query` over `table`, newest first (keyset_page by created_at)."""
     key = next(iter(table.primary_key.columns))
-    created_at = table.c.created_at
+    order = Order("-created_at", table.c.created_at, key, descending=True)
+    return await keyset_page(conn, query, order, limit, cursor)
+
+
+async def keyset_page(
+    conn: AsyncConnection, query: sa.Select[Any], order: Order, limit: int, cursor: str | None
+) -> tuple[list[sa.Row[Any]], str | None]:
+    """One page of `query` in `order`, and the cursor of the next page. The cursor is
+    opaque to clients: the order's name, and the sort value and key of the last row.
+    Rows whose sort value is NULL have no place in the order and are left out."""
+    column, key = order.column, order.key
     if cursor:
-        after = decode_cursor(cursor)
-        query = query.where(sa.tuple_(created_at, key) < after)
-    query = query.add_columns(created_at.label("_created_at"), key.label("_key"))
-    query = query.order_by(created_at.desc(), key.desc()).limit(limit + 1)
-    rows = (await conn.execute(query)).all()
+        after = decode_cursor(cursor, order.name)
+        position = sa.tuple_(column, key)
+        query = query.where(position < after if order.descending else position > after)
+    query = query.where(column.is_not(None))
+    query = query.add_columns(column.label("_sort"), key.label("_key"))
+    if order.descending:
+        query = query.order_by(column.desc(), key.desc())
+    else:
+        query = query.order_by(column.asc(), key.asc())
+    rows = (await conn.execute(query.limit(limit + 1))).all()
     if len(rows) <= limit:
         return list(rows), None
     last = rows[limit - 1]
-    return list(rows[:limit]), encode_cursor(last._created_at, last._key)
+    return list(rows[:limit]), encode_cursor(order.name, last._sort, last._key)
 
 
 async def stats(conn: AsyncConnection) -> dict[str, Any]:
@@ -220,6 +308,15 @@ async def _count_by(conn: AsyncConnection, column: sa.Column[Any]) -> dict[str, 
     return {key: count for key, count in rows.tuples()}
 
 
+REVIEW_COLUMNS = (
+    REVIEWS.c.label.label("review_label"),
+    REVIEWS.c.note.label("review_note"),
+    REVIEWS.c.reward.label("review_reward"),
+    REVIEWS.c.reviewer.label("review_reviewer"),
+    REVIEWS.c.reviewed_at.label("review_reviewed_at"),
+)
+
+
 def _summary(row: Any) -> dict[str, Any]:
     return {
         "trace_id": row["trace_id"],
@@ -235,18 +332,43 @@ def _summary(row: Any) -> dict[str, Any]:
         "model": row["model"],
         "agent": row["agent_name"],
         "policy_version": row["policy_version"],
+        "label": row["review_label"],
     }
 
 
-def encode_cursor(created_at: datetime, trace_id: str) -> str:
-    raw = orjson.dumps([created_at.isoformat(), trace_id])
+def _review(row: Any) -> dict[str, Any] | None:
+    if row["review_label"] is None:
+        return None
+    return {
+        "label": row["review_label"],
+        "note": row["review_note"],
+        "reward": row["review_reward"],
+        "reviewer": row["review_reviewer"],
+        "reviewed_at": row["review_reviewed_at"].isoformat(),
+    }
+
+
+def encode_cursor(order: str, value: Any, key: str) -> str:
+    if isinstance(value, datetime):
+        value = value.isoformat()
+    raw = orjson.dumps([order, value, key])
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def decode_cursor(cursor: str) -> tuple[datetime, str]:
+def decode_cursor(cursor: str, order: str) -> tuple[Any, str]:
+    """(sort value, key) of the row a page ends on; the cursor must come from a page in
+    the same order."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        created_at, trace_id = orjson.loads(raw)
-        return datetime.fromisoformat(created_at), str(trace_id)
+        name, value, key = orjson.loads(raw)
+        if name != order:
+            raise BadRequest(
+                f"cursor is from a page sorted by {name}, not {order}: keep the sort "
+                "with its cursor", field="cursor")
+        if order.endswith("created_at"):
+            value = datetime.fromisoformat(value)
+        elif not isinstance(value, int | float):
+            raise ValueError(value)
+        return value, str(key)
     except (binascii.Error, ValueError, TypeError, orjson.JSONDecodeError):
         raise BadRequest("cursor is not one this server gave out", field="cursor") from None

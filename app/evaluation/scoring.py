@@ -116,6 +116,14 @@ class RewardRules:
         return cls(tuple(_compile_rule(prefix, str(name), spec) for name, spec in raw.items()))
 
 
+def breakdown_total(breakdown: Mapping[str, RuleResult] | None) -> float | None:
+    """The reward a stored breakdown adds up to: the computed reward, whatever a
+    reviewer's override has put in `traces.reward` since."""
+    if breakdown is None:
+        return None
+    return float(sum(line["points"] for line in breakdown.values()))
+
+
 def score(trace: Trace, rules: RewardRules) -> Score:
     """Applies every rule to the trace; the breakdown lists each configured rule."""
     view = _View(trace)
