@@ -18,6 +18,7 @@ class TraceQuery(BaseModel):
     status: Status | None = None
     env: str | None = None
     model: str | None = None
+    policy_version: str | None = None
     min_reward: float | None = None
     max_reward: float | None = None
     since: datetime | None = Field(None, description="Stored at or after (ISO 8601)")

@@ -65,6 +65,10 @@ class Atropos:
     async def status_env(self, env_id: int) -> dict[str, Any]:
         return await status.status_env(self.db, env_id)
 
+    async def overview(self) -> dict[str, Any]:
+        """The state the dashboard shows (app/api/ui)."""
+        return await status.overview(self.db)
+
     async def reset(self) -> None:
         await registration.reset(self.db)
 

@@ -20,6 +20,11 @@ NAMING_CONVENTION = {
 }
 
 
+# SQLite makes only an INTEGER PRIMARY KEY an alias of the rowid (and so
+# autoincrementing); PostgreSQL wants the wider type.
+_BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
 class Base(DeclarativeBase):
     metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
@@ -33,7 +38,7 @@ class TraceRow(Base):
     trace_id: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
     created_at: Mapped[datetime] = mapped_column(UtcTimeStamp, index=True)
     updated_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
-    status: Mapped[str] = mapped_column(sa.String(16), index=True)
+    status: Mapped[str] = mapped_column(sa.String(16))
     stage: Mapped[str] = mapped_column(sa.String(32))
     total_tokens: Mapped[int] = mapped_column(sa.Integer)
     compressed_tokens: Mapped[int | None] = mapped_column(sa.Integer)
@@ -45,8 +50,8 @@ class TraceRow(Base):
     scored_with: Mapped[str | None] = mapped_column(sa.String(16))
     # Filters for listing, copied out of the canonical trace.
     source_format: Mapped[str] = mapped_column(sa.String(32))
-    env: Mapped[str | None] = mapped_column(sa.String(200), index=True)
-    model: Mapped[str | None] = mapped_column(sa.String(200), index=True)
+    env: Mapped[str | None] = mapped_column(sa.String(200))
+    model: Mapped[str | None] = mapped_column(sa.String(200))
     agent_name: Mapped[str | None] = mapped_column(sa.String(200))
     policy_version: Mapped[str | None] = mapped_column(sa.String(200))
     # sha256 of the item as received: a resent trace_id is a duplicate only if it matches.
@@ -63,7 +68,15 @@ class TraceRow(Base):
     lease_owner: Mapped[str | None] = mapped_column(sa.String(64))
     lease_expires_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
 
-    __table_args__ = (sa.Index("ix_traces_stage_created_at", "stage", "created_at"),)
+    __table_args__ = (
+        sa.Index("ix_traces_stage_created_at", "stage", "created_at"),
+        # The trace list's filters in time order, and its other sort orders (0010).
+        sa.Index("ix_traces_status_created_at", "status", "created_at"),
+        sa.Index("ix_traces_env_created_at", "env", "created_at"),
+        sa.Index("ix_traces_model_created_at", "model", "created_at"),
+        sa.Index("ix_traces_reward_trace_id", "reward", "trace_id"),
+        sa.Index("ix_traces_total_tokens_trace_id", "total_tokens", "trace_id"),
+    )
 
 
 # The Core table, for the set-based statements (group insert, claims, stage moves).
@@ -146,13 +159,15 @@ class ReviewClaimRow(Base):
 
 class TraceSearchRow(Base):
     """The searchable text of a trace (task and final answer, lowercased), filled by a
-    trigger on insert into traces (migration 0010): a search scans this narrow table,
-    not the payloads."""
+    trigger on insert into traces (migration 0010), so that a search never reads the
+    payloads. On SQLite, the FTS5 trigram index `trace_search_index` covers `text`
+    (app/db/dialect.py `search_matches`)."""
 
     __tablename__ = "trace_search"
 
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
     trace_id: Mapped[str] = mapped_column(
-        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), primary_key=True
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), unique=True
     )
     text: Mapped[str] = mapped_column(sa.Text)
 
@@ -210,11 +225,6 @@ RUN_PROCESSES: sa.Table = RunProcessRow.__table__  # type: ignore[assignment]
 
 
 # --- the Atropos trajectory API (app/atropos) -------------------------------------
-
-# SQLite makes only an INTEGER PRIMARY KEY an alias of the rowid (and so
-# autoincrementing); PostgreSQL wants the wider type.
-_BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-
 
 class AtroposStateRow(Base):
     """The run: what the trainer registered, whether it has started, and the step.

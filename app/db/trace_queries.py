@@ -12,8 +12,8 @@ import binascii
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 import orjson
@@ -26,6 +26,8 @@ from app.db.dialect import (
     reject_reason_counts,
     rejected_by_filter,
     rule_firing_counts,
+    search_matches,
+    time_bucket,
 )
 from app.db.models import BATCHES, MEMBERS, REVIEWS, TRACE_SEARCH, TRACES
 from app.domain import BatchState, Label, Stage
@@ -67,6 +69,7 @@ class TraceFilter:
     status: str | None = None
     env: str | None = None
     model: str | None = None
+    policy_version: str | None = None
     min_reward: float | None = None
     max_reward: float | None = None
     since: datetime | None = None
@@ -79,7 +82,8 @@ class TraceFilter:
 
     def clauses(self, dialect: Dialect) -> list[sa.ColumnElement[bool]]:
         c = TRACES.c
-        equal = {"stage": c.stage, "status": c.status, "env": c.env, "model": c.model}
+        equal = {"stage": c.stage, "status": c.status, "env": c.env, "model": c.model,
+                 "policy_version": c.policy_version}
         clauses = [col == getattr(self, name) for name, col in equal.items()
                    if getattr(self, name) is not None]
         if self.min_reward is not None:
@@ -94,21 +98,25 @@ class TraceFilter:
             clauses.append(labelled(self.label))
         if self.rejected_by is not None:
             clauses.append(rejected_by_filter(dialect, self.rejected_by))
-        if self.q is not None and self.q.strip():
-            words = self.q.strip().lower()
-            clauses.append(c.trace_id.in_(
-                sa.select(TRACE_SEARCH.c.trace_id)
-                .where(TRACE_SEARCH.c.text.contains(words, autoescape=True))
-            ))
+        if self.words is not None:
+            clauses.append(c.trace_id.in_(search_matches(dialect, self.words)))
         return clauses
+
+    @property
+    def words(self) -> str | None:
+        """What `q` searches for, as the search text is kept (lowercased)."""
+        words = (self.q or "").strip().lower()
+        return words or None
 
 
 def labelled(label: LabelFilter) -> sa.ColumnElement[bool]:
     """Traces with this review label (`unreviewed`: with no review)."""
-    reviewed = sa.select(REVIEWS.c.trace_id).where(REVIEWS.c.trace_id == TRACES.c.trace_id)
+    # An alias: the outer query may join reviews itself (to show the label).
+    review = REVIEWS.alias("labelled")
+    reviewed = sa.select(review.c.trace_id).where(review.c.trace_id == TRACES.c.trace_id)
     if label == "unreviewed":
         return ~reviewed.exists()
-    return reviewed.where(REVIEWS.c.label == Label(label).value).exists()
+    return reviewed.where(review.c.label == Label(label).value).exists()
 
 
 async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[str, Any]:
@@ -159,13 +167,56 @@ async def list_traces(
     sort: Sort = "-created_at",
 ) -> tuple[list[dict[str, Any]], str | None]:
     """One page in `sort` order, and the cursor of the next."""
+    order = _order(sort)
     query = (
         sa.select(*SUMMARY_COLUMNS, REVIEWS.c.label.label("review_label"))
         .select_from(TRACES.outerjoin(REVIEWS))
-        .where(*where.clauses(dialect_of(conn)))
     )
-    rows, next_cursor = await keyset_page(conn, query, _order(sort), limit, cursor)
+    if where.words is None:
+        page = await keyset_page(
+            conn, query.where(*where.clauses(dialect_of(conn))), order, limit, cursor)
+    else:
+        page = await _search_page(conn, query, where, order, limit, cursor)
+    rows, next_cursor = page
     return [_summary(row._mapping) for row in rows], next_cursor
+
+
+# A search first reads this many traces in page order and checks each one's text: a
+# word that common fills the page from them (a search index would list every match
+# first, tens of thousands). Only a rarer word goes to the index.
+SEARCH_PROBE = 5000
+
+
+async def _search_page(
+    conn: AsyncConnection,
+    query: sa.Select[Any],
+    where: TraceFilter,
+    order: Order,
+    limit: int,
+    cursor: str | None,
+) -> tuple[list[sa.Row[Any]], str | None]:
+    words = where.words
+    assert words is not None
+    others = replace(where, q=None).clauses(dialect_of(conn))
+    window = sa.select(TRACES.c.trace_id).where(*others, order.column.is_not(None))
+    if cursor:
+        window = window.where(_after(order, decode_cursor(cursor, order.name)))
+    window = window.order_by(*_order_by(order)).limit(SEARCH_PROBE)
+    text_has = (
+        sa.select(TRACE_SEARCH.c.trace_id)
+        .where(TRACE_SEARCH.c.trace_id == TRACES.c.trace_id,
+               TRACE_SEARCH.c.text.contains(words, autoescape=True))
+        .exists()
+    )
+    probed = query.where(*others, TRACES.c.trace_id.in_(window), text_has)
+    rows, next_cursor = await keyset_page(conn, probed, order, limit, cursor)
+    if next_cursor is not None:
+        return rows, next_cursor
+    read = await conn.scalar(sa.select(sa.func.count()).select_from(window.subquery()))
+    if (read or 0) < SEARCH_PROBE:
+        return rows, None  # every trace after the cursor was read: that was the last page
+    return await keyset_page(conn, query.where(*where.clauses(dialect_of(conn))), order,
+                             limit, cursor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,22 +251,27 @@ async def keyset_page(
     """One page of `query` in `order`, and the cursor of the next page. The cursor is
     opaque to clients: the order's name, and the sort value and key of the last row.
     Rows whose sort value is NULL have no place in the order and are left out."""
-    column, key = order.column, order.key
     if cursor:
-        after = decode_cursor(cursor, order.name)
-        position = sa.tuple_(column, key)
-        query = query.where(position < after if order.descending else position > after)
-    query = query.where(column.is_not(None))
-    query = query.add_columns(column.label("_sort"), key.label("_key"))
-    if order.descending:
-        query = query.order_by(column.desc(), key.desc())
-    else:
-        query = query.order_by(column.asc(), key.asc())
-    rows = (await conn.execute(query.limit(limit + 1))).all()
+        query = query.where(_after(order, decode_cursor(cursor, order.name)))
+    query = query.where(order.column.is_not(None))
+    query = query.add_columns(order.column.label("_sort"), order.key.label("_key"))
+    rows = (await conn.execute(query.order_by(*_order_by(order)).limit(limit + 1))).all()
     if len(rows) <= limit:
         return list(rows), None
     last = rows[limit - 1]
     return list(rows[:limit]), encode_cursor(order.name, last._sort, last._key)
+
+
+def _after(order: Order, position: tuple[Any, str]) -> sa.ColumnElement[bool]:
+    """The rows that come after `position` (sort value, key) in `order`."""
+    here = sa.tuple_(order.column, order.key)
+    return here < position if order.descending else here > position
+
+
+def _order_by(order: Order) -> list[sa.UnaryExpression[Any]]:
+    if order.descending:
+        return [order.column.desc(), order.key.desc()]
+    return [order.column.asc(), order.key.asc()]
 
 
 async def stats(conn: AsyncConnection) -> dict[str, Any]:
@@ -245,6 +301,69 @@ async def stats(conn: AsyncConnection) -> dict[str, Any]:
         "rule_firings": await _name_counts(conn, rule_firing_counts),
         "reward_histogram": await _reward_histogram(conn),
     }
+
+
+async def over_time(
+    conn: AsyncConnection, where: TraceFilter, bucket_seconds: int
+) -> list[dict[str, Any]]:
+    """Per time bucket of `bucket_seconds` (by created_at): traces stored, their mean
+    reward, the share rejected, and the mean compression ratio of those compressed."""
+    c = TRACES.c
+    bucket = time_bucket(dialect_of(conn), c.created_at, bucket_seconds).label("bucket")
+    compressed = c.compressed_tokens.is_not(None)
+    rows = await conn.execute(
+        sa.select(
+            bucket,
+            sa.func.count(),
+            sa.func.avg(c.reward),
+            sa.func.count().filter(c.stage == Stage.REJECTED.value),
+            sa.func.avg(sa.cast(c.compressed_tokens, sa.Float) / c.total_tokens).filter(
+                compressed, c.total_tokens > 0),
+        )
+        .where(*where.clauses(dialect_of(conn)))
+        .group_by(bucket)
+        .order_by(bucket)
+    )
+    return [
+        {"start": datetime.fromtimestamp(int(start), UTC), "traces": n,
+         "mean_reward": mean, "rejected_share": rejected / n if n else None,
+         "compression_ratio": ratio}
+        for start, n, mean, rejected, ratio in rows.tuples()
+    ]
+
+
+async def time_span(conn: AsyncConnection) -> tuple[datetime, datetime] | None:
+    """The created_at of the oldest and newest trace (both ends of its index)."""
+    row = (await conn.execute(
+        sa.select(sa.func.min(TRACES.c.created_at), sa.func.max(TRACES.c.created_at))
+    )).one()
+    return None if row[0] is None else (row[0], row[1])
+
+
+async def distinct_values(conn: AsyncConnection, column: str, limit: int = 200) -> list[str]:
+    """The values of an indexed label column (env, model), for the filter forms."""
+    col = TRACES.c[column]
+    rows = await conn.execute(
+        sa.select(col).where(col.is_not(None)).group_by(col).order_by(col).limit(limit))
+    return list(rows.scalars())
+
+
+async def summaries(conn: AsyncConnection, trace_ids: list[str]) -> list[dict[str, Any]]:
+    """The listing records of these traces, in the order given (a batch's members)."""
+    rows = await conn.execute(
+        sa.select(*SUMMARY_COLUMNS, REVIEWS.c.label.label("review_label"))
+        .select_from(TRACES.outerjoin(REVIEWS))
+        .where(TRACES.c.trace_id.in_(trace_ids))
+    )
+    found = {row.trace_id: _summary(row._mapping) for row in rows}
+    return [found[t] for t in trace_ids if t in found]
+
+
+async def label_counts(conn: AsyncConnection) -> dict[str, int]:
+    """Reviewed traces by label."""
+    rows = await conn.execute(
+        sa.select(REVIEWS.c.label, sa.func.count()).group_by(REVIEWS.c.label))
+    return {label: n for label, n in rows.tuples()}
 
 
 async def _name_counts(
