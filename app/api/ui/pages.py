@@ -165,7 +165,7 @@ async def traces(
         "envs": await trace_queries.distinct_values(conn, "env"),
         "models": await trace_queries.distinct_values(conn, "model"),
         "has_env_reward": "min_env_reward" in TraceQuery.model_fields,
-    }, status=400 if error else 200, nav="traces")
+    }, status=400 if error else 200, nav="traces", title="Traces")
 
 
 @router.get("/traces/{trace_id:path}")
