@@ -36,6 +36,14 @@ def install(app: FastAPI) -> None:
 def install_docs(app: FastAPI) -> None:
     """/docs and /redoc with Swagger UI and ReDoc from the installed package, not a CDN."""
     assets = Path(fastapi_offline.__file__).parent / "static"
+    redoc_js = _redoc_without_remote_logo(assets / "redoc.standalone.js")
+
+    # Before the mount, which would otherwise answer this path first.
+    @app.get(f"{DOCS_ASSETS}/redoc.standalone.js", include_in_schema=False)
+    async def redoc_script() -> Response:
+        return Response(redoc_js, media_type="text/javascript",
+                        headers={"Cache-Control": "public, max-age=86400"})
+
     app.mount(DOCS_ASSETS, StaticFiles(directory=assets), name="docs-assets")
 
     @app.get("/docs", include_in_schema=False)
@@ -57,6 +65,13 @@ def install_docs(app: FastAPI) -> None:
             redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png",
             with_google_fonts=False,
         )
+
+
+def _redoc_without_remote_logo(path: Path) -> bytes:
+    """ReDoc's sidebar shows Redocly's logo from their CDN (no option turns it off):
+    pointed at the hub's own icon, the page asks nothing of the internet."""
+    return path.read_bytes().replace(
+        b"https://cdn.redoc.ly/redoc/logo-mini.svg", f"{DOCS_ASSETS}/favicon.png".encode())
 
 
 def is_page(request: Request) -> bool:
