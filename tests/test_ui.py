@@ -108,8 +108,11 @@ class Visit:
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
 
     def shot(self, name: str) -> None:
+        """The whole page, or for a long one (a trace of hundreds of steps) what a
+        person sees first."""
         SHOTS.mkdir(parents=True, exist_ok=True)
-        self.page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=True)
+        tall = self.page.evaluate("document.documentElement.scrollHeight") > 4000
+        self.page.screenshot(path=str(SHOTS / f"{name}.png"), full_page=not tall)
 
 
 @pytest.fixture

@@ -65,9 +65,11 @@ def line_chart(
     if high == low:
         low, high = low - 1, high + 1
     start, end = series[0][0], series[-1][0]
-    span = (end - start).total_seconds() or 1
+    span = (end - start).total_seconds()
 
     def x(when: datetime) -> float:
+        if not span:
+            return WIDTH / 2  # one bucket: in the middle
         return round(PAD + (when - start).total_seconds() / span * (WIDTH - 2 * PAD), 1)
 
     def y(value: float) -> float:

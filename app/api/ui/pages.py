@@ -84,8 +84,7 @@ async def overview(
         "rejections": charts.bars(
             sorted(stats["rejections_by_filter"].items(), key=lambda kv: -kv[1]),
             {f: f"/ui/traces?rejected_by={f}" for f in stats["rejections_by_filter"]}),
-        "histogram": charts.bars([(_bucket_label(b), b["traces"])
-                                  for b in stats["reward_histogram"]]),
+        "histogram": charts.bars(_histogram(stats["reward_histogram"])),
         "over_time": charts.charts_over_time(buckets),
         "bucket": _duration(bucket),
         "chosen": chosen,
@@ -115,8 +114,17 @@ def _ordered(counts: dict[str, int], order: list[str]) -> list[tuple[str, float]
     return known + [(k, v) for k, v in sorted(counts.items()) if k not in order]
 
 
-def _bucket_label(bucket: dict[str, Any]) -> str:
-    return f"{bucket['from']:g} to {bucket['to']:g}"
+def _histogram(buckets: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """The reward histogram's bars, the empty buckets between the lowest and the
+    highest included (the API lists only buckets that hold traces)."""
+    if not buckets:
+        return []
+    width = buckets[0]["to"] - buckets[0]["from"]
+    held = {b["from"]: b["traces"] for b in buckets}
+    low, high = buckets[0]["from"], buckets[-1]["from"]
+    steps = round((high - low) / width)
+    return [(f"{low + i * width:g} to {low + (i + 1) * width:g}", held.get(low + i * width, 0))
+            for i in range(steps + 1)]
 
 
 def _duration(seconds: int) -> str:
