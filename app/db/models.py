@@ -36,7 +36,7 @@ class TraceRow(Base):
     __tablename__ = "traces"
 
     trace_id: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
-    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp, index=True)
+    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
     updated_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
     status: Mapped[str] = mapped_column(sa.String(16))
     stage: Mapped[str] = mapped_column(sa.String(32))
@@ -70,7 +70,8 @@ class TraceRow(Base):
 
     __table_args__ = (
         sa.Index("ix_traces_stage_created_at", "stage", "created_at"),
-        # The trace list's filters in time order, and its other sort orders (0010).
+        # The trace list's orders and its filters in time order (0010).
+        sa.Index("ix_traces_created_at_trace_id", "created_at", "trace_id"),
         sa.Index("ix_traces_status_created_at", "status", "created_at"),
         sa.Index("ix_traces_env_created_at", "env", "created_at"),
         sa.Index("ix_traces_model_created_at", "model", "created_at"),

@@ -16,10 +16,10 @@ Create Date: 2026-12-02
   traces already stored. On SQLite an FTS5 trigram index over it
   (`trace_search_index`, kept in step by triggers) finds the rows that contain a
   word without reading them all.
-- Indexes that give each sort order of the list as it is ((reward, trace_id),
-  (total_tokens, trace_id)) and the list's common filters in time order ((status,
-  created_at), (env, created_at), (model, created_at), which replace the
-  single-column ones): a page then reads about as many rows as it shows.
+- Indexes that give each sort order of the list as it is ((created_at, trace_id),
+  (reward, trace_id), (total_tokens, trace_id)) and the list's common filters in time
+  order ((status, created_at), (env, created_at), (model, created_at)), replacing the
+  single-column ones: a page then reads about as many rows as it shows.
 """
 
 from __future__ import annotations
@@ -36,13 +36,15 @@ depends_on = None
 
 SEARCH_CHARS = 2000
 _INDEXES = {
+    "ix_traces_created_at_trace_id": ["created_at", "trace_id"],
     "ix_traces_reward_trace_id": ["reward", "trace_id"],
     "ix_traces_total_tokens_trace_id": ["total_tokens", "trace_id"],
     "ix_traces_status_created_at": ["status", "created_at"],
     "ix_traces_env_created_at": ["env", "created_at"],
     "ix_traces_model_created_at": ["model", "created_at"],
 }
-_REPLACED = {"ix_traces_status": "status", "ix_traces_env": "env", "ix_traces_model": "model"}
+_REPLACED = {"ix_traces_created_at": "created_at", "ix_traces_status": "status",
+             "ix_traces_env": "env", "ix_traces_model": "model"}
 
 # The text of one trace row (`t`, the canonical trace in t.trace): its task, a newline,
 # and its last final answer. SQLite's lower() folds ASCII only (as its LIKE does).

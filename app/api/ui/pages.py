@@ -57,7 +57,7 @@ VIEWS: tuple[View, ...] = ("canonical", "original", "compressed")
 async def overview(
     request: Request, conn: ConnDep, hub: HubDep, visitor: VisitorDep, _: Reader
 ) -> Response:
-    stats = await trace_queries.stats(conn)
+    stats = await trace_queries.stats(conn, rule_firings=False)
     chosen = {k: request.query_params.get(k) or None
               for k in ("env", "model", "policy_version")}
     span = request.query_params.get("range", "all")
