@@ -52,3 +52,7 @@ _GUARDS: dict[Scope, Guard] = {scope: _guard(scope) for scope in Scope}
 def requires(scope: Scope) -> Any:
     """The dependency that admits a request with a key holding `scope` (or admin)."""
     return Security(_GUARDS[scope], scopes=[scope.value])
+
+
+# A route that needs to know who calls (a review records its reviewer's key name).
+ReviewerDep = Annotated[Principal, requires(Scope.REVIEW)]

@@ -77,6 +77,10 @@ class Atropos:
         """The registered envs, for /v1/stats."""
         return await status.env_stats(self.db, self.config.env_timeout_seconds)
 
+    async def overview(self) -> dict[str, Any]:
+        """The state the dashboard shows (app/api/ui)."""
+        return await status.overview(self.db)
+
     async def reset(self) -> None:
         await registration.reset(self.db)
 
