@@ -135,7 +135,7 @@ async def running_hub(
             ) as ingest,
         ):
             access = Access(config.auth, engine)
-            atropos = Atropos(engine, config.atropos)
+            atropos = Atropos(engine, config.atropos, config.privacy)
             hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos)
             atropos.start()
             if workers:

@@ -40,6 +40,7 @@ from app.db.dialect import Dialect, for_update, reserve_ids
 from app.db.engine import database_refusal
 from app.db.types import utcnow
 from app.errors import HubError, Invalid, Unavailable
+from app.evaluation.redaction import Redactor
 
 log = logging.getLogger("atropos.queue")
 
@@ -64,7 +65,9 @@ class NewGroup:
     fill_logprobs: bool
 
     @classmethod
-    def from_scored(cls, data: ScoredData) -> NewGroup:
+    def from_scored(cls, data: ScoredData, redactor: Redactor) -> NewGroup:
+        """`redactor` rewrites the secrets in its strings (messages, overrides); the
+        token ids are stored as sent (docs/privacy.md)."""
         try:
             # The fields hold plain lists and dicts (no nested models), in declaration
             # order: __dict__ is model_dump() without the copy.
@@ -73,6 +76,9 @@ class NewGroup:
             # An integer past 64 bits, an unpaired surrogate, nesting past 254 levels:
             # bad input, not a server fault.
             raise Invalid(f"the group cannot be stored as JSON: {exc}") from None
+        redacted, redactions = redactor.redact(data.__dict__, raw)
+        if redactions:
+            raw = orjson.dumps(redacted)
         return cls(
             env_id=data.env_id,
             size=len(data.tokens),

@@ -12,8 +12,9 @@ from app.atropos import lease, queue, registration, status, trainer_batches
 from app.atropos.models import RegisterEnv, Registration, ScoredData
 from app.atropos.queue import GroupWriter, NewGroup, Placed
 from app.atropos.tables import AtroposDb, Contention
-from app.config import AtroposConfig
+from app.config import AtroposConfig, PrivacyConfig
 from app.errors import Unavailable
+from app.evaluation.redaction import Redactor
 
 # What atroposlib's /latest_example answers before any group has arrived.
 NO_EXAMPLE: dict[str, list[Any]] = {
@@ -30,9 +31,12 @@ NO_EXAMPLE: dict[str, list[Any]] = {
 
 
 class Atropos:
-    def __init__(self, engine: AsyncEngine, config: AtroposConfig) -> None:
+    def __init__(
+        self, engine: AsyncEngine, config: AtroposConfig, privacy: PrivacyConfig | None = None
+    ) -> None:
         self.config = config
         self.db = AtroposDb(engine)
+        self._redactor = Redactor(privacy or PrivacyConfig())
         self._writer = GroupWriter(self.db, config)
 
     def start(self) -> None:
@@ -88,7 +92,7 @@ class Atropos:
     async def _submit(self, groups: list[ScoredData]) -> list[Placed]:
         if not groups:
             return []
-        return await self._writer.submit([NewGroup.from_scored(g) for g in groups])
+        return await self._writer.submit([NewGroup.from_scored(g, self._redactor) for g in groups])
 
     # --- data out ------------------------------------------------------------------
 

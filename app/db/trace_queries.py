@@ -15,7 +15,13 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.dialect import Dialect, dialect_of, reject_reason_counts, rule_firing_counts
+from app.db.dialect import (
+    Dialect,
+    dialect_of,
+    redaction_counts,
+    reject_reason_counts,
+    rule_firing_counts,
+)
 from app.db.models import BATCHES, TRACES
 from app.domain import BatchState, Stage
 from app.errors import BadRequest, NotFound
@@ -170,6 +176,9 @@ async def stats(conn: AsyncConnection) -> dict[str, Any]:
         "compression": await _compression_stats(conn, by_stage),
         "rejections_by_filter": await _name_counts(conn, reject_reason_counts),
         "rule_firings": await _name_counts(conn, rule_firing_counts),
+        "redactions": {
+            name: int(n) for name, n in (await _name_counts(conn, redaction_counts)).items()
+        },
         "reward_histogram": await _reward_histogram(conn),
     }
 
