@@ -141,12 +141,16 @@ class Redactor:
             kinds.append(_EMAIL)
         self._kinds = [(kind.name, re2.compile(kind.pattern)) for kind in kinds]
         self._kinds += [(CUSTOM, compile_pattern(p)) for p in config.extra_patterns]
-        self._any = (
-            re2.compile("|".join(f"(?:{kind.pattern})" for kind in kinds)
-                        + "".join(f"|(?:{p})" for p in config.extra_patterns))
-            if self._kinds
-            else None
-        )
+        # Which kinds a string holds, in one pass: a set runs the DFA alone, without
+        # the submatch search that one alternation of them all (with their groups)
+        # falls back to, ~50x slower.
+        self._any = re2.Set.SearchSet(_QUIET) if self._kinds else None
+        if self._any is not None:
+            for kind in kinds:
+                self._any.Add(kind.pattern)
+            for pattern in config.extra_patterns:
+                self._any.Add(pattern)
+            self._any.Compile()
         # Custom patterns have no mark that surely survives JSON encoding (they may
         # use ^, $ or quotes): with any, every string is looked at.
         marks = "|".join(f"(?:{kind.mark})" for kind in kinds)
@@ -154,6 +158,9 @@ class Redactor:
             re2.compile(marks.encode()) if marks and not config.extra_patterns else None
         )
         self._aws_by_name = config.redact_secrets
+        # The shortest text a built-in kind matches (an email, a@b.cc); a custom
+        # pattern may match anything.
+        self._shortest = 0 if config.extra_patterns else 6
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Redactor, (self.config,))
@@ -185,16 +192,22 @@ class Redactor:
         return self._text(text, counts), dict(counts)
 
     def _text(self, text: str, counts: Counter[str]) -> str:
-        if self._any is None or self._any.search(text) is None:
+        # Keys and short values ("type", "role") hold no secret; one Set.Match costs ~2 µs.
+        if self._any is None or len(text) < self._shortest:
             return text
-        for name, pattern in self._kinds:
+        # In the kinds' order (Set.Match does not keep it): the priority above.
+        for index in sorted(self._any.Match(text) or ()):
+            name, pattern = self._kinds[index]
             text = pattern.sub(_replacer(name, pattern.groups, counts), text)
         return text
 
     def _by_name(self, counts: Counter[str]) -> Callable[[str, str], str | None]:
         def named(key: str, value: str) -> str | None:
+            # Cheap tests first: most values are not 40 characters long.
             if (
                 self._aws_by_name
+                and len(value) == 40
+                and "secret" in key.lower()
                 and _AWS_SECRET_NAME.search(key) is not None
                 and _AWS_SECRET_VALUE.search(value) is not None
             ):
