@@ -95,15 +95,15 @@ def main() -> None:
         # Interleaved rounds, best of each: the machine's load changes between rounds.
         t_off = t_on = float("inf")
         for _ in range(5):
-            t_off = min(t_off, per_call(lambda: off.row(item), args.repeat // 5))
-            t_on = min(t_on, per_call(lambda: on.row(item), args.repeat // 5))
+            t_off = min(t_off, per_call(lambda item=item: off.row(item), args.repeat // 5))
+            t_on = min(t_on, per_call(lambda item=item: on.row(item), args.repeat // 5))
         print(f"  secrets in it: {secret!s:5}  redaction off {t_off:8.1f}  on {t_on:8.1f}  "
               f"cost {t_on - t_off:+7.1f} ({(t_on - t_off) / t_off:+.1%})")
     print("Redactor.redact alone (microseconds per trace):")
     for size, repeat in ((5_000, args.repeat), (1_000_000, max(args.repeat // 100, 3))):
         for secret in (False, True):
             item = trace(size, secret)
-            t_re2 = per_call(lambda: redactor.redact(item), repeat)
+            t_re2 = per_call(lambda item=item: redactor.redact(item), repeat)
             t_re = per_call(python_re_lines(item), repeat)
             print(f"  {size // 1000:5d} KB  secrets in it: {secret!s:5}  RE2 pre-check+rewrite "
                   f"{t_re2:10.1f}   python re, line by line {t_re:10.1f}")
