@@ -233,3 +233,16 @@ def test_no_path_stores_a_secret(start_hub: Any, tmp_path: Path) -> None:
     assert leaked([*written, out, exported]) == {}
     hub.stop()
     assert leaked([p for p in tmp_path.iterdir() if p.name.startswith("traces.db")]) == {}
+
+
+def test_counts_per_trace_and_in_stats_on_both_databases(client: Any) -> None:
+    """The `client` hub runs on SQLite and on PostgreSQL (the stats' JSON query differs)."""
+    item = _items()["native"]
+    # A client's own metadata.redactions is not the hub's count.
+    r = client.post("/v1/traces", json={**item, "metadata": {"redactions": {"jwt": 99}}})
+    assert r.status_code == 202, r.text
+    record = client.get(f"/v1/traces/{r.json()['trace_id']}").json()
+    assert record["trace"]["metadata"]["redactions"] == {**ALL_KINDS, "github_token": 2}
+    plain = client.post("/v1/traces", json=native_trace(metadata={"redactions": {"jwt": 99}}))
+    assert plain.status_code == 202, plain.text
+    assert client.get("/v1/stats").json()["redactions"] == {**ALL_KINDS, "github_token": 2}
