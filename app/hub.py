@@ -142,7 +142,7 @@ async def running_hub(
             ) as ingest,
         ):
             access = Access(config.auth, engine)
-            atropos = Atropos(engine, config.atropos, ingest.ingestor.processes)
+            atropos = Atropos(engine, config.atropos, ingest.ingestor.processes, config.privacy)
             hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos)
             atropos.start()
             background = asyncio.create_task(

@@ -272,6 +272,9 @@ class TraceStats(BaseModel):
         description="Rejected traces, by the filter that failed"
     )
     rule_firings: dict[str, int] = Field(description="Traces on which each reward rule fired")
+    redactions: dict[str, int] = Field(
+        description="Secrets replaced with [REDACTED:<kind>] before storing, by kind"
+    )
     reward_histogram: list[RewardBucket]
     atropos: AtroposStats = Field(description="The Atropos API's registered envs")
 

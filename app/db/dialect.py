@@ -263,6 +263,24 @@ def rule_firing_counts(dialect: Dialect) -> sa.TextClause:
     assert_never(dialect)
 
 
+def redaction_counts(dialect: Dialect) -> sa.TextClause:
+    """(kind, secrets redacted) over the traces' metadata.redactions, a JSON object
+    kind -> count written by the ingest path (app/evaluation/redaction.py)."""
+    if dialect == "sqlite":
+        return sa.text(
+            "SELECT r.key AS name, sum(r.value) AS n "
+            "FROM traces, json_each(traces.trace, '$.metadata.redactions') AS r "
+            "WHERE r.type = 'integer' GROUP BY name"
+        )
+    if dialect == "postgresql":
+        return sa.text(
+            "SELECT r.key AS name, sum((r.value #>> '{}')::bigint) AS n "
+            "FROM traces, jsonb_each(traces.trace -> 'metadata' -> 'redactions') AS r "
+            "WHERE jsonb_typeof(r.value) = 'number' GROUP BY name"
+        )
+    assert_never(dialect)
+
+
 def after_bulk_delete(dialect: Dialect, *, vacuum: bool) -> list[str]:
     """Statements to run (outside a transaction) after deleting many traces.
 

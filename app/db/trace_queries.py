@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from app.db.dialect import (
     Dialect,
     dialect_of,
+    redaction_counts,
     reject_reason_counts,
     rejected_by_filter,
     rule_firing_counts,
@@ -317,6 +318,9 @@ async def stats(conn: AsyncConnection, *, rule_firings: bool = True) -> dict[str
         "compression": await _compression_stats(conn, by_stage),
         "rejections_by_filter": await _name_counts(conn, reject_reason_counts),
         "rule_firings": await _name_counts(conn, rule_firing_counts) if rule_firings else {},
+        "redactions": {
+            name: int(n) for name, n in (await _name_counts(conn, redaction_counts)).items()
+        },
         "reward_histogram": await _reward_histogram(conn),
     }
 

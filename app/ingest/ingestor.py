@@ -14,19 +14,20 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import formats
-from app.config import HubConfig, LimitsConfig
+from app.config import HubConfig, LimitsConfig, PrivacyConfig
 from app.db.moves import TRACE_STAGES
 from app.db.types import EncodedJSON, utcnow
 from app.domain import Stage, Trace
 from app.errors import HubError, Invalid
 from app.evaluation.environment import Environment
+from app.evaluation.redaction import Redactor
 from app.ingest.admission import Admission
 from app.ingest.inserter import Stored, TraceInserter
 from app.ingest.limits import check_item, check_trace
@@ -41,17 +42,30 @@ CHUNK = 32
 
 @dataclass(frozen=True)
 class Preparer:
-    """The row for one item: limits, parse, score, filter and count its tokens. Pure
-    CPU work; pickled into each ingest process (the environment as its config)."""
+    """The row for one item: limits, redact, parse, score, filter and count its tokens.
+    Pure CPU work; pickled into each ingest process (the environment and the redactor
+    as their config)."""
 
     environment: Environment
     limits: LimitsConfig
+    redactor: Redactor = field(default_factory=lambda: Redactor(PrivacyConfig()))
 
     def row(self, item: Any, fmt: str | None = None) -> dict[str, Any]:
         # The limits are checked first, so that a trace over one costs no parsing.
         check_item(item, self.limits)
-        digest = content_hash(item)  # also: refuses what the `original` column cannot hold
+        # Secrets go before anything reads the item: the stored original, the
+        # canonical trace and the content hash are all of the redacted item.
+        encoded = _encoded(item)  # refuses what the `original` column cannot hold
+        item, redactions = self.redactor.redact(item, encoded)
+        if redactions:
+            encoded = orjson.dumps(item)
+        digest = content_hash(item)
         trace = formats.parse(item, fmt)
+        if redactions:
+            trace.metadata["redactions"] = redactions
+        else:
+            # The hub's count alone, so that /v1/stats counts what it redacted.
+            trace.metadata.pop("redactions", None)
         check_trace(trace, self.limits)
         trace_id = _trace_id(trace)
         evaluation = self.environment.evaluate(trace)
@@ -78,7 +92,7 @@ class Preparer:
             "policy_version": trace.policy_version,
             "content_hash": digest,
             # Encoded here, in the ingest process, rather than on the event loop.
-            "original": EncodedJSON(orjson.dumps(item).decode()),
+            "original": EncodedJSON(encoded.decode()),
             "trace": EncodedJSON(
                 trace.model_copy(update={"trace_id": trace_id}).model_dump_json(
                     exclude_none=True
@@ -108,15 +122,17 @@ class Ingestor:
         *,
         admission: Admission | None = None,
         processes: int | None = None,
+        privacy: PrivacyConfig | None = None,
     ) -> None:
         """`admission` bounds the work in flight (the HTTP API); without it (`atropos
         import`), callers wait for each chunk and are their own back-pressure.
         `processes`: ingest processes (default: one per CPU, at most 8)."""
         self._inserter = inserter
         self._admission = admission
-        self._processes = IngestProcesses(
-            Preparer(environment, limits or LimitsConfig()), processes or min(_cpus(), 8)
+        preparer = Preparer(
+            environment, limits or LimitsConfig(), Redactor(privacy or PrivacyConfig())
         )
+        self._processes = IngestProcesses(preparer, processes or min(_cpus(), 8))
 
     @property
     def processes(self) -> IngestProcesses:
@@ -199,6 +215,7 @@ async def running_ingest(
         config.limits,
         admission=admission,
         processes=config.trace_server.ingest_processes,
+        privacy=config.privacy,
     )
     inserter.start()
     if start:
@@ -225,14 +242,18 @@ async def _result(waiting: asyncio.Future[Stored]) -> Stored | HubError:
 
 
 def content_hash(item: Any) -> str:
-    """The same content hashes the same whatever the key order or whitespace. Raises
-    Invalid for what cannot be stored as JSON: lone surrogates and integers past 64
-    bits, which JSON read by the standard library (`atropos import`) can hold."""
+    """The same content hashes the same whatever the key order or whitespace."""
+    return hashlib.sha256(_encoded(item, orjson.OPT_SORT_KEYS)).hexdigest()
+
+
+def _encoded(item: Any, option: int | None = None) -> bytes:
+    """Its JSON text. Raises Invalid for what cannot be stored as JSON: lone surrogates
+    and integers past 64 bits, which JSON read by the standard library (`atropos
+    import`) can hold."""
     try:
-        encoded = orjson.dumps(item, option=orjson.OPT_SORT_KEYS)
+        return orjson.dumps(item, option=option)
     except (orjson.JSONEncodeError, TypeError) as exc:
         raise Invalid(f"the trace cannot be stored as JSON: {exc}") from None
-    return hashlib.sha256(encoded).hexdigest()
 
 
 def _trace_id(trace: Trace) -> str:
