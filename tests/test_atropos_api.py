@@ -227,13 +227,13 @@ def test_weights_and_minimum_allocation(api: httpx.Client) -> None:
 
 
 def test_a_dead_env_stops_holding_batches_back(
-    start_hub: Any, trace_server: dict[str, Any]
+    start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
     """atroposlib's envs never call /disconnect-env. An env that was killed while
     owed half of every batch stops counting once silent for env_timeout_seconds: the
     env that replaced it gets its batches; heard from again, it counts again."""
     timeout = 1.5
-    hub: HubProcess = start_hub(trace_server, atropos={"env_timeout_seconds": timeout})
+    hub: HubProcess = start_hub_process(trace_server, atropos={"env_timeout_seconds": timeout})
     client = hub.client()
     register(client, batch_size=4)
     start(client)
@@ -250,10 +250,8 @@ def test_a_dead_env_stops_holding_batches_back(
     if time.monotonic() - killed_at < timeout:
         assert status["env_weight"] == 0.5  # the dead env still counts: no batch yet
         assert batch_markers(client) is None
-    deadline = killed_at + timeout + 10
-    while (got := batch_markers(client)) is None:
-        assert time.monotonic() < deadline, "no batch after the dead env's timeout"
-        time.sleep(0.1)
+    got = wait_until(lambda: batch_markers(client), timeout + 10,
+                     what="a batch after the dead env's timeout")
     assert time.monotonic() - killed_at >= timeout
     # Without the minimum, the queue order: the dead env's group, then the new one's.
     assert got == [marker(last_words), sent[0]]
