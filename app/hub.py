@@ -4,6 +4,7 @@ all of them through the API's lifespan; `atropos worker` only the stages."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app import files
 from app.access.guard import Access
 from app.atropos import Atropos
 from app.compression import ModelSummarizer
@@ -65,6 +67,7 @@ class Hub:
 
 async def open_database(config: HubConfig) -> AsyncEngine:
     """The engine, with the schema brought to the current revision first."""
+    files.use_group(config.trace_server.file_group)
     engine = create_engine(config.trace_server)
     log.info("database %s", redacted(database_url(config.trace_server)))
     await migrate.upgrade(engine)
@@ -101,8 +104,6 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
                 on_advance=runner.wake,
             ),
             DistributionStage(engine, config.distributor, on_advance=runner.wake),
-        )
-        runner.add(
             DeliveryStage(
                 engine,
                 build_target(config.distributor, settings.tinker.tinker, http),
@@ -110,7 +111,6 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
                 lease=lease,
                 on_advance=runner.wake,
             ),
-            apart=True,  # a training job takes minutes: the other stages go on meanwhile
         )
         if config.retention is not None:
             runner.add(RetentionStage(engine, config.retention))
@@ -123,10 +123,10 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
 def add_assembly(stages: StageRunner, engine: AsyncEngine, config: HubConfig,
                  ingestor: Ingestor) -> None:
     """The OTLP assembly stage, which prepares its trajectories in `ingestor`'s
-    processes: in a loop of its own that also wakes with time, since its traces come
-    due with time rather than with a commit."""
+    processes; its loop also wakes every poll_seconds, since its traces come due with
+    time rather than with a commit."""
     stage = AssemblyStage(engine, config.otlp, ingestor.prepare, on_advance=stages.wake)
-    stages.add(stage, apart=True, every=stage.poll_seconds)
+    stages.add(stage, every=stage.poll_seconds)
 
 
 @asynccontextmanager
@@ -136,25 +136,41 @@ async def running_hub(
     *,
     engine: AsyncEngine | None = None,
     workers: bool = True,
+    answering: asyncio.Event | None = None,
 ) -> AsyncIterator[Hub]:
+    """The hub, serving. `answering`, when given, is set by the caller once the server
+    answers HTTP and the tokenizer is loaded; the ingest processes and the stages start
+    only then, so that a restarted hub answers within a second (atroposlib's envs give
+    up after three tries in 1.5-3 s). A trace that arrives earlier waits for them."""
     engine = engine or await open_database(settings.config)
     try:
         config = settings.config
         async with (
             running_stages(settings, engine) as stages,
             running_ingest(
-                engine, config, environment, admitted=True, on_commit=stages.wake
+                engine, config, environment, admitted=True, on_commit=stages.wake,
+                start=False,  # _start_background starts the processes
             ) as ingest,
         ):
             access = Access(config.auth, engine)
-            atropos = Atropos(engine, config.atropos)
-            spans = SpanReceiver(engine, ingest.admission, config.limits)
+            if config.auth.enabled and not config.atropos.require_key:
+                log.warning(
+                    "auth.enabled is on but atropos.require_key is off: the Atropos API "
+                    "(/register, /scored_data, /batch, ...) takes no key, so anyone who "
+                    "reaches this port can add groups or take batches (docs/atropos.md)"
+                )
+            atropos = Atropos(engine, config.atropos, ingest.ingestor.processes, config.privacy)
+            spans = SpanReceiver(
+                engine, ingest.ingestor.processes, ingest.admission, config.limits,
+                config.otlp, config.privacy,
+            )
             hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos,
                       spans)
             add_assembly(stages, engine, config, ingest.ingestor)
             atropos.start()
-            if workers:
-                stages.start()
+            background = asyncio.create_task(
+                _start_background(hub, workers, answering), name="hub-background"
+            )
             try:
                 if config.runs.enabled:
                     hub.runs = RunSupervisor(engine, config.runs, settings.tinker.tinker)
@@ -165,9 +181,20 @@ async def running_hub(
                 gc.freeze()
                 yield hub
             finally:
+                background.cancel()
+                await asyncio.gather(background, return_exceptions=True)
                 if hub.runs is not None:
                     await hub.runs.close()  # the runs' processes keep running
                 await atropos.stop()
                 await spans.close()
     finally:
         await engine.dispose()
+
+
+async def _start_background(hub: Hub, workers: bool, answering: asyncio.Event | None) -> None:
+    if answering is not None:
+        await answering.wait()
+    hub.ingestor.start()
+    if workers:
+        hub.stages.start()
+        log.info("Compression pipeline ready")

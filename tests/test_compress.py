@@ -16,8 +16,8 @@ from app.compression.summarize import PREFIX, _span, _turns
 from app.config import CompressionConfig, TinkerConfig
 from app.domain import Step, StepType, Trace
 from app.ingest.tokens import count_parts
-from tests.fakes.model_server import FakeModel
-from tests.real_traces import OPENHANDS, SWE_AGENT, load
+from tests.support.fakes.model_server import FakeModel
+from tests.support.real_traces import OPENHANDS, SWE_AGENT, load
 
 REAL = OPENHANDS + SWE_AGENT
 # The long runs: OpenHands multi_swe_bench (50-80k raw tokens) and the longer SWE-agent ones.

@@ -24,8 +24,8 @@ from app.config import CompressionConfig, TinkerConfig
 from app.domain import Step, StepType, Trace
 from app.import_sources import Parsed, read_path
 from app.ingest.tokens import count_parts
-from tests.fakes.model_server import FakeModel
-from tests.real_traces import REAL
+from tests.support import REAL
+from tests.support.fakes.model_server import FakeModel
 
 KEY_ENV = "FAKE_SUMMARY_KEY"
 DEFAULT = CompressionConfig()

@@ -18,8 +18,10 @@ import pytest
 
 from app import formats
 from app.formats import dataset
-from tests.conftest import HubProcess, native_trace, run_cli, write_config
-from tests.real_traces import REAL
+from tests.support import REAL
+from tests.support.builders import native_trace
+from tests.support.hubs import write_config
+from tests.support.processes import HubProcess, run_cli
 from tests.test_export import check_hermes, check_openai, check_sharegpt
 
 SFT_COLUMNS = ["messages", "tools", "reward", "env_reward", "status", "trace_id", "env",

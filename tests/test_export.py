@@ -15,8 +15,11 @@ from app import formats
 from app.cli import export
 from app.cli.export import ExportQuery, export_traces
 from app.db.models import TRACES
-from tests.conftest import HubProcess, native_trace, run_cli
-from tests.pipeline import database, ingest, set_rewards
+from tests.support.builders import long_trace
+from tests.support.databases import database
+from tests.support.hubs import InProcessHub
+from tests.support.pipeline import ingest, set_rewards
+from tests.support.processes import run_cli
 
 ATIF_VERSION = re.compile(r"ATIF-v1\.\d+")
 OPENAI_ROLES = {"system", "user", "assistant", "tool"}
@@ -98,21 +101,7 @@ CHECKS = {"openai": check_openai, "sharegpt": check_sharegpt, "hermes": check_he
           "atif": check_atif}
 
 
-def long_trace(trace_id: str) -> dict[str, Any]:
-    steps: list[dict[str, Any]] = []
-    for i in range(60):
-        steps += [
-            {"type": "thought", "content": f"Step {i}: the build of module {i} failed; look."},
-            {"type": "action", "tool": "terminal", "call_id": f"c{i}",
-             "arguments": {"command": f"make target_{i}"}},
-            {"type": "observation", "call_id": f"c{i}", "exit_code": 0,
-             "content": " ".join(f"compiling src/module_{j}.py ok" for j in range(12))},
-        ]
-    steps.append({"type": "final", "content": "The build passes now."})
-    return native_trace(trace_id=trace_id, steps=steps)
-
-
-def run_export(hub: HubProcess, out: Path, *args: str) -> list[dict[str, Any]]:
+def run_export(hub: InProcessHub, out: Path, *args: str) -> list[dict[str, Any]]:
     done = run_cli("export", "--config", str(hub.config), "-o", str(out), *args)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in out.read_text().splitlines()]
@@ -177,8 +166,7 @@ def test_compressed_view_progress_and_stdout(
     hub = start_hub(trace_server, "--no-workers")
     with hub.client() as client:
         assert client.post("/v1/traces", json=long_trace("long")).status_code == 202
-    compressed = run_cli("worker", "--config", str(hub.config), "--burst")
-    assert compressed.returncode == 0, compressed.stderr
+    hub.drain()  # compresses it, as `atropos worker --burst` would
     whole = run_export(hub, tmp_path / "whole.jsonl", "--format", "openai")
     short = run_export(hub, tmp_path / "short.jsonl", "--format", "openai", "--compressed")
     assert len(json.dumps(short[0])) < len(json.dumps(whole[0])) / 2

@@ -3,6 +3,7 @@ upgrade never loses rows."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
+from app.atropos.segments import Segment, plain_join
 from app.config import TraceServerConfig
 from app.db import migrate
 from app.db.engine import create_engine
@@ -20,6 +22,13 @@ from app.db.models import Base
 def revisions() -> list[str]:
     script = ScriptDirectory.from_config(migrate._alembic_config())
     return [rev.revision for rev in reversed(list(script.walk_revisions()))]
+
+
+def test_the_head_read_from_the_revision_files_is_alembics() -> None:
+    """Start-up compares the database with the head read from the files (alembic is
+    not imported when there is nothing to migrate): the same head alembic finds."""
+    script = ScriptDirectory.from_config(migrate._alembic_config())
+    assert migrate.head_revision() == ",".join(sorted(script.get_heads()))
 
 
 @pytest.fixture
@@ -73,7 +82,12 @@ async def test_upgrade_from_every_revision_keeps_the_rows(engine: Any, start: st
         assert await conn.scalar(sa.text("SELECT trace_id FROM traces")) == "kept"
 
 
-async def test_the_otlp_tables_match_their_models(engine: Any) -> None:
+async def test_the_otlp_tables_come_with_0011_and_match_their_models(engine: Any) -> None:
+    assert revisions()[revisions().index("0010") + 1] == "0011"
+    await migrate.upgrade(engine, "0010")
+    assert not {"otlp_spans", "otlp_traces"} & await tables(engine)
+    await migrate.upgrade(engine, "0011")
+    assert {"otlp_spans", "otlp_traces"} <= await tables(engine)
     await migrate.upgrade(engine)
     async with engine.connect() as conn:
         diff = await conn.run_sync(
@@ -89,7 +103,7 @@ async def columns(engine: Any, table: str) -> dict[str, dict[str, Any]]:
 
 
 async def test_env_reward_comes_and_goes_with_0006_keeping_the_rows(engine: Any) -> None:
-    assert revisions()[revisions().index("0005") + 1] == "0006"
+    assert "0006" in revisions()
     await migrate.upgrade(engine, "0005")
     assert "env_reward" not in await columns(engine, "traces")
     await insert_trace(engine, "old")
@@ -106,3 +120,76 @@ async def test_env_reward_comes_and_goes_with_0006_keeping_the_rows(engine: Any)
     async with engine.connect() as conn:
         assert (await conn.execute(sa.text("SELECT trace_id, reward FROM traces"))).one() == (
             "old", 20)
+
+
+async def test_0008_deflates_atropos_groups_and_back(engine: Any) -> None:
+    """Groups queued before 0008 are served after it, byte for byte, and after a
+    downgrade again; envs registered before it count as last heard at registration."""
+    payload = '{"tokens":[[1,2,3]],"masks":[[-100,2,3]],"scores":[1.0]}' * 50
+    await migrate.upgrade(engine, "0005")
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(
+            "INSERT INTO atropos_envs (env_id, desired_name, real_name, weight,"
+            " max_token_length, group_size, connected, registered_at) VALUES"
+            " (0, 'e', 'e_0', 1.0, 512, 1, true, '2026-01-01 00:00:00')"))
+        await conn.execute(sa.text("INSERT INTO atropos_payloads (id, payload) VALUES (7, :p)"),
+                           {"p": payload})
+        await conn.execute(sa.text(
+            "INSERT INTO atropos_groups (id, state, env_id, size, bytes, fill_logprobs,"
+            " payload_id, created_at) VALUES (3, 'queued', 0, 1, :n, true, 7,"
+            " '2026-01-01 00:00:00')"), {"n": len(payload)})
+    await migrate.upgrade(engine)
+    async with engine.connect() as conn:
+        row = (await conn.execute(sa.text(
+            "SELECT s.deflated, s.crc32, g.bytes FROM atropos_groups g"
+            " JOIN atropos_segments s ON s.id = g.segment_id WHERE g.id = 3"))).one()
+        seen = await conn.scalar(sa.text("SELECT last_seen_at FROM atropos_envs"))
+    assert plain_join([Segment(bytes(row[0]), row[1], row[2])]).decode() == payload
+    assert len(row[0]) < len(payload) / 4
+    assert str(seen).startswith("2026-01-01 00:00:00")
+    await migrate.downgrade(engine, "0005")
+    async with engine.connect() as conn:
+        assert await conn.scalar(sa.text(
+            "SELECT p.payload FROM atropos_groups g"
+            " JOIN atropos_payloads p ON p.id = g.payload_id WHERE g.id = 3")) == payload
+
+async def test_the_search_text_is_filled_for_stored_and_new_traces(engine: Any) -> None:
+    """0010 fills trace_search for the traces already stored, its trigger for every new
+    one (task and last final answer, lowercased), and deleting a trace takes its text."""
+    from app.db.dialect import dialect_of, search_matches
+
+    def insert(conn: Any, trace_id: str, trace: dict[str, Any]) -> Any:
+        return conn.execute(sa.text(
+            "INSERT INTO traces (trace_id, created_at, updated_at, status, stage, total_tokens,"
+            " source_format, content_hash, original, trace, attempts) VALUES (:id, "
+            "'2026-01-01 00:00:00', '2026-01-01 00:00:00', 'success', 'accepted', 3, 'native',"
+            " 'h', '{}', :trace, 0)"), {"id": trace_id, "trace": json.dumps(trace)})
+
+    await migrate.upgrade(engine, "0005")
+    async with engine.begin() as conn:
+        await insert(conn, "old", {"task": "Count LINES", "steps": [
+            {"type": "final", "content": "Twelve"}]})
+    await migrate.upgrade(engine)
+    async with engine.begin() as conn:
+        await insert(conn, "new", {"task": "Find the Capital", "steps": [
+            {"type": "final", "content": "first try"}, {"type": "thought", "content": "hm"},
+            {"type": "final", "content": "It is Paris"}]})
+        await insert(conn, "empty", {"steps": []})
+
+    async def found(words: str) -> list[str]:
+        async with engine.connect() as conn:
+            query = search_matches(dialect_of(conn), words)
+            return sorted((await conn.execute(query)).scalars())
+
+    async with engine.connect() as conn:
+        texts = dict((await conn.execute(sa.text("SELECT trace_id, text FROM trace_search"))).all())
+    assert texts == {"old": "count lines\ntwelve", "new": "find the capital\nit is paris",
+                     "empty": "\n"}
+    assert await found("lines") == ["old"]
+    assert await found("paris") == ["new"] and await found("first try") == []
+    async with engine.begin() as conn:
+        await conn.execute(sa.text("DELETE FROM traces WHERE trace_id = 'old'"))
+    assert await found("lines") == []
+    async with engine.begin() as conn:  # the same id stored again gets its text again
+        await insert(conn, "old", {"task": "Lines again", "steps": []})
+    assert await found("lines") == ["old"]

@@ -23,7 +23,7 @@ from app.errors import Conflict
 from app.ingest.otlp.store import TRACE_STATES
 from app.runs import records
 from app.runs.records import RUN_STATUSES, RunStatus
-from tests.pipeline import insert_trace, migrated, stages
+from tests.support.pipeline import insert_trace, migrated, stages
 
 MACHINES: list[StateMachine[Any]] = [
     TRACE_STAGES, BATCH_STATES, RUN_STATUSES, GROUP_STATES, ATROPOS_BATCH_STATES, TRACE_STATES

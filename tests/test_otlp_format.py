@@ -14,7 +14,7 @@ from app import formats
 from app.domain import Status, StepType
 from app.errors import Invalid
 from app.formats.otlp import wire
-from tests.otlp_spans import (
+from tests.support.otlp import (
     ANSWER,
     CALLS,
     RESULT,

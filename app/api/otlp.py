@@ -20,9 +20,11 @@ from starlette.responses import Response
 from app.api.responses import JSONResponse
 from app.errors import HubError
 from app.formats.otlp import wire
-from app.ingest.otlp.receiver import PROTOBUF_TYPES, Encoding, Receipt
+from app.ingest.otlp.receiver import PROTOBUF_TYPES, Receipt
+from app.ingest.otlp.request import Encoding
 
 PROTOBUF = PROTOBUF_TYPES[0]
+_MARK = "atropos.otlp"  # the request's scope key: its OTLP encoding, once known
 # google.rpc.Code for the hub's statuses (what an OTLP client may log or map).
 _GRPC_CODES = {400: 3, 401: 16, 403: 7, 404: 5, 409: 6, 413: 8, 415: 3, 422: 3, 429: 8, 503: 14}
 _INTERNAL = 13
@@ -43,9 +45,11 @@ class ExportTraceResult(BaseModel):
     partial_success: PartialSuccess | None = Field(None, alias="partialSuccess")
 
 
-def mark(request: Request, encoding: Encoding) -> None:
-    """The request was OTLP: its errors are answered as OTLP's (`error_response`)."""
-    request.state.otlp = encoding
+def mark(request: Request, encoding: Encoding | None) -> None:
+    """The request is OTLP: its errors are answered as OTLP's (`error_response`);
+    None: it is not after all. Kept in the request's own scope: `request.state` is the
+    lifespan's state, which an ASGI server need not copy for each request."""
+    request.scope[_MARK] = encoding
 
 
 def answer(receipt: Receipt, encoding: Encoding) -> Response:
@@ -70,7 +74,7 @@ def answer(receipt: Receipt, encoding: Encoding) -> Response:
 def error_response(request: Request, exc: HubError) -> Response | None:
     """The error as a google.rpc.Status when the request was OTLP (by its protobuf
     Content-Type, or marked once its JSON was read); None otherwise."""
-    encoding = getattr(request.state, "otlp", None)
+    encoding = request.scope.get(_MARK)
     if encoding is None and _media(request) in PROTOBUF_TYPES:
         encoding = "protobuf"
     if encoding is None:

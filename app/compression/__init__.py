@@ -12,7 +12,21 @@ break), `invariants` (what every strategy keeps, checked on every result).
 
 from __future__ import annotations
 
-from app.compression.compress import Compressed, Skipped, compress
+from app.compression.compress import (
+    Compressed,
+    Skipped,
+    compress,
+    compression_target,
+    smallest_compressed,
+)
 from app.compression.summarize import ModelSummarizer, Summarizer
 
-__all__ = ["Compressed", "ModelSummarizer", "Skipped", "Summarizer", "compress"]
+__all__ = [
+    "Compressed",
+    "ModelSummarizer",
+    "Skipped",
+    "Summarizer",
+    "compress",
+    "smallest_compressed",
+    "compression_target",
+]

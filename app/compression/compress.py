@@ -24,6 +24,7 @@ from app.compression.summarize import Summarizer, summarize_middle
 from app.config import CompressionConfig
 from app.domain import Trace
 from app.ingest.tokens import count_parts
+from app.llm import LLMError
 
 # How far a drop may overshoot under the aim; trims are sized to land on it.
 _DROP_OVERSHOOT = 0.15
@@ -41,9 +42,10 @@ class Compressed:
     """A compressed copy of the trace (marked `sft_only`), and how it came about.
 
     `strategy` is the one that produced the trace; `fallback` says why it is not the
-    configured one (summarize_middle fell back to key_decision_extract). `removed`
-    counts the steps affected per kind of removal; `removed_steps` lists them, as
-    indices into the original trace's steps.
+    configured one (summarize_middle fell back to key_decision_extract), and
+    `model_failed` whether that was because the model failed. `removed` counts the
+    steps affected per kind of removal; `removed_steps` lists them, as indices into
+    the original trace's steps.
     """
 
     trace: Trace
@@ -55,6 +57,7 @@ class Compressed:
     removed_steps: dict[str, list[int]] = field(default_factory=dict)
     over_limit: bool = False
     fallback: str | None = None
+    model_failed: bool = False
 
     @property
     def ratio(self) -> float:
@@ -82,6 +85,7 @@ async def compress(
     *,
     forced: bool = False,
     summarizer: Summarizer | None = None,
+    fall_back: bool = True,
     reward: float | None = None,
     breakdown: dict[str, Any] | None = None,
 ) -> Compressed | Skipped:
@@ -90,17 +94,26 @@ async def compress(
     `forced`: the trace is over max_trace_tokens, so it is compressed even with
     `enabled: false` or a ratio x total under min_tokens_after. `summarizer` writes
     summarize_middle's summary (app.compression.ModelSummarizer in production); without
-    one, that strategy falls back to key_decision_extract. `reward` and `breakdown` are
-    kept in the compressed trace's metadata when reward_signal is preserved.
+    one, that strategy falls back to key_decision_extract. When the summarizer fails
+    (app.llm.LLMError), so does the strategy, unless `fall_back`. `reward` and
+    `breakdown` are kept in the compressed trace's metadata when reward_signal is
+    preserved.
     """
-    target = _target(total_tokens, policy, forced)
+    target = compression_target(total_tokens, policy, forced)
     if isinstance(target, Skipped):
         return target
     budget = _budget(target, policy)
     ledger = Ledger.of(trace)
-    strategy, fallback, summary = policy.strategy, None, []
+    strategy, fallback, summary, model_failed = policy.strategy, None, [], False
     if policy.strategy == "summarize_middle":
-        outcome = await summarize_middle(ledger, policy, budget, summarizer)
+        try:
+            outcome: tuple[Ledger, int] | str = await summarize_middle(
+                ledger, policy, budget, summarizer
+            )
+        except LLMError as exc:
+            if not fall_back:
+                raise
+            outcome, model_failed = f"the summary model failed: {exc}", True
         if isinstance(outcome, str):
             strategy, fallback = "key_decision_extract", outcome
         else:
@@ -125,6 +138,7 @@ async def compress(
         removed_steps={kind: sorted(at) for kind, at in ledger.listed.items()},
         over_limit=tokens_after > policy.max_tokens_after,
         fallback=fallback,
+        model_failed=model_failed,
     )
     result = _mark(result, policy, reward, breakdown)
     broken = violations(trace, result.trace, policy)
@@ -134,7 +148,27 @@ async def compress(
     return result
 
 
-def _target(total: int, policy: CompressionConfig, forced: bool) -> int | Skipped:
+def smallest_compressed(policy: CompressionConfig, max_trace_tokens: int) -> int | None:
+    """The fewest total_tokens of a trace that `policy` compresses (None: it compresses
+    none). Bigger traces are compressed too, but for rounding near ratio 1: a hint for
+    scheduling, not a rule."""
+    def compressed(total: int) -> bool:
+        return not isinstance(
+            compression_target(total, policy, total > max_trace_tokens), Skipped
+        )
+
+    low, high = 1, 2**40
+    if not compressed(high):
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if compressed(middle) else (middle + 1, high)
+    return low
+
+
+def compression_target(total: int, policy: CompressionConfig, forced: bool) -> int | Skipped:
+    """The tokens a trace of `total` tokens is compressed toward, or why it is kept
+    whole (DESIGN §6)."""
     if not policy.enabled and not forced:
         return Skipped("compression disabled (compression.enabled is false)")
     wanted = policy.ratio * total

@@ -26,7 +26,7 @@ import httpx
 from app.compression.ledger import Budget, Ledger, speaker, step_parts
 from app.config import CompressionConfig, TinkerConfig
 from app.domain import Step, StepType
-from app.llm import LLMError, chat
+from app.llm import chat
 
 PREFIX = "[CONTEXT SUMMARY]:"
 # Hermes sends each turn whole up to this size, else its head and tail.
@@ -84,7 +84,8 @@ async def summarize_middle(
     ledger: Ledger, policy: CompressionConfig, budget: Budget, summarizer: Summarizer | None
 ) -> tuple[Ledger, int] | str:
     """The ledger with a middle span summarized, and the summary's step index; or why
-    it could not be done (the caller then falls back to key_decision_extract)."""
+    it could not be done (the caller then falls back to key_decision_extract). Raises
+    LLMError when the model fails: whether to retry or fall back is the caller's."""
     if summarizer is None:
         return "no summarizer: summarize_middle needs the model endpoint from tinker.json"
     steps = ledger.trace.steps
@@ -96,10 +97,7 @@ async def summarize_middle(
     prompt = _PROMPT.format(
         tokens=policy.summary_target_tokens, turns=_render(steps, turns, start, end)
     )
-    try:
-        text = (await summarizer(prompt, max_tokens=2 * policy.summary_target_tokens)).strip()
-    except LLMError as exc:
-        return f"the summary model failed: {exc}"
+    text = (await summarizer(prompt, max_tokens=2 * policy.summary_target_tokens)).strip()
     if not text:
         return "the summary model returned an empty summary"
     if not text.startswith(PREFIX):

@@ -8,10 +8,10 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 from sqlalchemy import event
-from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
+from app import files
 from app.config import TraceServerConfig
 from app.db.types import json_text
 from app.errors import ConfigError
@@ -32,19 +32,6 @@ def database_url(cfg: TraceServerConfig) -> str:
     return url.render_as_string(hide_password=False)
 
 
-def database_refusal(exc: BaseException) -> str | None:
-    """What the database said, in one line, when `exc` is the database refusing or
-    failing a statement (locked, disk full, connection lost, no connection free): an
-    expected condition, logged so. None for anything else: a bug, to be logged with
-    its traceback."""
-    if isinstance(exc, sa_exc.DBAPIError):
-        # Not str(exc): that carries the statement and its parameters (trace contents).
-        return f"{type(exc.orig).__name__}: {exc.orig}"
-    if isinstance(exc, (sa_exc.TimeoutError, OSError)):
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def redacted(url: str) -> str:
     """The URL as it may appear in a log line: never with its password."""
     return make_url(url).render_as_string(hide_password=True)
@@ -60,7 +47,10 @@ def create_engine(cfg: TraceServerConfig) -> AsyncEngine:
     url = database_url(cfg)
 
     if cfg.storage_backend == "sqlite":
-        Path(cfg.db_path).parent.mkdir(parents=True, exist_ok=True)
+        # Created here, private, so that SQLite (which gives its WAL and SHM files the
+        # database file's mode) never makes a world-readable one.
+        files.make_dir(Path(cfg.db_path).parent)
+        files.create_missing(cfg.db_path)
         engine = create_async_engine(url, pool_size=8, max_overflow=8, **_JSON)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine

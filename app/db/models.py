@@ -20,6 +20,11 @@ NAMING_CONVENTION = {
 }
 
 
+# SQLite makes only an INTEGER PRIMARY KEY an alias of the rowid (and so
+# autoincrementing); PostgreSQL wants the wider type.
+_BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
 class Base(DeclarativeBase):
     metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
@@ -31,9 +36,9 @@ class TraceRow(Base):
     __tablename__ = "traces"
 
     trace_id: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
-    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp, index=True)
+    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
     updated_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
-    status: Mapped[str] = mapped_column(sa.String(16), index=True)
+    status: Mapped[str] = mapped_column(sa.String(16))
     stage: Mapped[str] = mapped_column(sa.String(32))
     total_tokens: Mapped[int] = mapped_column(sa.Integer)
     compressed_tokens: Mapped[int | None] = mapped_column(sa.Integer)
@@ -48,8 +53,8 @@ class TraceRow(Base):
     scored_with: Mapped[str | None] = mapped_column(sa.String(16))
     # Filters for listing, copied out of the canonical trace.
     source_format: Mapped[str] = mapped_column(sa.String(32))
-    env: Mapped[str | None] = mapped_column(sa.String(200), index=True)
-    model: Mapped[str | None] = mapped_column(sa.String(200), index=True)
+    env: Mapped[str | None] = mapped_column(sa.String(200))
+    model: Mapped[str | None] = mapped_column(sa.String(200))
     agent_name: Mapped[str | None] = mapped_column(sa.String(200))
     policy_version: Mapped[str | None] = mapped_column(sa.String(200))
     # sha256 of the item as received: a resent trace_id is a duplicate only if it matches.
@@ -66,7 +71,16 @@ class TraceRow(Base):
     lease_owner: Mapped[str | None] = mapped_column(sa.String(64))
     lease_expires_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
 
-    __table_args__ = (sa.Index("ix_traces_stage_created_at", "stage", "created_at"),)
+    __table_args__ = (
+        sa.Index("ix_traces_stage_created_at", "stage", "created_at"),
+        # The trace list's orders and its filters in time order (0010).
+        sa.Index("ix_traces_created_at_trace_id", "created_at", "trace_id"),
+        sa.Index("ix_traces_status_created_at", "status", "created_at"),
+        sa.Index("ix_traces_env_created_at", "env", "created_at"),
+        sa.Index("ix_traces_model_created_at", "model", "created_at"),
+        sa.Index("ix_traces_reward_trace_id", "reward", "trace_id"),
+        sa.Index("ix_traces_total_tokens_trace_id", "total_tokens", "trace_id"),
+    )
 
 
 # The Core table, for the set-based statements (group insert, claims, stage moves).
@@ -118,6 +132,55 @@ BATCHES: sa.Table = BatchRow.__table__  # type: ignore[assignment]
 MEMBERS: sa.Table = BatchTraceRow.__table__  # type: ignore[assignment]
 
 
+class ReviewRow(Base):
+    """A person's verdict on a trace (app/db/review_queries.py): one per trace, the latest wins.
+    `reward`, when set, overrides the computed reward: it is what `traces.reward`
+    holds while the review stands."""
+
+    __tablename__ = "reviews"
+
+    trace_id: Mapped[str] = mapped_column(
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), primary_key=True
+    )
+    label: Mapped[str] = mapped_column(sa.String(8), index=True)
+    note: Mapped[str | None] = mapped_column(sa.Text)
+    reward: Mapped[float | None] = mapped_column(sa.Float)
+    reviewer: Mapped[str] = mapped_column(sa.String(200))  # the API key's name
+    reviewed_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+
+
+class ReviewClaimRow(Base):
+    """The review queue's lease on a trace: served to `holder` until `expires_at`."""
+
+    __tablename__ = "review_claims"
+
+    trace_id: Mapped[str] = mapped_column(
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), primary_key=True
+    )
+    holder: Mapped[str] = mapped_column(sa.String(200), index=True)
+    expires_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+
+
+class TraceSearchRow(Base):
+    """The searchable text of a trace (task and final answer, lowercased), filled by a
+    trigger on insert into traces (migration 0010), so that a search never reads the
+    payloads. On SQLite, the FTS5 trigram index `trace_search_index` covers `text`
+    (app/db/dialect.py `search_matches`)."""
+
+    __tablename__ = "trace_search"
+
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
+    trace_id: Mapped[str] = mapped_column(
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), unique=True
+    )
+    text: Mapped[str] = mapped_column(sa.Text)
+
+
+REVIEWS: sa.Table = ReviewRow.__table__  # type: ignore[assignment]
+REVIEW_CLAIMS: sa.Table = ReviewClaimRow.__table__  # type: ignore[assignment]
+TRACE_SEARCH: sa.Table = TraceSearchRow.__table__  # type: ignore[assignment]
+
+
 class RunRow(Base):
     """One training run (app/runs): a trainer and its environments, started, watched
     and stopped by the hub. The injected model channel (keys, URLs) is never stored."""
@@ -167,11 +230,6 @@ RUN_PROCESSES: sa.Table = RunProcessRow.__table__  # type: ignore[assignment]
 
 # --- the Atropos trajectory API (app/atropos) -------------------------------------
 
-# SQLite makes only an INTEGER PRIMARY KEY an alias of the rowid (and so
-# autoincrementing); PostgreSQL wants the wider type.
-_BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-
-
 class AtroposStateRow(Base):
     """The run: what the trainer registered, whether it has started, and the step.
 
@@ -212,18 +270,23 @@ class AtroposEnvRow(Base):
     min_batch_allocation: Mapped[float | None] = mapped_column(sa.Float)
     connected: Mapped[bool] = mapped_column(sa.Boolean)
     registered_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    # When the env was last heard from (registration, /scored_data, /scored_data_list,
+    # /status-env): an env silent for atropos.env_timeout_seconds stops counting.
+    last_seen_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
 
 
-class AtroposPayloadRow(Base):
-    """A group's JSON as the env sent it (normalised as atroposlib does), served byte
-    for byte. Written once, never updated: a group's state changes on its small row
-    in atropos_groups (SQLite rewrites a whole row, overflow pages and all, on any
+class AtroposSegmentRow(Base):
+    """A group's JSON as the env sent it (normalised as atroposlib does), raw-deflated
+    (app/atropos/segments.py): served as stored, inflated or spliced into a gzip
+    answer. Written once, never updated: a group's state changes on its small row in
+    atropos_groups (SQLite rewrites a whole row, overflow pages and all, on any
     UPDATE)."""
 
-    __tablename__ = "atropos_payloads"
+    __tablename__ = "atropos_segments"
 
     id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
-    payload: Mapped[str] = mapped_column(sa.Text)
+    deflated: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    crc32: Mapped[int] = mapped_column(sa.BigInteger)  # of the JSON, for the gzip trailer
 
 
 class AtroposGroupRow(Base):
@@ -232,7 +295,7 @@ class AtroposGroupRow(Base):
     state: buffered (an odd-size group waiting for others of its env) -> queued ->
     batched (in a formed batch) -> served. The id order is the queue order (a group
     released from a buffer gets a new row); a served group is deleted, with its
-    payload, unless it is the latest example.
+    segment, unless it is the latest example.
     """
 
     __tablename__ = "atropos_groups"
@@ -241,18 +304,19 @@ class AtroposGroupRow(Base):
     state: Mapped[str] = mapped_column(sa.String(16))
     env_id: Mapped[int | None] = mapped_column(sa.Integer)
     size: Mapped[int] = mapped_column(sa.Integer)  # sequences in the group
-    bytes: Mapped[int] = mapped_column(sa.Integer)  # length of the payload
-    # The env sent no inference_logprobs: the hub fills them when serving.
+    bytes: Mapped[int] = mapped_column(sa.Integer)  # length of the JSON
+    # The env sent no inference_logprobs: filled when serving only if
+    # atropos.fill_missing_logprobs is on.
     fill_logprobs: Mapped[bool] = mapped_column(sa.Boolean)
-    payload_id: Mapped[int] = mapped_column(_BIG_ID, sa.ForeignKey("atropos_payloads.id"))
+    segment_id: Mapped[int] = mapped_column(_BIG_ID, sa.ForeignKey("atropos_segments.id"))
     created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
 
     __table_args__ = (
         # Covers the queue scans (formation, /status, /status-env, the bound).
         sa.Index("ix_atropos_groups_state_id", "state", "id", "env_id", "size", "bytes"),
         sa.Index("ix_atropos_groups_state_env_id", "state", "env_id"),
-        # Deleting a payload checks that no group still refers to it.
-        sa.Index("ix_atropos_groups_payload_id", "payload_id"),
+        # Deleting a segment checks that no group still refers to it.
+        sa.Index("ix_atropos_groups_segment_id", "segment_id"),
     )
 
 
@@ -283,7 +347,7 @@ class AtroposBatchRow(Base):
 ATROPOS_STATE: sa.Table = AtroposStateRow.__table__  # type: ignore[assignment]
 ATROPOS_ENVS: sa.Table = AtroposEnvRow.__table__  # type: ignore[assignment]
 ATROPOS_GROUPS: sa.Table = AtroposGroupRow.__table__  # type: ignore[assignment]
-ATROPOS_PAYLOADS: sa.Table = AtroposPayloadRow.__table__  # type: ignore[assignment]
+ATROPOS_SEGMENTS: sa.Table = AtroposSegmentRow.__table__  # type: ignore[assignment]
 ATROPOS_BATCHES: sa.Table = AtroposBatchRow.__table__  # type: ignore[assignment]
 
 
@@ -325,8 +389,8 @@ SCHEDULED_TASKS: sa.Table = ScheduledTaskRow.__table__  # type: ignore[assignmen
 class OtlpSpanRow(Base):
     """One span as received over OTLP, kept until its trajectory is batched (a
     re-assembly reads every span again; a span resent by an exporter is stored once).
-    The payloads are the OTLP protobuf encoding: cheap to store, decoded into OTLP/JSON
-    only when the trace is assembled."""
+    The payloads are the OTLP protobuf encoding, secrets redacted: cheap to store,
+    decoded into OTLP/JSON only when the trace is assembled."""
 
     __tablename__ = "otlp_spans"
 
@@ -338,6 +402,9 @@ class OtlpSpanRow(Base):
     resource: Mapped[bytes] = mapped_column(sa.LargeBinary)
     scope: Mapped[bytes] = mapped_column(sa.LargeBinary)
     span: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    # Secrets replaced in these before they were stored, by kind (null: none); summed
+    # into the trajectory's metadata.redactions.
+    redactions: Mapped[dict[str, int] | None] = mapped_column(JSON_)
 
 
 class OtlpTraceRow(Base):

@@ -29,7 +29,7 @@ from typing import Any
 import orjson
 
 from app.domain import Trace
-from app.errors import Invalid, UnknownFormat
+from app.errors import BadRequest, Invalid, UnknownFormat
 from app.formats import atif, native, openai, otlp, sharegpt
 from app.formats._common import type_name
 from app.formats.spec import Export, Format
@@ -113,7 +113,12 @@ def load(raw: bytes, fmt: str | None) -> Any:
     """An item that travels as bytes: JSON text, unless the format `fmt` names reads
     bytes of its own (otlp: a protobuf request, as the assembly stage hands a trace over)."""
     reader = FORMATS[fmt].load if fmt is not None and fmt in FORMATS else None
-    return reader(raw) if reader is not None else orjson.loads(raw)
+    if reader is not None:
+        return reader(raw)
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the trace is not valid JSON: {exc}", code="malformed_json") from None
 
 
 def export(trace: Trace, fmt: str) -> dict[str, Any]:

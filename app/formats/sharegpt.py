@@ -41,8 +41,9 @@ top-level `reward`.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
+
+import re2  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
 from app.domain import Status, Trace
 from app.errors import Invalid
@@ -60,9 +61,8 @@ _ROLES = {
     "function": "tool",
     "observation": "tool",
 }
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_TOOL_RESPONSE = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.DOTALL)
-_NAME = re.compile(r"""["']name["']\s*:\s*["']([^"']+)["']""")
+# RE2, not re: it searches what the model wrote, in time linear in its length.
+_NAME = re2.compile(r"""["']name["']\s*:\s*["']([^"']+)["']""")
 # batch_runner's per-run statistics, kept as metadata.
 _RUN_KEYS = (
     "timestamp",
@@ -232,8 +232,9 @@ def _tools_block(value: str) -> str:
 def _gpt(value: str, where: str) -> tuple[list[c.StepDict], list[c.StepDict]]:
     thoughts, rest = c.split_think(value)
     steps = [c.thought(t) for t in thoughts]
-    actions = [_call(raw, where) for raw in _TOOL_CALL.findall(rest)]
-    text = _TOOL_CALL.sub("", rest).strip()
+    calls, text = c.tag_blocks(rest, "<tool_call>", "</tool_call>")
+    actions = [_call(raw.strip(), where) for raw in calls]
+    text = text.strip()
     if actions and text:
         actions[0]["content"] = text
     elif text:
@@ -259,7 +260,7 @@ def _call(raw: str, where: str) -> c.StepDict:
 
 
 def _results(value: str, pending: list[c.StepDict], where: str) -> list[c.StepDict]:
-    blocks = _TOOL_RESPONSE.findall(value)
+    blocks = [b.strip() for b in c.tag_blocks(value, "<tool_response>", "</tool_response>")[0]]
     if not blocks:
         call_id = pending[0]["call_id"] if len(pending) == 1 else None
         return [c.observation(call_id, value, c.error_from_text(value))]

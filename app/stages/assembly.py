@@ -34,6 +34,7 @@ from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import Stage
 from app.errors import HubError
+from app.evaluation.redaction import Redacted
 from app.formats.otlp import NAME, wire
 from app.ingest.otlp import store
 from app.ingest.otlp.store import FINAL_STAGES, Settled, TraceState
@@ -93,7 +94,9 @@ class AssemblyStage:
                     or (stored[d.trace_id].source_format == NAME
                         and stored[d.trace_id].stage not in FINAL_STAGES)]
             spans = await store.spans_of(conn, todo)
-        items = [wire.join(_groups(spans[trace_id])) for trace_id in todo]
+        # The spans' secrets went before they were stored: their counts go with them.
+        items = [Redacted(wire.join(_groups(spans[trace_id].spans)),
+                          dict(spans[trace_id].redactions)) for trace_id in todo]
         rows = dict(zip(todo, await self._prepare(items, NAME)))
         outcomes: Counter[str] = Counter()
         settled: list[Settled] = []

@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import uuid
 from pathlib import Path
 from typing import Any, Literal
 
 import orjson
 
+from app import files
 from app.config import DistributorConfig, HomePath
 from app.db.types import utcnow
 from app.targets.base import Batch, Resources, SaveReceipt, TargetSpec
@@ -44,14 +44,14 @@ class JsonlTarget:
         return await asyncio.to_thread(self._write, batch)
 
     def _write(self, batch: Batch) -> dict[str, Any]:
-        self._dir.mkdir(parents=True, exist_ok=True)
+        files.make_dir(self._dir)
         path = self._dir / f"{batch.batch_id}.jsonl"
         records = batch.records(self._fmt)
         body = b"".join(orjson.dumps(record) + b"\n" for _, record in records)
         existed = path.exists()
         # A name of its own: a worker whose lease expired may still be writing the same batch.
-        tmp = self._dir / f".{batch.batch_id}.{uuid.uuid4().hex[:8]}.tmp"
-        with open(tmp, "wb") as f:
+        tmp, f = files.temporary(self._dir, batch.batch_id)
+        with f:
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
@@ -90,7 +90,7 @@ def _listed(manifest: Path, batch_id: str) -> bool:
 
 def _append(path: Path, line: bytes) -> None:
     # O_APPEND with one write(): concurrent writers (several workers) never interleave.
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = files.create(path, os.O_WRONLY | os.O_APPEND)
     try:
         os.write(fd, line)
         os.fsync(fd)

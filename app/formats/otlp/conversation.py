@@ -15,8 +15,7 @@ model call, `ToolRun` for one tool execution); `one_conversation()` merges them:
 
 from __future__ import annotations
 
-import bisect
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,15 +82,13 @@ class ToolRun:
 
 
 def one_conversation(exchanges: list[Exchange], runs: list[ToolRun]) -> list[Message]:
+    """In time linear in what the spans hold (docs/decisions.md: every parser is)."""
     merges = [(e.start, 0, e.inputs) for e in exchanges]
     merges += [(e.end, 1, e.outputs) for e in exchanges]
-    messages: list[Message] = []
+    merged = _Merged()
     for at, _, said in sorted(merges, key=lambda m: (m[0], m[1])):
-        _merge(messages, said, at)
-    claimed: set[str] = set()
-    for run in sorted(runs, key=lambda r: r.start):
-        _pair(messages, run, claimed)
-    return messages
+        merged.add(said, at)
+    return _paired(merged.systems, merged.rest, sorted(runs, key=lambda r: r.start))
 
 
 def canonical(arguments: Any) -> str:
@@ -118,54 +115,120 @@ def text_of(value: Any) -> str | None:
         return str(value)
 
 
-def _merge(messages: list[Message], said: list[Message], at: int) -> None:
-    held = Counter(m.key() for m in messages)
+class _Merged:
+    """The conversation so far: system instructions first, whenever a call first showed
+    them, then the other messages in the order they were said."""
+
+    def __init__(self) -> None:
+        self.systems: list[Message] = []
+        self.rest: list[Message] = []
+        self._held: Counter[tuple[Any, ...]] = Counter()
+
+    def add(self, said: list[Message], at: int) -> None:
+        """A call's messages: each one the conversation holds is matched once (a
+        multiset); the others are new. Kept up to date rather than counted again, so
+        that each call costs its own messages only."""
+        matched: Counter[tuple[Any, ...]] = Counter()
+        for message in said:
+            key = message.key()
+            if self._held[key] > matched[key]:
+                matched[key] += 1
+                continue
+            message.at = at
+            (self.systems if message.role == "system" else self.rest).append(message)
+            # Held from now on, but not for this call: it said the message once.
+            self._held[key] += 1
+            matched[key] += 1
+
+
+def _paired(systems: list[Message], said: list[Message], runs: list[ToolRun]) -> list[Message]:
+    """The tool runs paired with the conversation, in run order: a result already
+    there gets the run's error; a call without its result gets it after the call and
+    the results that follow it; a run no call asked for becomes a call and its result
+    where it happened in time (never between a call and its results)."""
+    results: dict[str, Message] = {m.call_id: m for m in reversed(said)
+                                   if m.role == "tool" and m.call_id}
+    callers: dict[str, Message] = {}
+    unclaimed = _Unclaimed()
     for message in said:
-        key = message.key()
-        if held[key]:
-            held[key] -= 1
-            continue
-        message.at = at
-        if message.role == "system":
-            # System instructions come first, whenever a call first showed them.
-            leading = next((i for i, m in enumerate(messages) if m.role != "system"),
-                           len(messages))
-            messages.insert(leading, message)
-        else:
-            messages.append(message)
-
-
-def _pair(messages: list[Message], run: ToolRun, claimed: set[str]) -> None:
-    call_id = run.call_id or _call_of(messages, run, claimed)
-    if call_id is not None:
-        claimed.add(call_id)
-        for message in messages:
-            if message.role == "tool" and message.call_id == call_id:
-                message.error = message.error or run.error
-                return
-        for i, message in enumerate(messages):
-            if any(call.id == call_id for call in message.calls):
-                after = i + 1
-                while after < len(messages) and messages[after].role == "tool":
-                    after += 1
-                messages.insert(after, _result(run, call_id, message.at))
-                return
-    # No model call asked for it: the call and its result, where they happened in time.
-    where = bisect.bisect_right([m.at for m in messages], run.start)
-    call = Message("assistant", calls=[Call(run.name, run.arguments, call_id)], at=run.start)
-    messages[where:where] = [call, _result(run, call_id, run.start)]
-
-
-def _call_of(messages: list[Message], run: ToolRun, claimed: set[str]) -> str | None:
-    """For a run that does not carry its call id: the id of the earliest call of this
-    tool, with these arguments, that no other run has claimed."""
-    wanted = canonical(run.arguments) if run.arguments is not None else None
-    for message in messages:
         for call in message.calls:
-            if (call.id and call.id not in claimed and call.name == run.name
-                    and (wanted is None or canonical(call.arguments) == wanted)):
-                return call.id
-    return None
+            if call.id:
+                callers.setdefault(call.id, message)
+                unclaimed.offer(call)
+    claimed: set[str] = set()
+    answers: dict[int, list[Message]] = {}  # id(a caller): results added after it
+    timed: list[list[Message]] = []  # calls no model made, and their results, in time order
+    for run in runs:
+        call_id = run.call_id or unclaimed.take(run, claimed)
+        if call_id is not None:
+            claimed.add(call_id)
+            if call_id in results:
+                result = results[call_id]
+                result.error = result.error or run.error
+                continue
+            if call_id in callers:
+                caller = callers[call_id]
+                results[call_id] = _result(run, call_id, caller.at)
+                answers.setdefault(id(caller), []).append(results[call_id])
+                continue
+        asked = Message("assistant", calls=[Call(run.name, run.arguments, call_id)],
+                        at=run.start)
+        answered = _result(run, call_id, run.start)
+        if call_id is not None:
+            results[call_id] = answered
+        timed.append([asked, answered])
+    return systems + _woven(said, answers, timed)
+
+
+def _woven(
+    said: list[Message], answers: dict[int, list[Message]], timed: list[list[Message]]
+) -> list[Message]:
+    out: list[Message] = []
+    pending = iter(timed)
+    upcoming = next(pending, None)
+    i = 0
+    while i < len(said):
+        # A call and the results that follow it stay together.
+        unit = [said[i]]
+        i += 1
+        while i < len(said) and said[i].role == "tool":
+            unit.append(said[i])
+            i += 1
+        while upcoming is not None and upcoming[0].at < unit[0].at:
+            out += upcoming
+            upcoming = next(pending, None)
+        out += unit
+        for message in unit:
+            out += answers.get(id(message), ())
+    while upcoming is not None:
+        out += upcoming
+        upcoming = next(pending, None)
+    return out
+
+
+class _Unclaimed:
+    """The calls in the conversation, in order, for tool runs that do not carry their
+    call id: each run takes the earliest call of its tool (with its arguments, when it
+    has some) that no run has taken yet."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, deque[str]] = {}
+        self._by_arguments: dict[tuple[str, str], deque[str]] = {}
+
+    def offer(self, call: Call) -> None:
+        assert call.id is not None
+        self._by_name.setdefault(call.name, deque()).append(call.id)
+        key = (call.name, canonical(call.arguments))
+        self._by_arguments.setdefault(key, deque()).append(call.id)
+
+    def take(self, run: ToolRun, claimed: set[str]) -> str | None:
+        ids = (self._by_name.get(run.name) if run.arguments is None
+               else self._by_arguments.get((run.name, canonical(run.arguments))))
+        while ids:
+            if ids[0] not in claimed:
+                return ids[0]
+            ids.popleft()  # taken by another run: never again
+        return None
 
 
 def _result(run: ToolRun, call_id: str | None, at: int) -> Message:

@@ -44,6 +44,12 @@ def _listed(node: Any) -> Any:
     if not isinstance(node, dict):
         return node
     children = {key: _listed(child) for key, child in node.items()}
-    if children and all(key.isdigit() for key in children):
-        return [children[key] for key in sorted(children, key=int)]
+    if children and all(key.isdecimal() for key in children):
+        return [children[key] for key in sorted(children, key=_number_order)]
     return children
+
+
+def _number_order(digits: str) -> tuple[int, str]:
+    """Numeric order without int(), which refuses numbers past 4,300 digits."""
+    significant = digits.lstrip("0")
+    return len(significant), significant

@@ -51,6 +51,8 @@ class SpanRecord:
     resource: bytes  # the ResourceSpans without its scope_spans
     scope: bytes  # the ScopeSpans without its spans
     span: bytes
+    # Secrets replaced in these, by kind (app/ingest/otlp/request.py); None: none.
+    redactions: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

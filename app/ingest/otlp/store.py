@@ -5,20 +5,20 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.dialect import dialect_of, insert_ignoring_conflicts, insert_or_update
+from app.db.dialect import dialect_of, insert, insert_ignoring_conflicts
 from app.db.models import OTLP_SPANS, OTLP_TRACES, TRACES
 from app.db.moves import StateMachine
 from app.domain import Stage
 from app.formats.otlp.wire import SpanRecord
 
-_SPAN_COLUMNS = ("trace_id", "span_id", "start_ns", "resource", "scope", "span")
+_SPAN_COLUMNS = ("trace_id", "span_id", "start_ns", "resource", "scope", "span", "redactions")
 
 
 class TraceState(StrEnum):
@@ -65,9 +65,9 @@ def add_spans(conn: sa.Connection, records: Sequence[SpanRecord], now: datetime)
     if not records:
         return 0
     dialect = dialect_of(conn)
-    insert = insert_ignoring_conflicts(dialect, OTLP_SPANS, "trace_id", "span_id")
+    once = insert_ignoring_conflicts(dialect, OTLP_SPANS, "trace_id", "span_id")
     new = conn.execute(
-        insert.returning(OTLP_SPANS.c.trace_id, OTLP_SPANS.c.span_id),
+        once.returning(OTLP_SPANS.c.trace_id, OTLP_SPANS.c.span_id),
         [{name: getattr(r, name) for name in _SPAN_COLUMNS} for r in records],
     ).all()
     if not new:
@@ -76,12 +76,12 @@ def add_spans(conn: sa.Connection, records: Sequence[SpanRecord], now: datetime)
     fresh = {(row.trace_id, row.span_id) for row in new}
     roots = {r.trace_id for r in records if r.root and (r.trace_id, r.span_id) in fresh}
     t = OTLP_TRACES.c
+    upsert = insert(dialect, OTLP_TRACES)
+    excluded = upsert.excluded
     conn.execute(
-        insert_or_update(
-            dialect,
-            OTLP_TRACES,
-            "trace_id",
-            lambda excluded: {
+        upsert.on_conflict_do_update(
+            index_elements=["trace_id"],
+            set_={
                 "state": TraceState.OPEN.value,
                 "spans": t.spans + excluded.spans,
                 "root_ended": sa.or_(t.root_ended, excluded.root_ended),
@@ -120,19 +120,28 @@ async def due(
     return [Due(row.trace_id, row.spans) for row in rows]
 
 
-async def spans_of(
-    conn: AsyncConnection, trace_ids: list[str]
-) -> dict[str, list[tuple[bytes, bytes, bytes]]]:
-    """Each trace's spans as (resource, scope, span), in start order."""
+@dataclass(slots=True)
+class TraceSpans:
+    """A trace's stored spans, as (resource, scope, span) in start order, and the
+    secrets redacted from them before they were stored."""
+
+    spans: list[tuple[bytes, bytes, bytes]] = field(default_factory=list)
+    redactions: Counter[str] = field(default_factory=Counter)
+
+
+async def spans_of(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, TraceSpans]:
     s = OTLP_SPANS.c
     rows = await conn.execute(
-        sa.select(s.trace_id, s.resource, s.scope, s.span)
+        sa.select(s.trace_id, s.resource, s.scope, s.span, s.redactions)
         .where(s.trace_id.in_(trace_ids))
         .order_by(s.trace_id, s.start_ns, s.span_id)
     )
-    out: dict[str, list[tuple[bytes, bytes, bytes]]] = {trace_id: [] for trace_id in trace_ids}
+    out = {trace_id: TraceSpans() for trace_id in trace_ids}
     for row in rows:
-        out[row.trace_id].append((row.resource, row.scope, row.span))
+        found = out[row.trace_id]
+        found.spans.append((row.resource, row.scope, row.span))
+        if row.redactions:
+            found.redactions.update(row.redactions)
     return out
 
 
@@ -220,7 +229,7 @@ async def counts(conn: AsyncConnection) -> dict[str, int]:
              TraceState.DROPPED.value: TraceState.REFUSED.value}
     out = {f"{state}_traces": 0 for state in ("open", "assembled", "refused")}
     out.update(spans=0, late_spans=0)
-    for state, traces, spans, late in rows.tuples():
+    for state, traces, spans, late in rows:
         out[f"{shown.get(state, state)}_traces"] += traces
         out["spans"] += int(spans or 0)
         out["late_spans"] += int(late or 0)

@@ -1,13 +1,29 @@
-"""OTLP/JSON spans for tests, written as the specification writes them (hex ids,
-64-bit integers as strings), and the run that docs/otlp.md and
-/work/shared/reference/otel-genai-examples.md show: a user asks for the weather in
-Paris, the model calls get_weather, the tool answers, the model answers."""
+"""OTLP for tests: spans as OTLP/JSON, written as the specification writes them (hex
+ids, 64-bit integers as strings), and as the OpenTelemetry SDK records them; the run
+that docs/otlp.md and /work/shared/reference/otel-genai-examples.md show (a user asks
+for the weather in Paris, the model calls get_weather, the tool answers, the model
+answers); and reading what a hub made of them. tests/support/otlp_agent.py is the same
+run by a real agent under a real instrumentation."""
 
 from __future__ import annotations
 
 import json
 import os
 from typing import Any
+
+import httpx
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from app.formats.otlp import wire
+from tests.support.databases import db_execute
+from tests.support.waiting import wait_until
+
+PROTOBUF = {"Content-Type": "application/x-protobuf"}
+# otlp.quiet_seconds short, so that a test waits a second, not ten.
+QUIET = {"quiet_seconds": 0.5, "max_wait_seconds": 60}
 
 TASK = "What is the weather in Paris?"
 RESULT = "18 degrees, sunny"
@@ -135,3 +151,64 @@ WEATHER_STEPS = [
     ("observation", None, None, "call_w1", RESULT),
     ("final", None, None, None, ANSWER),
 ]
+
+
+def protobuf(doc: dict[str, Any]) -> bytes:
+    """An OTLP/JSON document as the protobuf ExportTraceServiceRequest exporters send."""
+    request, problems = wire.from_json(doc)
+    assert problems == []
+    return bytes(request.SerializeToString())
+
+
+def recorded_run(**root: Any) -> tuple[str, list[ReadableSpan]]:
+    """The weather run as the OpenTelemetry SDK records it: an invoke_agent root span,
+    two chat spans as the OpenAI instrumentation writes them, the tool's span; and its
+    trace id."""
+    memory = InMemorySpanExporter()
+    provider = TracerProvider(resource=Resource.create({"service.name": "weather-agent"}))
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    tracer = provider.get_tracer("weather-agent")
+
+    def chat_attributes(inputs: list[Any], outputs: list[Any]) -> dict[str, Any]:
+        return {"gen_ai.operation.name": "chat", "gen_ai.request.model": "gpt-4o-mini",
+                "gen_ai.input.messages": json.dumps(inputs),
+                "gen_ai.output.messages": json.dumps(outputs)}
+
+    agent = {"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "weather", **root}
+    with tracer.start_as_current_span("invoke_agent weather", attributes=agent) as run:
+        with tracer.start_as_current_span("chat gpt-4o-mini",
+                                          attributes=chat_attributes([USER], [CALLS])):
+            pass
+        with tracer.start_as_current_span("execute_tool get_weather", attributes={
+            "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "get_weather",
+            "gen_ai.tool.call.id": "call_w1", "gen_ai.tool.call.result": RESULT,
+        }):
+            pass
+        with tracer.start_as_current_span(
+            "chat gpt-4o-mini", attributes=chat_attributes([USER, CALLS, TOOL], [SAYS])
+        ):
+            pass
+        tid = format(run.get_span_context().trace_id, "032x")
+    provider.shutdown()
+    return tid, list(memory.get_finished_spans())
+
+
+def trajectory(client: httpx.Client, tid: str, **headers: str) -> dict[str, Any]:
+    """The trace once the hub has assembled it."""
+    def stored() -> dict[str, Any] | None:
+        r = client.get(f"/v1/traces/{tid}", headers=headers)
+        return r.json() if r.status_code == 200 else None
+
+    record: dict[str, Any] = wait_until(stored, what=f"trajectory {tid}")
+    return record
+
+
+def staged(trace_server: dict[str, Any], tid: str) -> list[str]:
+    """The span ids otlp_spans holds for a trace, read as a user would with sqlite3/psql."""
+    rows = db_execute(trace_server, "SELECT span_id FROM otlp_spans WHERE trace_id = :t", t=tid)
+    return [row["span_id"] for row in rows]
+
+
+def otlp_stats(client: httpx.Client) -> dict[str, int]:
+    counts: dict[str, int] = client.get("/v1/stats").json()["otlp"]
+    return counts

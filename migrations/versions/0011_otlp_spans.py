@@ -1,7 +1,7 @@
 """otlp_spans and otlp_traces: OTLP spans waiting to become trajectories
 
-Revision ID: 0009
-Revises: 0006
+Revision ID: 0011
+Revises: 0010
 Create Date: 2026-12-02
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from migrations.types import TIMESTAMP
+from migrations.types import JSON_, TIMESTAMP
 
-revision = "0009"
-down_revision = "0006"
+revision = "0011"
+down_revision = "0010"
 branch_labels = None
 depends_on = None
 
@@ -27,6 +27,7 @@ def upgrade() -> None:
         sa.Column("resource", sa.LargeBinary, nullable=False),
         sa.Column("scope", sa.LargeBinary, nullable=False),
         sa.Column("span", sa.LargeBinary, nullable=False),
+        sa.Column("redactions", JSON_, nullable=True),
         sa.PrimaryKeyConstraint("trace_id", "span_id", name="pk_otlp_spans"),
     )
     op.create_table(

@@ -8,7 +8,7 @@ and model calls go (OTEL_*, OPENAI_BASE_URL, OPENAI_API_KEY).
 It asks the model for the weather in Paris, runs the get_weather tool the model calls,
 asks again, and prints the run's trace id (32 hex digits).
 
-    python tests/otlp_agent.py openai-v2 | openinference
+    python tests/support/otlp_agent.py openai-v2 | openinference
 """
 
 from __future__ import annotations
