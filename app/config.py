@@ -72,6 +72,8 @@ class TraceServerConfig(_Section):
     # Processes that parse, score and tokenize incoming traces (app/ingest/processes.py);
     # null: one per CPU this process may run on, at most 8 (~120 MB RSS each).
     ingest_processes: int | None = Field(None, ge=1, le=64)
+    # The log's level for every command run with this file (--log-level overrides it).
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
     @field_validator("endpoint")
     @classmethod

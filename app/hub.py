@@ -18,7 +18,7 @@ from app.atropos import Atropos
 from app.compression import ModelSummarizer
 from app.config import CompressionFile, HubConfig, TinkerFile
 from app.db import migrate
-from app.db.engine import create_engine, database_url, redacted
+from app.db.engine import create_engine, database_url, redacted, unusable_database
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Ingestor, running_ingest
 from app.ingest.inserter import TraceInserter
@@ -61,10 +61,20 @@ class Hub:
 
 
 async def open_database(config: HubConfig) -> AsyncEngine:
-    """The engine, with the schema brought to the current revision first."""
-    engine = create_engine(config.trace_server)
-    log.info("database %s", redacted(database_url(config.trace_server)))
-    await migrate.upgrade(engine)
+    """The engine, with the schema brought to the current revision first. A database
+    that cannot be opened stops start-up with one line (`unusable_database`)."""
+    engine: AsyncEngine | None = None
+    try:
+        engine = create_engine(config.trace_server)
+        log.info("database %s", redacted(database_url(config.trace_server)))
+        await migrate.upgrade(engine)
+    except Exception as exc:
+        if engine is not None:
+            await engine.dispose()
+        unusable = unusable_database(config.trace_server, exc)
+        if unusable is None:
+            raise
+        raise unusable from exc
     return engine
 
 

@@ -27,6 +27,7 @@ from app.cli.progress import Progress
 from app.config import load_config
 from app.db.models import TRACES
 from app.domain import Stage, Trace
+from app.errors import StartupError
 from app.hub import database
 
 log = logging.getLogger("atropos")
@@ -101,6 +102,11 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
 
 async def _export(args: argparse.Namespace) -> int:
     config = load_config(args.config)
+    if args.output != "-" and not Path(args.output).parent.is_dir():
+        raise StartupError(
+            f"-o {args.output}: the directory {Path(args.output).parent} does not exist; "
+            "create it first or write elsewhere"
+        )
     query = ExportQuery(args.format, args.compressed, args.min_reward, args.since,
                         tuple(args.stage) if args.stage else DEFAULT_STAGES)
     async with database(config) as engine:
@@ -111,9 +117,17 @@ async def _export(args: argparse.Namespace) -> int:
             # Written beside the target and renamed: a reader never sees half an export.
             out = Path(args.output)
             tmp = out.with_name(f".{out.name}.tmp")
-            with open(tmp, "wb") as f:
-                written = await export_traces(engine, query, f, progress)
-            os.replace(tmp, out)
+            try:
+                with open(tmp, "wb") as f:
+                    written = await export_traces(engine, query, f, progress)
+                os.replace(tmp, out)
+            except OSError as exc:
+                raise StartupError(
+                    f"-o {args.output}: cannot write ({exc.strerror}): "
+                    "check the directory is writable and has space"
+                ) from exc
+            finally:
+                tmp.unlink(missing_ok=True)  # nothing half-written is left behind
         progress.close()
     log.info("exported %d traces as %s to %s", written, args.format, args.output)
     return 0

@@ -27,12 +27,30 @@ def command(
     **parser: Any,
 ) -> argparse.ArgumentParser:
     """The subcommand `name`, which `run` carries out, with the options every command
-    has: `--config` (the file it names, when it reads one)."""
+    has: `--config` (the file it names, when it reads one), the log's level and format,
+    and `--debug`."""
     declared = commands.add_parser(name, **parser)
     if config is not None:
         declared.add_argument("--config", required=True, help=config)
+    declared.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="DEBUG, INFO, WARNING or ERROR (default: trace_server.log_level, else INFO)",
+    )
+    declared.add_argument(
+        "--log-format", choices=("text", "json"), default="text",
+        help="json: one JSON object per line (time, level, logger, message)",
+    )
+    declared.add_argument(
+        "--debug", action="store_true",
+        help="show the traceback behind an error (also: ATROPOS_DEBUG=1)",
+    )
     declared.set_defaults(run=run)
     return declared
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 def add_hub_files(parser: argparse.ArgumentParser) -> None:

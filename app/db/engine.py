@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async
 
 from app.config import TraceServerConfig
 from app.db.types import json_text
-from app.errors import ConfigError
+from app.errors import ConfigError, StartupError
 
 
 def database_url(cfg: TraceServerConfig) -> str:
@@ -26,10 +26,64 @@ def database_url(cfg: TraceServerConfig) -> str:
             "postgresql (e.g. postgresql://user:pass@host:5432/atropos, or set "
             "ATROPOS_TRACE_SERVER__DATABASE_URL)"
         )
-    url = make_url(cfg.database_url)
-    if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
+    try:
+        url = make_url(cfg.database_url)
+    except sa_exc.ArgumentError:
+        # Not echoed: the value may hold a password.
+        raise ConfigError(
+            "config.json: trace_server.database_url: not a database URL; expected "
+            "postgresql://user:pass@host:5432/atropos"
+        ) from None
+    if url.drivername.split("+")[0] not in ("postgresql", "postgres"):
+        raise ConfigError(
+            f"config.json: trace_server.database_url: {url.drivername}:// is not supported; "
+            "use postgresql://user:pass@host:5432/atropos, or storage_backend sqlite"
+        )
+    if url.drivername != "postgresql+asyncpg":
         url = url.set(drivername="postgresql+asyncpg")
     return url.render_as_string(hide_password=False)
+
+
+def unusable_database(cfg: TraceServerConfig, exc: BaseException) -> StartupError | None:
+    """One line saying why the database of `cfg` cannot be opened and what to do, when
+    `exc` is the database (or its file, or its server) failing; None for anything
+    else (a bug, to be shown with its traceback). The password is never in it."""
+    reason = _reason(exc)
+    if reason is None:
+        return None
+    if cfg.storage_backend == "sqlite":
+        return StartupError(
+            f"cannot open the SQLite database {cfg.db_path} ({reason}): "
+            "check trace_server.db_path names a file in a writable directory"
+        )
+    url = make_url(database_url(cfg))
+    where = f"{url.host or 'localhost'}:{url.port or 5432}"
+    return StartupError(
+        f"cannot reach PostgreSQL at {where} ({reason}): is it running? "
+        "check trace_server.database_url"
+    )
+
+
+def _reason(exc: BaseException) -> str | None:
+    """What went wrong, in a few words, without the statement or the URL."""
+    if isinstance(exc, sa_exc.DBAPIError):
+        exc = exc.orig if isinstance(exc.orig, BaseException) else exc
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, (TimeoutError, sa_exc.TimeoutError)):
+        return "timed out"
+    if isinstance(exc, OSError):
+        return exc.strerror or type(exc).__name__
+    if isinstance(exc, sa_exc.SQLAlchemyError) or _is_driver_error(exc):
+        # asyncpg and sqlite3 messages name the role or file, never the password.
+        return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    return None
+
+
+def _is_driver_error(exc: BaseException) -> bool:
+    """asyncpg's and sqlite3's own errors (raised before SQLAlchemy wraps them)."""
+    module = type(exc).__module__
+    return module.startswith(("asyncpg", "sqlite3", "aiosqlite"))
 
 
 def database_refusal(exc: BaseException) -> str | None:
@@ -60,6 +114,11 @@ def create_engine(cfg: TraceServerConfig) -> AsyncEngine:
     url = database_url(cfg)
 
     if cfg.storage_backend == "sqlite":
+        if Path(cfg.db_path).is_dir():
+            raise ConfigError(
+                f"config.json: trace_server.db_path: {cfg.db_path} is a directory; "
+                f"name a file in it, e.g. {cfg.db_path}/atropos.db"
+            )
         Path(cfg.db_path).parent.mkdir(parents=True, exist_ok=True)
         engine = create_async_engine(url, pool_size=8, max_overflow=8, **_JSON)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)

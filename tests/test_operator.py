@@ -1,0 +1,132 @@
+"""What an operator meets at the command line (issue 19): every failure one line
+saying what failed and what to do, exit 2 for configuration and environment problems,
+the traceback only with --debug; typos refused; the log's level and format."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REAL, run_cli, write_config
+
+PASSWORD = "s3cret-pw"
+
+
+def one_line_error(result: Any) -> str:
+    """The command failed with exit 2 and a single `error:` line (after at most the
+    INFO line naming the database), and that line."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    assert PASSWORD not in result.stderr + result.stdout
+    return errors[0]
+
+
+def free_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def postgres_at(tmp_path: Path, url: str) -> Path:
+    return write_config(tmp_path, {"storage_backend": "postgresql", "database_url": url})
+
+
+def test_postgresql_unreachable_is_one_line_without_the_password(tmp_path: Path) -> None:
+    port = free_port()
+    config = postgres_at(tmp_path, f"postgresql://hub:{PASSWORD}@127.0.0.1:{port}/atropos")
+    line = one_line_error(run_cli("db", "upgrade", "--config", str(config)))
+    assert f"cannot reach PostgreSQL at 127.0.0.1:{port} (connection refused)" in line
+    assert "trace_server.database_url" in line
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        (f"mysql://hub:{PASSWORD}@db.example/atropos", "mysql:// is not supported"),
+        ("not-a-url", "not a database URL"),
+    ],
+)
+def test_a_database_url_that_is_not_postgresql_is_one_line(
+    tmp_path: Path, url: str, said: str
+) -> None:
+    line = one_line_error(run_cli("db", "upgrade", "--config", str(postgres_at(tmp_path, url))))
+    assert "trace_server.database_url" in line and said in line
+
+
+def test_db_path_that_is_a_directory_is_one_line(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"db_path": str(tmp_path)})
+    line = one_line_error(run_cli("db", "upgrade", "--config", str(config)))
+    assert f"trace_server.db_path: {tmp_path} is a directory" in line
+
+
+def test_db_path_where_no_file_can_be_made_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    db_path = tmp_path / "a-file" / "traces.db"  # its "directory" is a file
+    config = write_config(tmp_path, {"db_path": str(db_path)})
+    line = one_line_error(run_cli("db", "upgrade", "--config", str(config)))
+    assert f"cannot open the SQLite database {db_path}" in line
+    assert "trace_server.db_path" in line
+
+
+def test_debug_shows_the_traceback_behind_the_line(tmp_path: Path) -> None:
+    config = postgres_at(tmp_path, f"postgresql://hub:{PASSWORD}@127.0.0.1:{free_port()}/x")
+    for result in (
+        run_cli("db", "upgrade", "--config", str(config), "--debug"),
+        run_cli("db", "upgrade", "--config", str(config), env={"ATROPOS_DEBUG": "1"}),
+    ):
+        assert result.returncode == 2
+        assert "Traceback" in result.stderr and "ConnectionRefusedError" in result.stderr
+        assert result.stderr.rstrip().splitlines()[-1].startswith("error: cannot reach")
+
+
+def test_export_into_a_missing_directory_is_one_line(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
+    out = tmp_path / "nowhere" / "out.jsonl"
+    line = one_line_error(
+        run_cli("export", "--config", str(config), "--format", "native", "-o", str(out))
+    )
+    assert f"the directory {out.parent} does not exist" in line
+
+
+def test_import_to_a_hub_that_is_not_running_is_one_line(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
+    url = f"http://127.0.0.1:{free_port()}"
+    line = one_line_error(
+        run_cli("import", "--config", str(config), "--url", url, str(REAL / "tau-bench"))
+    )
+    assert f"cannot reach the hub at {url}" in line and "atropos serve" in line
+
+
+def test_import_of_a_missing_path_names_it(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
+    missing = tmp_path / "no-such-run.jsonl"
+    line = one_line_error(run_cli("import", "--config", str(config), str(missing)))
+    assert str(missing) in line
+
+
+# --- logs ---------------------------------------------------------------------------
+
+
+def test_log_level_and_json_format(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
+    quiet = run_cli("db", "upgrade", "--config", str(config), "--log-level", "warning")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+    shipped = run_cli("db", "upgrade", "--config", str(config), "--log-format", "json")
+    assert shipped.returncode == 0, shipped.stderr
+    lines = [json.loads(line) for line in shipped.stderr.splitlines()]
+    assert lines and all({"time", "level", "logger", "message"} <= set(line) for line in lines)
+    assert any(line["message"].startswith("database sqlite") for line in lines)
+
+
+def test_log_level_from_the_config_file(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db"), "log_level": "ERROR"})
+    result = run_cli("db", "upgrade", "--config", str(config))
+    assert result.returncode == 0 and result.stderr == ""
