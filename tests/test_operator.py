@@ -130,3 +130,65 @@ def test_log_level_from_the_config_file(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db"), "log_level": "ERROR"})
     result = run_cli("db", "upgrade", "--config", str(config))
     assert result.returncode == 0 and result.stderr == ""
+
+
+# --- typos are errors -------------------------------------------------------------------
+
+
+def test_an_override_naming_no_section_stops_start_up(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
+    result = run_cli("db", "upgrade", "--config", str(config),
+                     env={"ATROPOS_TRACE_SRV__PORT": "9000"})
+    line = one_line_error(result)
+    assert "environment variable ATROPOS_TRACE_SRV__PORT: no config section 'trace_srv'" in line
+    assert not (tmp_path / "t.db").exists()  # stopped before the database
+
+
+def test_a_bad_override_is_blamed_on_the_variable(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
+    typo = one_line_error(run_cli("db", "upgrade", "--config", str(config),
+                                  env={"ATROPOS_TRACE_SERVER__PROT": "9000"}))
+    assert typo.startswith("error: environment variable ATROPOS_TRACE_SERVER__PROT: "
+                           "trace_server.prot: unknown key")
+    bad = one_line_error(run_cli("db", "upgrade", "--config", str(config),
+                                 env={"ATROPOS_AUTH__ENABLED": "yes"}))
+    assert bad.startswith("error: environment variable ATROPOS_AUTH__ENABLED: auth.enabled:")
+
+
+def test_an_override_read_as_json_except_for_text_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app.config import load_config
+
+    config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
+    monkeypatch.setenv("ATROPOS_TRACE_SERVER__PORT", "9000")
+    monkeypatch.setenv("ATROPOS_AUTH__ENABLED", "true")
+    monkeypatch.setenv("ATROPOS_TRACE_SERVER__HOST", "1234")  # text, although it parses
+    loaded = load_config(config)
+    assert loaded.trace_server.port == 9000 and loaded.auth.enabled is True
+    assert loaded.trace_server.host == "1234"
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value"),
+    [("distributor", "batch_size", "32"), ("auth", "enabled", "yes"),
+     ("trace_server", "port", 80.5)],
+)
+def test_config_files_are_strict_about_types(
+    tmp_path: Path, section: str, key: str, value: Any
+) -> None:
+    config = tmp_path / "config.json"
+    sections: dict[str, Any] = {"trace_server": {"db_path": str(tmp_path / "t.db")}}
+    sections.setdefault(section, {})[key] = value
+    config.write_text(json.dumps(sections))
+    line = one_line_error(run_cli("db", "upgrade", "--config", str(config)))
+    assert f"config.json: {section}.{key}: " in line and json.dumps(value) in line
+
+
+def test_a_query_value_outside_its_set_is_422_listing_the_valid_ones(client: Any) -> None:
+    response = client.get("/v1/traces", params={"stage": "reject"})
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert error["field"] == "stage" and "'rejected'" in error["message"]
+    assert client.get("/v1/traces", params={"status": "great"}).status_code == 422
+    assert client.get("/v1/traces", params={"stage": "rejected"}).status_code == 200

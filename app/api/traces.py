@@ -14,6 +14,7 @@ from app.api.openapi import errors
 from app.api.responses import JSONResponse
 from app.api.schemas import IngestResult, IngestResults, TracePage, TraceRecord
 from app.db.trace_queries import TraceFilter, View, get_trace, list_traces
+from app.domain import Stage, Status
 from app.errors import HubError, PayloadTooLarge
 from app.ingest.body import parse_items, read_body
 from app.ingest.inserter import Stored
@@ -70,8 +71,9 @@ def router(endpoint: str) -> APIRouter:
     @api.get(endpoint, dependencies=[requires(Scope.READ)], responses=errors(400))
     async def list_(
         conn: ConnDep,
-        stage: str | None = None,
-        status: str | None = None,
+        # Fixed sets: a value outside them is a 422 naming the valid ones, not [].
+        stage: Stage | None = None,
+        status: Status | None = None,
         env: str | None = None,
         model: str | None = None,
         min_reward: float | None = None,
