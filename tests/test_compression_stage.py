@@ -49,7 +49,8 @@ def wait_until_done(client: httpx.Client, trace_ids: list[str], timeout: float =
 def test_long_real_traces_are_compressed_and_short_ones_skipped(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:
-    hub = start_hub(trace_server, "--compression", compression_file(tmp_path),
+    # The per-trace "compression skipped" line is DEBUG.
+    hub = start_hub(trace_server, "--log-level", "debug", "--compression", compression_file(tmp_path),
                     environment=ACCEPT_ALL, distributor=NO_BATCHES)
     with hub.client() as client:
         long_ids = []

@@ -192,3 +192,18 @@ def test_a_query_value_outside_its_set_is_422_listing_the_valid_ones(client: Any
     assert error["field"] == "stage" and "'rejected'" in error["message"]
     assert client.get("/v1/traces", params={"status": "great"}).status_code == 422
     assert client.get("/v1/traces", params={"stage": "rejected"}).status_code == 200
+
+
+# --- commands that do not surprise ---------------------------------------------------
+
+
+def test_batches_list_and_retry_arguments(tmp_path: Path) -> None:
+    config = str(write_config(tmp_path, {"db_path": str(tmp_path / "t.db")}))
+    empty = run_cli("batches", "list", "--state", "failed", "--config", config)
+    assert empty.returncode == 0 and empty.stdout == "no batches failed\n"
+    none = run_cli("batches", "retry", "--all-failed", "--config", config)
+    assert none.returncode == 0 and none.stdout.startswith("0 failed batches")
+    both = run_cli("batches", "retry", "b-1", "--all-failed", "--config", config)
+    assert one_line_error(both) == "error: batches retry: name one BATCH_ID or pass --all-failed"
+    wrong = run_cli("batches", "list", "--state", "lost", "--config", config)
+    assert wrong.returncode == 2 and "invalid choice: 'lost'" in wrong.stderr

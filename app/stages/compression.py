@@ -100,7 +100,9 @@ class CompressionStage:
                 if isinstance(result, Exception):
                     await self._failed(conn, row, result)
                 elif isinstance(result, Skipped):
-                    log.info("compression skipped: trace %s: %s", row.trace_id, result.reason)
+                    # One per trace: detail for DEBUG, not news for INFO.
+                    log.debug("compression skipped: trace %s: %s", row.trace_id, result.reason,
+                              extra={"trace_id": row.trace_id})
                     await self._move(conn, row.trace_id, Stage.COMPRESSION_SKIPPED,
                                      compression={"skipped": result.reason})
                 else:

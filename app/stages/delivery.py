@@ -143,7 +143,8 @@ class DeliveryStage:
                 .values(updated_at=now)
             )
         log.info("batch %s delivered to %s (%d traces, attempt %d)", batch.batch_id,
-                 self._target.name, len(batch.items), batch.attempts)
+                 self._target.name, len(batch.items), batch.attempts,
+                 extra={"batch_id": batch.batch_id})
         return True
 
     async def _failed(self, batch_id: str, attempts: int, exc: Exception) -> None:
