@@ -92,7 +92,7 @@ def test_prune_counts_then_deletes_in_batches(aged: HubProcess, trace_server: di
         assert present(client, *ALL) == set(ALL)
 
         done = run_cli("prune", "--config", config, "--older-than", "30d", "--max-reward", "5",
-                       "--batch-size", "3")
+                       "--batch-size", "3", "--yes")
         assert done.returncode == 0, done.stderr
         assert "deleted: 4 in 2 batches" in done.stdout
         if trace_server["storage_backend"] == "sqlite":
@@ -104,10 +104,12 @@ def test_prune_counts_then_deletes_in_batches(aged: HubProcess, trace_server: di
 
         # --stage: only that stage; the protected ones stay whatever the criteria.
         staged = run_cli("prune", "--config", config, "--older-than", "30d",
-                         "--stage", "accepted", "--stage", "delivered")
+                         "--stage", "accepted", "--stage", "delivered", "--yes")
         assert "deleted: 1 in 1 batches" in staged.stdout, staged.stdout + staged.stderr
         assert present(client, *ALL) == kept - {"old-high"}
-        everything = run_cli("prune", "--config", config, "--older-than", "1s")
+        refused = run_cli("prune", "--config", config, "--older-than", "1s")
+        assert refused.returncode == 2 and "pass --yes" in refused.stderr  # not a terminal
+        everything = run_cli("prune", "--config", config, "--older-than", "1s", "--yes")
         assert "deleted: 1 in 1 batches" in everything.stdout  # new-low
         assert present(client, *ALL) == {"old-batched", "old-leased", "old-pending-batch"}
 

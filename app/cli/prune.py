@@ -4,6 +4,7 @@ never one still on its way to training."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from app.cli.options import Commands, command, duration
 from app.config import load_config
@@ -30,6 +31,8 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
         help="only traces in this stage (repeatable)",
     )
     prune.add_argument("--dry-run", action="store_true", help="count, delete nothing")
+    prune.add_argument("--yes", action="store_true",
+                       help="delete without asking (required when stdin is not a terminal)")
     prune.add_argument("--batch-size", type=int, default=1000, help="traces per transaction")
     prune.add_argument(
         "--no-vacuum", action="store_true", help="SQLite: skip VACUUM (it locks writers out)"
@@ -53,7 +56,20 @@ async def _prune(args: argparse.Namespace) -> int:
         raise ConfigError("--batch-size: must be at least 1")
     config = load_config(args.config)
     criteria = retention.Criteria(args.older_than, args.max_reward, tuple(args.stage))
+    if not (args.dry_run or args.yes or sys.stdin.isatty()):
+        raise ConfigError("prune: stdin is not a terminal to confirm on; pass --yes to delete "
+                          "(or --dry-run to count)")
     async with database(config) as engine:
+        if not (args.dry_run or args.yes):
+            # Count first and ask: a mistyped --older-than would delete everything.
+            counted = await retention.prune(engine, criteria, batch_size=args.batch_size,
+                                            dry_run=True, vacuum=False)
+            print(f"matching: {counted.matched} traces {criteria.describe()}")
+            if counted.matched == 0:
+                return 0
+            if input(f"delete these {counted.matched} traces? [y/N] ").strip().lower() != "y":
+                print("nothing deleted")
+                return 1
         result = await retention.prune(
             engine,
             criteria,
@@ -61,7 +77,8 @@ async def _prune(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
             vacuum=not args.no_vacuum,
         )
-    print(f"matching: {result.matched} traces {criteria.describe()}")
+    if args.dry_run or args.yes:  # else said before asking
+        print(f"matching: {result.matched} traces {criteria.describe()}")
     if args.dry_run:
         print("dry run: nothing deleted")
         return 0
