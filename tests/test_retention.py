@@ -4,6 +4,9 @@ training."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -17,7 +20,7 @@ from app.db.models import SCHEDULED_TASKS, TRACES
 from app.db.types import utcnow
 from app.durations import format_duration, parse_duration
 from app.stages.retention import Criteria
-from tests.conftest import HubProcess, db_execute, native_trace, run_cli, write_config
+from tests.conftest import ROOT, HubProcess, db_execute, native_trace, run_cli, write_config
 
 # The batches tables as the distribution stage creates them (migration 0003); made
 # here when this database has none, to show that retention respects them.
@@ -112,6 +115,32 @@ def test_prune_counts_then_deletes_in_batches(aged: HubProcess, trace_server: di
         everything = run_cli("prune", "--config", config, "--older-than", "1s", "--yes")
         assert "deleted: 1 in 1 batches" in everything.stdout  # new-low
         assert present(client, *ALL) == {"old-batched", "old-leased", "old-pending-batch"}
+
+
+def on_a_terminal(answer: str, *args: str) -> tuple[int, str]:
+    """`atropos ARGS` with a terminal for stdin, answering its question with `answer`."""
+    controller, terminal = os.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=terminal,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        os.write(controller, f"{answer}\n".encode())  # waits in the terminal until read
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        os.close(controller)
+        os.close(terminal)
+    return proc.returncode, out
+
+
+def test_prune_asks_on_a_terminal(aged: HubProcess) -> None:
+    args = ("prune", "--config", str(aged.config), "--older-than", "30d", "--max-reward", "5")
+    code, out = on_a_terminal("n", *args)
+    assert code == 1 and "matching: 4 traces" in out and "nothing deleted" in out
+    with aged.client() as client:
+        assert present(client, *ALL) == set(ALL)
+        code, out = on_a_terminal("y", *args)
+        assert code == 0 and "delete these 4 traces? [y/N]" in out and "deleted: 4" in out
+        assert len(present(client, *ALL)) == len(ALL) - 4
 
 
 def test_worker_applies_retention_once_per_period(
