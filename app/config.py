@@ -11,8 +11,10 @@ read as JSON when it parses (numbers, booleans, lists), else as a plain string.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import pwd
 import random
 from collections.abc import Iterable
 from datetime import timedelta
@@ -73,11 +75,39 @@ class TraceServerConfig(_Section):
     database_url: str | None = None
     max_trace_tokens: int = Field(50000, gt=0)
     flush_interval_seconds: float = Field(30, gt=0)
-    # Processes that parse, score and tokenize incoming traces (app/ingest/processes.py);
-    # null: one per CPU this process may run on, at most 8 (~120 MB RSS each).
+    # Processes that parse, score and tokenize incoming traces and validate and deflate
+    # Atropos groups (app/ingest/processes.py); null: one per CPU this process may run
+    # on, at most 8 (~120 MB RSS each).
     ingest_processes: int | None = Field(None, ge=1, le=64)
     # The log's level for every command run with this file (--log-level overrides it).
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # Proxies whose X-Forwarded-For / X-Forwarded-Proto are believed (IPs or networks,
+    # "*" for any): the client address they name is then the one the per-address rate
+    # limit and the logs use. Empty: the headers are ignored, the peer's address counts.
+    forwarded_allow_ips: list[str] = Field(default_factory=list)
+    # Files the hub creates (database, batch files, logs, exports) are 0600; with a
+    # group named here, 0640 and owned by that group (app/files.py).
+    file_group: str | None = None
+    # Slow clients (app/api/server.py): a request's headers must be in this long after
+    # its first byte, and its body may stall at most body_timeout_seconds (else 408);
+    # past max_connections open connections, requests get 503.
+    header_timeout_seconds: float = Field(10, gt=0)
+    body_timeout_seconds: float = Field(60, gt=0)
+    max_connections: int = Field(4096, gt=0)
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _addresses(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            if entry == "*":
+                continue
+            try:
+                ipaddress.ip_network(entry, strict=False)
+            except ValueError:
+                raise ValueError(
+                    f"{entry!r}: an IP address or network (10.0.0.0/8), or *"
+                ) from None
+        return value
 
     @field_validator("endpoint")
     @classmethod
@@ -85,7 +115,6 @@ class TraceServerConfig(_Section):
         if not value.startswith("/"):
             raise ValueError("must start with '/', e.g. /v1/traces")
         return value.rstrip("/") or "/"
-
 
 
 class EnvRewardConfig(_Section):
@@ -249,9 +278,13 @@ class LimitsConfig(_Section):
     max_step_chars: int = Field(1_000_000, gt=0)
     # Nesting of one trace's JSON. orjson cannot store more than 254 levels.
     max_json_depth: int = Field(64, gt=1, le=250)
+    # The longest an ingest process may spend on one trace (parsing, scoring, counting
+    # its tokens): past it the trace is refused with 422 and the process replaced.
+    max_item_seconds: float = Field(10, gt=0)
     # The write path: traces admitted but not yet committed. Past it, and while one
     # write transaction has waited longer than max_write_wait_seconds (a lock held by
-    # another process, a slow disk), new traces get 503 + Retry-After.
+    # another process, a slow disk), new traces get 503 + Retry-After; so does a trace
+    # not committed within max_write_wait_seconds (and it is never written later).
     max_queued_traces: int = Field(10_000, gt=0)
     max_write_wait_seconds: float = Field(5, gt=0)
     retry_after_seconds: int = Field(2, ge=1)
@@ -329,6 +362,26 @@ class RunsConfig(_Section):
     # ATROPOS_HUB_URL as the run's processes get it; null: the address the request
     # that started the run came in on (an address of this machine that reaches the hub).
     hub_url: str | None = None
+    # The user the run's processes run as (the hub must run as root); null: the hub's.
+    # Processes of the hub's own user can read its environment (/proc/PID/environ),
+    # which holds the model keys the environments are not given.
+    user: str | None = None
+
+    @field_validator("user")
+    @classmethod
+    def _user_exists(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            pwd.getpwnam(value)
+        except KeyError:
+            raise ValueError(f"no user {value!r} on this machine") from None
+        if os.geteuid() != 0:
+            raise ValueError(
+                "only a hub running as root can start processes as another user; "
+                "run the hub as root or remove runs.user"
+            )
+        return value
 
     @field_validator("logs_dir")
     @classmethod
@@ -349,12 +402,26 @@ class AtroposConfig(_Section):
     # Groups waiting (buffered, queued or in a formed batch not yet served); past
     # this, /scored_data answers 503 with Retry-After instead of growing.
     queue_max_groups: int = Field(100_000, gt=0)
-    # The same bound in bytes of stored group JSON; null: no byte limit.
-    queue_max_bytes: int | None = Field(None, gt=0)
+    # The same bound in bytes of stored group JSON (2 GiB); null: no byte limit. A
+    # submission larger than this alone could never be queued: 413.
+    queue_max_bytes: int | None = Field(2 * 1024**3, gt=0)
+    # Groups in one /scored_data_list request, counted before any is parsed; past it 413.
+    max_groups_per_request: int = Field(10_000, gt=0)
     # How long a batch handed out with GET /batch?ack=1 waits for POST /batch/ack
     # before it is served again.
     ack_timeout_seconds: float = Field(60, gt=0)
     retry_after_seconds: int = Field(5, ge=1)
+    # Serve invented inference_logprobs (1.0 at prompt positions, 0.0 elsewhere) for
+    # groups sent without any. Off: a trainer that computes importance ratios against
+    # them optimises a different objective without knowing (docs/atropos.md).
+    fill_missing_logprobs: bool = False
+    # An env not heard from (/scored_data, /scored_data_list, /status-env) for this
+    # long stops counting for weights and minimum allocations until it is heard again:
+    # atroposlib's envs never disconnect, and a dead one would hold batches back.
+    env_timeout_seconds: float = Field(120, gt=0)
+    # With auth.enabled: API keys on the Atropos paths too (environments `ingest`,
+    # trainers `train`). Off by default because atroposlib's clients send no key.
+    require_key: bool = False
 
 
 class HubConfig(_Section):
@@ -373,9 +440,18 @@ class HubConfig(_Section):
     # Absent: nothing is pruned but by `atropos prune`.
     retention: RetentionConfig | None = None
 
+    @model_validator(mode="after")
+    def _keys_need_auth(self) -> HubConfig:
+        if self.atropos.require_key and not self.auth.enabled:
+            raise _error("not_a_key", "needs auth.enabled: true (without it no key is checked)",
+                         ("atropos", "require_key"), True)
+        return self
+
 
 PreservedField = Literal["user_instruction", "final_action", "reward_signal", "error_context"]
-DroppedField = Literal["intermediate_thoughts", "repeated_observations", "redundant_tool_outputs"]
+DroppedField = Literal[
+    "intermediate_thoughts", "repeated_observations", "redundant_tool_outputs", "system_prompt"
+]
 
 
 class CompressionConfig(_Section):
@@ -387,7 +463,11 @@ class CompressionConfig(_Section):
     preserve_fields: list[PreservedField] = Field(
         default_factory=lambda: list(get_args(PreservedField))
     )
-    drop_fields: list[DroppedField] = Field(default_factory=lambda: list(get_args(DroppedField)))
+    # `system_prompt` (cut the system prompt when nothing else is left) is not a default:
+    # the prompt defines the tools and the policy every step follows.
+    drop_fields: list[DroppedField] = Field(
+        default_factory=lambda: [f for f in get_args(DroppedField) if f != "system_prompt"]
+    )
     dedup_window: int = Field(5, ge=0)
     # summarize_middle: turns kept verbatim at the end, and the summary's size (Hermes'
     # trajectory_compressor defaults).
@@ -396,6 +476,14 @@ class CompressionConfig(_Section):
     # A trace whose compression failed (a strategy error, the model unreachable) is
     # retried so, then `compression_failed` with its error.
     retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    # summarize_middle while the model fails: the trace is retried by `retry` (size it
+    # to the outages to ride out), and after its last attempt `retry` leaves it
+    # compression_failed with the model's error, `fallback` compresses it with
+    # key_decision_extract instead (counted in /v1/stats as compression.fallbacks).
+    on_model_failure: Literal["retry", "fallback"] = "retry"
+    # summarize_middle: model calls in flight at once, per worker. Traces that need no
+    # call (skips) never wait for them.
+    max_concurrent_calls: int = Field(4, gt=0)
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> CompressionConfig:

@@ -7,6 +7,7 @@ HubError
  │    └── UnknownFormat (400)
  ├── UnsupportedMediaType (415)
  ├── Invalid (422)                well-formed, but wrong types or values
+ │    └── Unexportable (422)      a trace the export format cannot hold (no assistant turn)
  ├── NotFound (404)
  ├── Conflict (409)               a trace_id resent with other content
  ├── PayloadTooLarge (413)        a size limit; `field` names it (limits.max_...)
@@ -20,6 +21,7 @@ StartupError                      stops start-up with one line (no tokenizer, ..
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -62,6 +64,22 @@ class UnsupportedMediaType(HubError):
 class Invalid(HubError):
     status = 422
     code = "invalid"
+
+    @classmethod
+    def from_pydantic(cls, errors: Sequence[Mapping[str, Any]]) -> Invalid:
+        """The first of pydantic's (or FastAPI's) errors, `field` its location; the
+        message counts the others."""
+        first = errors[0]
+        loc = [str(part) for part in first.get("loc", ()) if part not in ("query", "body", "path")]
+        field = ".".join(loc) or None
+        message = f"{field}: {first['msg']}" if field else str(first["msg"])
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more)"
+        return cls(message, field=field)
+
+
+class Unexportable(Invalid):
+    code = "unexportable"
 
 
 class NotFound(HubError):

@@ -4,6 +4,7 @@ all of them through the API's lifespan; `atropos worker` only the stages."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -13,12 +14,14 @@ from dataclasses import dataclass
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app import files
 from app.access.guard import Access
 from app.atropos import Atropos
 from app.compression import ModelSummarizer
 from app.config import CompressionFile, HubConfig, TinkerFile
 from app.db import migrate
-from app.db.engine import create_engine, database_url, redacted, unusable_database
+from app.db.engine import create_engine, database_url, redacted
+from app.db.errors import unusable_database
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Ingestor, running_ingest
 from app.ingest.inserter import TraceInserter
@@ -63,6 +66,7 @@ class Hub:
 async def open_database(config: HubConfig) -> AsyncEngine:
     """The engine, with the schema brought to the current revision first. A database
     that cannot be opened stops start-up with one line (`unusable_database`)."""
+    files.use_group(config.trace_server.file_group)
     engine: AsyncEngine | None = None
     try:
         engine = create_engine(config.trace_server)
@@ -108,8 +112,6 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
                 on_advance=runner.wake,
             ),
             DistributionStage(engine, config.distributor, on_advance=runner.wake),
-        )
-        runner.add(
             DeliveryStage(
                 engine,
                 build_target(config.distributor, settings.tinker.tinker, http),
@@ -117,7 +119,6 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
                 lease=lease,
                 on_advance=runner.wake,
             ),
-            apart=True,  # a training job takes minutes: the other stages go on meanwhile
         )
         if config.retention is not None:
             runner.add(RetentionStage(engine, config.retention))
@@ -134,22 +135,35 @@ async def running_hub(
     *,
     engine: AsyncEngine | None = None,
     workers: bool = True,
+    answering: asyncio.Event | None = None,
 ) -> AsyncIterator[Hub]:
+    """The hub, serving. `answering`, when given, is set by the caller once the server
+    answers HTTP and the tokenizer is loaded; the ingest processes and the stages start
+    only then, so that a restarted hub answers within a second (atroposlib's envs give
+    up after three tries in 1.5-3 s). A trace that arrives earlier waits for them."""
     engine = engine or await open_database(settings.config)
     try:
         config = settings.config
         async with (
             running_stages(settings, engine) as stages,
             running_ingest(
-                engine, config, environment, admitted=True, on_commit=stages.wake
+                engine, config, environment, admitted=True, on_commit=stages.wake,
+                start=False,  # _start_background starts the processes
             ) as ingest,
         ):
             access = Access(config.auth, engine)
-            atropos = Atropos(engine, config.atropos)
+            if config.auth.enabled and not config.atropos.require_key:
+                log.warning(
+                    "auth.enabled is on but atropos.require_key is off: the Atropos API "
+                    "(/register, /scored_data, /batch, ...) takes no key, so anyone who "
+                    "reaches this port can add groups or take batches (docs/atropos.md)"
+                )
+            atropos = Atropos(engine, config.atropos, ingest.ingestor.processes)
             hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos)
             atropos.start()
-            if workers:
-                stages.start()
+            background = asyncio.create_task(
+                _start_background(hub, workers, answering), name="hub-background"
+            )
             try:
                 if config.runs.enabled:
                     hub.runs = RunSupervisor(engine, config.runs, settings.tinker.tinker)
@@ -160,8 +174,19 @@ async def running_hub(
                 gc.freeze()
                 yield hub
             finally:
+                background.cancel()
+                await asyncio.gather(background, return_exceptions=True)
                 if hub.runs is not None:
                     await hub.runs.close()  # the runs' processes keep running
                 await atropos.stop()
     finally:
         await engine.dispose()
+
+
+async def _start_background(hub: Hub, workers: bool, answering: asyncio.Event | None) -> None:
+    if answering is not None:
+        await answering.wait()
+    hub.ingestor.start()
+    if workers:
+        hub.stages.start()
+        log.info("Compression pipeline ready")

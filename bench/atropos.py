@@ -10,11 +10,15 @@ For each server, one after the other on 127.0.0.1, each phase on a fresh process
    (group size 8); then 32 concurrent keep-alive clients post groups of 8
    sequences x 512 tokens with messages (~73 KB of JSON each) to /scored_data for
    a fixed time, no trainer taking batches: groups acknowledged per second, server
-   CPU per group, p50/p99 latency, peak RSS;
+   CPU per group, p50/p99 latency, peak RSS of the serving process and peak PSS of
+   all its processes (the hub's ingest processes validate and deflate groups);
 2. queue: the same clients fill an empty queue to exactly 10,000 groups (RSS read
    at 5,000 and 10,000); then a trainer calls GET /batch (Accept-Encoding: gzip, as
-   `requests` sends) batch-calls times: p50/p99/max; the first call forms every
-   batch.
+   `requests` sends) batch-calls times: p50/p99/max and server CPU per call; the
+   first call forms every batch.
+
+Server CPU is counted over the server's process tree (for the hub: the serving
+process, the fork server and the ingest processes).
 
 The original is atroposlib's `atroposlib/api/server.py` from PyPI, installed with
 `pip install --no-deps --target` into a temporary directory (its API server needs
@@ -42,7 +46,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.upstream_atroposlib import install_atroposlib, start_run_api  # noqa: E402
+from tests.support.atroposlib import install_atroposlib, start_run_api  # noqa: E402
 
 GROUP_SIZE = 8
 TOKENS = 512
@@ -122,6 +126,7 @@ class Server:
     proc: subprocess.Popen[bytes]
     port: int
     rss_samples: list[int] = field(default_factory=list)
+    pss_samples: list[int] = field(default_factory=list)
 
     def rss_mb(self) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -129,10 +134,43 @@ class Server:
                 return int(line.split()[1]) / 1024
         return float("nan")
 
+    def tree(self) -> list[int]:
+        """The server's pid and its descendants' (the fork server, ingest processes)."""
+        children: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rpartition(")")[2].split()
+            except OSError:
+                continue  # gone meanwhile
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        pids, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            pids.append(pid)
+            todo.extend(children.get(pid, []))
+        return pids
+
+    def pss_mb(self) -> float:
+        """Proportional set size of the whole tree: shared pages counted once."""
+        total = 0
+        for pid in self.tree():
+            try:
+                lines = Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+            except OSError:
+                continue
+            total += sum(int(line.split()[1]) for line in lines if line.startswith("Pss:"))
+        return total / 1024
+
     def cpu_seconds(self) -> float:
-        """User + system CPU time of the server process (all its threads)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        """User + system CPU time of the server's process tree (all threads)."""
+        ticks = 0
+        for pid in self.tree():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            ticks += int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -241,6 +279,7 @@ async def post_groups(
 async def sample_rss(server: Server, stop: asyncio.Event) -> None:
     while not stop.is_set():
         server.rss_samples.append(int(server.rss_mb()))
+        server.pss_samples.append(int(server.pss_mb()))
         await asyncio.sleep(0.2)
 
 
@@ -287,6 +326,7 @@ async def measure_load(server: Server, args: argparse.Namespace, body: bytes) ->
         "p99_ms": quantile(load.latencies, 99),
         "errors": load.errors,
         "peak_rss_mb": max(server.rss_samples),
+        "peak_pss_mb": max(server.pss_samples),
         "queued_after_load": (await call(server.port, "GET", "/status"))["queue_size"],
     }
 
@@ -300,7 +340,10 @@ async def measure_queue(server: Server, args: argparse.Namespace, body: bytes) -
     until = time.perf_counter() + 1800
     await post_groups(server, body, args.clients, fill, until=until, target=CHECKPOINTS[-1])
     queued = (await call(server.port, "GET", "/status"))["queue_size"]
-    latencies = await take_batches(server.port, args.batch_calls)
+    latencies = await take_batches(server.port, 1)  # forms every batch
+    cpu = server.cpu_seconds()
+    latencies += await take_batches(server.port, args.batch_calls - 1)
+    cpu_ms = (server.cpu_seconds() - cpu) * 1000 / (args.batch_calls - 1)
     return {
         "rss_5000_mb": fill.rss_at.get(5_000, float("nan")),
         "rss_10000_mb": fill.rss_at.get(10_000, float("nan")),
@@ -309,6 +352,7 @@ async def measure_queue(server: Server, args: argparse.Namespace, body: bytes) -
         "batch_p50_ms": quantile(latencies, 50),
         "batch_p99_ms": quantile(latencies, 99),
         "batch_max_ms": max(latencies) * 1000,
+        "batch_cpu_ms": cpu_ms,
     }
 
 
@@ -376,18 +420,20 @@ def report(args: argparse.Namespace, body: bytes, results: dict[str, dict[str, A
         ("RSS MB with 5,000 queued", "rss_5000_mb", "{:.0f}"),
         ("RSS MB with 10,000 queued", "rss_10000_mb", "{:.0f}"),
         ("peak RSS MB during the load", "peak_rss_mb", "{:.0f}"),
+        ("peak PSS MB, all processes", "peak_pss_mb", "{:.0f}"),
         ("groups queued after the load", "queued_after_load", "{:.0f}"),
         ("GET /batch first (forms) ms", "batch_first_ms", "{:.1f}"),
         ("GET /batch p50 ms", "batch_p50_ms", "{:.1f}"),
         ("GET /batch p99 ms", "batch_p99_ms", "{:.1f}"),
         ("GET /batch max ms", "batch_max_ms", "{:.1f}"),
+        ("server CPU ms per GET /batch (not first)", "batch_cpu_ms", "{:.2f}"),
         ("database on disk MB, 10,000 queued", "disk_mb", "{:.0f}"),
     ]
     names = list(results)
-    print(f"{'':32}" + "".join(f"{n:>26}" for n in names))
+    print(f"{'':42}" + "".join(f"{n:>26}" for n in names))
     for label, key, fmt in rows:
         cells = [fmt.format(results[n][key]) if key in results[n] else "-" for n in names]
-        print(f"{label:32}" + "".join(f"{c:>26}" for c in cells))
+        print(f"{label:42}" + "".join(f"{c:>26}" for c in cells))
     if len(names) == 2:
         ratio = results[names[1]]["groups_per_s"] / results[names[0]]["groups_per_s"]
         print(f"hub / original groups/s: {ratio:.2f}x")

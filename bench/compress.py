@@ -3,7 +3,7 @@
     python bench/compress.py [--rounds 5]
 
 Corpus: the OpenHands multi_swe_bench runs and SWE-agent .traj files in
-../shared/fixtures/real (loaded by tests/real_traces.py). Input tokens are each trace's
+../shared/fixtures/real (loaded by tests/support/real_traces.py). Input tokens are each trace's
 total_tokens, counted once beforehand as ingest does. The process is pinned to one CPU.
 For comparison it also times tiktoken alone counting the same text, and compression of
 ~5 KB traces (the ingest benchmark's size) in traces/s.
@@ -25,7 +25,7 @@ from app.compression import Compressed, compress
 from app.config import CompressionConfig
 from app.domain import Trace
 from app.ingest.tokens import count_parts
-from tests.real_traces import OPENHANDS, SWE_AGENT, load
+from tests.support.real_traces import OPENHANDS, SWE_AGENT, load
 
 SMALL_BYTES = 5_000
 

@@ -14,8 +14,12 @@ from fastapi import APIRouter, FastAPI
 from app.access.keys import Scope
 from app.api.openapi import install_openapi
 from app.config import AuthConfig
-from tests.conftest import REAL, HubProcess, db_execute, native_trace, run_cli
-from tests.conftest import make_api_key as make_key
+from tests.support import REAL
+from tests.support.builders import native_trace
+from tests.support.databases import db_execute
+from tests.support.databases import make_api_key as make_key
+from tests.support.hubs import InProcessHub
+from tests.support.processes import run_cli
 
 # key_cache_seconds 0: a revocation shows on the very next request.
 AUTH = {"enabled": True, "key_cache_seconds": 0}
@@ -26,13 +30,13 @@ def bearer(key: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def secured(start_hub: Any, trace_server: dict[str, Any]) -> tuple[HubProcess, dict[str, str]]:
+def secured(start_hub: Any, trace_server: dict[str, Any]) -> tuple[InProcessHub, dict[str, str]]:
     hub = start_hub(trace_server, auth=AUTH)
     keys = {scope: make_key(trace_server, scope, name=f"{scope}-key") for scope in Scope}
     return hub, keys
 
 
-def test_no_key_or_a_wrong_one_is_401(secured: tuple[HubProcess, dict[str, str]]) -> None:
+def test_no_key_or_a_wrong_one_is_401(secured: tuple[InProcessHub, dict[str, str]]) -> None:
     hub, keys = secured
     key_id = keys["admin"].split("_")[1]
     wrong = [
@@ -57,7 +61,7 @@ def test_no_key_or_a_wrong_one_is_401(secured: tuple[HubProcess, dict[str, str]]
     assert keys["admin"] not in hub.log
 
 
-def test_scopes(secured: tuple[HubProcess, dict[str, str]]) -> None:
+def test_scopes(secured: tuple[InProcessHub, dict[str, str]]) -> None:
     hub, keys = secured
     with hub.client() as client:
         # ingest: POST only
@@ -165,7 +169,7 @@ def test_cors_is_off_by_default_and_takes_listed_origins(
             "/v1/traces", headers=preflight).headers
         r = client.get("/v1/stats", headers={"Origin": "https://dash.example"})
         assert "access-control-allow-origin" not in r.headers
-    hub.kill()
+    hub.stop()
     hub = start_hub(trace_server, auth={"cors_origins": ["https://dash.example"]})
     with hub.client() as client:
         r = client.options("/v1/traces", headers=preflight)
@@ -215,6 +219,38 @@ def test_rate_limit_without_auth_is_per_address(
     assert db_execute(trace_server, "SELECT trace_id FROM traces WHERE trace_id = 'limited'") == []
 
 
+def test_a_forwarded_address_counts_only_from_a_listed_proxy(
+    start_hub_process: Any, trace_server: dict[str, Any]
+) -> None:
+    """X-Forwarded-For let any client on loopback pick its own address and escape the
+    per-address rate limit (issue 17): it is believed only from
+    trace_server.forwarded_allow_ips, which lists none by default. (`atropos serve`
+    itself: the headers are uvicorn's to believe.)"""
+    limit = {"rate_limit_per_second": 0.05}
+    hub = start_hub_process(trace_server, "--no-workers", auth=limit)
+    with hub.client() as client:
+        assert client.get("/v1/stats", headers={"X-Forwarded-For": "10.0.0.1"}).status_code == 200
+        r = client.get("/v1/stats", headers={"X-Forwarded-For": "10.0.0.2"})
+        assert r.status_code == 429 and "127.0.0.1" in r.json()["error"]["message"]
+
+    proxied = start_hub_process({**trace_server, "forwarded_allow_ips": ["127.0.0.0/8"]},
+                                "--no-workers", auth=limit)
+    with proxied.client() as client:
+        for address in ("10.0.0.1", "10.0.0.2"):  # two clients behind the proxy
+            r = client.get("/v1/stats", headers={"X-Forwarded-For": address})
+            assert r.status_code == 200, r.text
+        r = client.get("/v1/stats", headers={"X-Forwarded-For": "10.0.0.1"})
+        assert r.status_code == 429 and "10.0.0.1" in r.json()["error"]["message"]
+
+
+def test_forwarded_allow_ips_takes_addresses_and_networks(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text('{"trace_server": {"forwarded_allow_ips": ["proxy.local"]}}')
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "trace_server.forwarded_allow_ips" in result.stderr and "network" in result.stderr
+
+
 def test_an_unguarded_v1_route_stops_start_up() -> None:
     app = FastAPI()
     api = APIRouter()
@@ -242,7 +278,7 @@ def test_auth_config_errors(tmp_path: Path) -> None:
 def test_import_over_http_sends_the_key_and_waits_when_told(
     start_hub: Any, trace_server: dict[str, Any]
 ) -> None:
-    hub = start_hub(trace_server, "--no-workers",
+    hub = start_hub(trace_server, "--no-workers", listen=True,  # `import --url` needs a socket
                     auth={**AUTH, "rate_limit_per_second": 1, "rate_limit_burst": 1})
     files = str(REAL / "tau-bench")  # 200 traces: four requests, three of them limited
     refused = run_cli("import", "--config", str(hub.config), "--url", hub.url, files)
@@ -255,7 +291,7 @@ def test_import_over_http_sends_the_key_and_waits_when_told(
     assert key not in result.stdout + result.stderr
 
 
-def test_runs_need_the_admin_scope(secured: tuple[HubProcess, dict[str, str]]) -> None:
+def test_runs_need_the_admin_scope(secured: tuple[InProcessHub, dict[str, str]]) -> None:
     hub, keys = secured
     with hub.client() as client:
         for scope in ("read", "ingest"):

@@ -9,7 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import REAL, native_trace
+from tests.support import REAL
+from tests.support.builders import native_trace
 
 
 def post(client: httpx.Client, body: Any, **kwargs: Any) -> httpx.Response:
@@ -124,6 +125,47 @@ def test_gzip_body(client: httpx.Client) -> None:
     assert r.json()["trace_id"] == "gz"
 
 
+def test_gzip_of_several_members_is_read_whole(client: httpx.Client) -> None:
+    """`gzip -c a.jsonl b.jsonl` writes one member per file (RFC 1952); the second one
+    was dropped without a word."""
+    a, b = (json.dumps(native_trace(trace_id=name)).encode() + b"\n" for name in ("a", "b"))
+    r = client.post(
+        "/v1/traces",
+        content=gzip.compress(a) + gzip.compress(b) + b"\x00" * 8,  # padding, as tapes do
+        headers={"content-type": "application/x-ndjson", "content-encoding": "gzip"},
+    )
+    assert r.status_code == 207, r.text
+    assert [item["trace_id"] for item in r.json()["results"]] == ["a", "b"]
+    r = client.post(
+        "/v1/traces",
+        content=gzip.compress(a) + b"not gzip",
+        headers={"content-type": "application/x-ndjson", "content-encoding": "gzip"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_gzip"
+
+
+def test_batch_envelope_and_array_are_taken_apart_item_by_item(client: httpx.Client) -> None:
+    openai = {"messages": [{"role": "user", "content": "2+2?"},
+                           {"role": "assistant", "content": "4"}]}
+    body = {"note": {"traces": []}, "traces": [{**openai, "trace_id": "o-1"}],
+            "format": "openai"}
+    r = post(client, body)
+    assert r.status_code == 207 and r.json()["results"][0]["trace_id"] == "o-1"
+    # A trace that mentions "traces" is still one trace.
+    r = post(client, native_trace(trace_id="one", task='count the "traces"'))
+    assert r.status_code == 202 and r.json()["trace_id"] == "one"
+    for bad in (b'[{"task": "x"} {"task": "y"}]', b'{"traces": [{}]} trailing',
+                b'[{"task": "x"}', b'{"traces": [], "a": }'):
+        r = client.post("/v1/traces", content=bad, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "malformed_json", bad
+    # An item that is JSON to some parsers only: refused alone, its neighbours stored.
+    r = client.post("/v1/traces", content=b'[{"task": "x", "steps": [], "n": NaN}, '
+                    + json.dumps(native_trace(trace_id="after-nan")).encode() + b"]",
+                    headers={"content-type": "application/json"})
+    first, second = r.json()["results"]
+    assert first["error"]["code"] == "malformed_json" and second["trace_id"] == "after-nan"
+
+
 @pytest.mark.parametrize(
     "content, headers, status, code",
     [
@@ -153,6 +195,46 @@ def test_bad_input_is_a_clear_4xx(
     else:
         assert all("error" in item for item in r.json()["results"])
     assert client.get("/v1/stats").json()["traces"] == 0
+
+
+def test_nul_characters_are_stored_the_same_on_both_databases(client: httpx.Client) -> None:
+    """PostgreSQL's text and jsonb cannot hold NUL, SQLite can: a trace with one sank its
+    whole group commit on PostgreSQL (issue 17). Agents write them (smolagents reading a
+    binary file, in the real corpus): stored as U+FFFD on both, everywhere."""
+    nul = native_trace(trace_id="nul", env="sh\x00ell",
+                       steps=[{"type": "observation", "content": "PK\x03\x04\x00\x00"}],
+                       metadata={"k\x00": "v"})
+    r = post(client, [nul, native_trace(trace_id="beside")])
+    assert [item.get("trace_id") for item in r.json()["results"]] == ["nul", "beside"], r.text
+    for view in ("canonical", "original"):
+        stored = client.get("/v1/traces/nul", params={"view": view}).json()
+        text = json.dumps(stored)  # every character past ASCII as \\uXXXX
+        assert "\\u0000" not in text and "PK\\u0003\\u0004\\ufffd\\ufffd" in text, (view, text)
+        assert "sh\\ufffdell" in text and "k\\ufffd" in text
+    # Sent again, it is the same trace.
+    assert post(client, nul).json()["duplicate"] is True
+    # The text \\u0000 (a backslash, then u0000) is no NUL, and is kept as sent.
+    assert post(client, native_trace(trace_id="text", task="say \\u0000")).status_code == 202
+    assert client.get("/v1/traces/text").json()["trace"]["task"] == "say \\u0000"
+    # Too long for a String(200) column: PostgreSQL refused it, SQLite stored it.
+    r = post(client, native_trace(trace_id="long-env", env="e" * 201))
+    assert r.status_code == 422 and r.json()["error"]["field"] == "env"
+    assert client.get("/v1/stats").json()["traces"] == 3
+
+
+def test_trace_ids_with_slashes_are_read_back_and_control_characters_refused(
+    client: httpx.Client,
+) -> None:
+    for trace_id in ("swe-bench/django-1234/run-3", "a/b", "x%2Fy", "a b"):
+        assert post(client, native_trace(trace_id=trace_id)).status_code == 202, trace_id
+        quoted = httpx.URL(f"/v1/traces/{trace_id.replace('%', '%25').replace('/', '%2F')}")
+        for path in (f"/v1/traces/{trace_id.replace('%', '%25')}", quoted):
+            r = client.get(path)
+            assert r.status_code == 200 and r.json()["trace_id"] == trace_id, (path, r.text)
+    # A trace_id goes into log lines: one that could forge a line is refused.
+    for trace_id in ("a\nERROR forged", "a\rb", "a\x1b[31mred", "a\u2028b", "a\u202eb"):
+        r = post(client, native_trace(trace_id=trace_id))
+        assert r.status_code == 422 and r.json()["error"]["field"] == "trace_id", trace_id
 
 
 def test_body_limit(start_hub: Any, trace_server: dict[str, Any]) -> None:

@@ -1,6 +1,6 @@
 """The Atropos trajectory API on a live hub, over both databases: the handshake,
 batching (weights, minimum allocations, mixed group sizes), the ack lease, the
-queue bound, and kill -9 at each step."""
+queue bound, and kill -9 at each step (those tests start hub processes)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import (
-    PG_ADMIN_URL,
-    HubProcess,
-    create_pg_database,
-    drop_pg_database,
-    make_api_key,
-    write_config,
-)
+from tests.support.databases import PG_ADMIN_URL, create_pg_database, drop_pg_database, make_api_key
+from tests.support.hubs import InProcessHub, write_config
+from tests.support.processes import HubProcess, run_cli
+from tests.support.waiting import wait_until
 
 TRAINER = {
     "wandb_group": "group",
@@ -43,22 +39,22 @@ _NO_PG = pytest.mark.skipif(not PG_ADMIN_URL, reason="no PostgreSQL: set ATROPOS
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("postgresql", marks=_NO_PG)])
 def shared_hub(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[HubProcess]:
+) -> Iterator[InProcessHub]:
     """One hub per database for the tests that need no restart or special config."""
     directory = tmp_path_factory.mktemp("atropos")
     if request.param == "sqlite":
         trace_server = {"storage_backend": "sqlite", "db_path": str(directory / "hub.db")}
     else:
         trace_server = {"storage_backend": "postgresql", "database_url": create_pg_database()}
-    hub = HubProcess(write_config(directory, trace_server)).start()
+    hub = InProcessHub(write_config(directory, trace_server)).start()
     yield hub
-    hub.kill()
+    hub.stop()
     if request.param == "postgresql":
         drop_pg_database(trace_server["database_url"])
 
 
 @pytest.fixture
-def api(shared_hub: HubProcess) -> Iterator[httpx.Client]:
+def api(shared_hub: InProcessHub) -> Iterator[httpx.Client]:
     """A client of the shared hub, reset to no registered trainer."""
     with shared_hub.client() as client:
         assert client.get("/reset_data").text == "Reset successful"
@@ -125,7 +121,10 @@ def restart(hub: HubProcess, client: httpx.Client) -> httpx.Client:
 # --- handshake ------------------------------------------------------------------------
 
 
-def test_handshake_killed_at_each_step(hub: HubProcess) -> None:
+def test_handshake_killed_at_each_step(
+    start_hub_process: Any, trace_server: dict[str, Any]
+) -> None:
+    hub: HubProcess = start_hub_process(trace_server)
     client = hub.client()
     assert client.get("/info").json() == {"batch_size": -1, "max_token_len": -1}
     assert client.get("/wandb_info").json() == {"group": None, "project": None}
@@ -181,7 +180,10 @@ def test_status_env_needs_a_registered_env(api: httpx.Client) -> None:
 # --- batching -------------------------------------------------------------------------
 
 
-def test_first_batch_forms_every_batch_then_serves_one_per_call(hub: HubProcess) -> None:
+def test_first_batch_forms_every_batch_then_serves_one_per_call(
+    start_hub_process: Any, trace_server: dict[str, Any]
+) -> None:
+    hub: HubProcess = start_hub_process(trace_server)
     client = hub.client()
     register(client, batch_size=4)
     start(client)
@@ -224,6 +226,51 @@ def test_weights_and_minimum_allocation(api: httpx.Client) -> None:
     assert api.get("/status").json() == {"current_step": 1, "queue_size": 4}
 
 
+def test_a_dead_env_stops_holding_batches_back(
+    start_hub_process: Any, trace_server: dict[str, Any]
+) -> None:
+    """atroposlib's envs never call /disconnect-env. An env that was killed while
+    owed half of every batch stops counting once silent for env_timeout_seconds: the
+    env that replaced it gets its batches; heard from again, it counts again."""
+    timeout = 1.5
+    hub: HubProcess = start_hub_process(trace_server, atropos={"env_timeout_seconds": timeout})
+    client = hub.client()
+    register(client, batch_size=4)
+    start(client)
+    dead = register_env(client, group_size=2, min_batch_allocation=0.5)["env_id"]
+    last_words = group(2, dead)
+    post(client, last_words)
+    # The env dies; the hub restarts too (the ghost is in the database); a new env
+    # registers and sends.
+    killed_at = time.monotonic()
+    client = restart(hub, client)
+    new = register_env(client, group_size=2, desired_name="again")["env_id"]
+    sent = [marker(g) for g in (group(2, new) for _ in range(2)) if post(client, g)]
+    status = client.get("/status-env", params={"env_id": new}).json()
+    if time.monotonic() - killed_at < timeout:
+        assert status["env_weight"] == 0.5  # the dead env still counts: no batch yet
+        assert batch_markers(client) is None
+    got = wait_until(lambda: batch_markers(client), timeout + 10,
+                     what="a batch after the dead env's timeout")
+    assert time.monotonic() - killed_at >= timeout
+    # Without the minimum, the queue order: the dead env's group, then the new one's.
+    assert got == [marker(last_words), sent[0]]
+    status = client.get("/status-env", params={"env_id": new}).json()
+    assert status["env_weight"] == 1.0 and status["unallocated_fraction"] == 1.0
+    envs = {e["env_id"]: e for e in client.get("/v1/stats").json()["atropos"]["envs"]}
+    assert envs[dead]["counting"] is False and envs[new]["counting"] is True
+    assert envs[dead]["last_seen"] < envs[new]["last_seen"] <= status["last_seen"]
+    # Heard from again (its /status-env), the env counts again under its id: owed
+    # half of the batch, with nothing queued, it holds the batch until it sends.
+    assert client.get("/status-env", params={"env_id": dead}).json()["env_weight"] == 0.5
+    assert client.get("/v1/stats").json()["atropos"]["envs"][dead]["counting"] is True
+    assert batch_markers(client) is None
+    back = group(2, dead)
+    post(client, back)
+    assert batch_markers(client) == [marker(back), sent[1]]
+    client.close()
+
+
 def test_mixed_group_sizes_are_buffered_per_env(api: httpx.Client) -> None:
     register(api, batch_size=8)
     start(api)
@@ -249,19 +296,37 @@ def test_mixed_group_sizes_are_buffered_per_env(api: httpx.Client) -> None:
     assert batch_markers(api) == [marker(g) for g in (g1, g2, whole, o1, o2)]
 
 
-def test_inference_logprobs_are_filled_when_absent(api: httpx.Client) -> None:
+def test_inference_logprobs_are_served_as_sent(api: httpx.Client) -> None:
+    """None invented: atroposlib's GRPO trainer must see that an env sent none."""
     register(api, batch_size=2)
     start(api)
-    sent = group(1, masks=[[-100, -100, 12]], tokens=[[1, 11, 12, 13]])
-    post(api, sent)
+    without = group(1)
+    post(api, without)
     with_logprobs = group(1, inference_logprobs=[[1.0, 1.0, -0.5, -0.25]])
     post(api, with_logprobs)
-    assert api.get("/latest_example").json()["inference_logprobs"] == [[1.0, 1.0, -0.5, -0.25]]
     served = api.get("/batch").json()["batch"]
+    assert served == [_as_served(without), _as_served(with_logprobs)]
+    assert served[0]["inference_logprobs"] is None
+
+
+def test_missing_logprobs_are_filled_when_asked(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    hub: HubProcess = start_hub(trace_server, atropos={"fill_missing_logprobs": True})
+    with hub.client() as client:
+        register(client, batch_size=2)
+        start(client)
+        sent = group(1, masks=[[-100, -100, 12]], tokens=[[1, 11, 12, 13]])
+        post(client, sent)
+        with_logprobs = group(1, inference_logprobs=[[1.0, 1.0, -0.5, -0.25]])
+        post(client, with_logprobs)
+        assert client.get("/latest_example").json()["inference_logprobs"] == [
+            [1.0, 1.0, -0.5, -0.25]
+        ]
+        served = client.get("/batch", headers={"accept-encoding": "identity"}).json()["batch"]
     # Prompt positions (mask -100) get 1.0, the others 0.0, beyond the mask too.
-    assert served[0]["inference_logprobs"] == [[1.0, 1.0, 0.0, 0.0]]
-    assert served[1]["inference_logprobs"] == [[1.0, 1.0, -0.5, -0.25]]
     assert served[0] == _as_served(sent) | {"inference_logprobs": [[1.0, 1.0, 0.0, 0.0]]}
+    assert served[1] == _as_served(with_logprobs)
 
 
 def _as_served(g: dict[str, Any]) -> dict[str, Any]:
@@ -286,8 +351,8 @@ def test_latest_example_is_the_group_as_sent(api: httpx.Client) -> None:
 # --- the ack lease --------------------------------------------------------------------
 
 
-def test_ack_lease_and_redelivery(start_hub: Any, trace_server: dict[str, Any]) -> None:
-    hub: HubProcess = start_hub(trace_server, atropos={"ack_timeout_seconds": 0.5})
+def test_ack_lease_and_redelivery(start_hub_process: Any, trace_server: dict[str, Any]) -> None:
+    hub: HubProcess = start_hub_process(trace_server, atropos={"ack_timeout_seconds": 0.5})
     client = hub.client()
     register(client, batch_size=2)
     start(client)
@@ -307,13 +372,13 @@ def test_ack_lease_and_redelivery(start_hub: Any, trace_server: dict[str, Any]) 
     lost = client.get("/batch", params={"ack": "true"}).json()
     assert [marker(g) for g in lost["batch"]] == [marker(second)]
     client = restart(hub, client)
-    time.sleep(0.6)
+    time.sleep(0.6)  # not a wait for anything: ack_timeout_seconds passes
     # Back at the front of the queue: served again before anything else.
     assert batch_markers(client) == [marker(second)]
     r = client.post("/batch/ack", json={"batch_id": lost["batch_id"]})
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_batch"
     late = client.get("/batch", params={"ack": 1}).json()
-    time.sleep(0.6)
+    time.sleep(0.6)  # not a wait for anything: the ack below comes after the lease ran out
     # Acknowledged after its lease ran out, but before anyone else got it: taken.
     assert client.post("/batch/ack", json={"batch_id": late["batch_id"]}).status_code == 200
     assert batch_markers(client) is None
@@ -328,7 +393,7 @@ def test_queue_bound_answers_503_with_retry_after(
     start_hub: Any, trace_server: dict[str, Any]
 ) -> None:
     limits = {"queue_max_groups": 3, "queue_max_bytes": 5000, "retry_after_seconds": 7}
-    hub: HubProcess = start_hub(trace_server, atropos=limits)
+    hub: InProcessHub = start_hub(trace_server, atropos=limits)
     client = hub.client()
     register(client, batch_size=2)
     start(client)
@@ -343,15 +408,23 @@ def test_queue_bound_answers_503_with_retry_after(
     r = client.post("/scored_data_list", json=[group(1), group(1), group(1)])
     assert r.status_code == 503
     assert client.get("/status").json()["queue_size"] == 1
-    big = group(1, messages=[[{"role": "user", "content": "x" * 4800}]])
+    # Fits an empty queue, not beside the group waiting: retry later.
+    big = group(1, messages=[[{"role": "user", "content": "x" * 4600}]])
     r = client.post("/scored_data", json=big)
     assert r.status_code == 503 and "queue_max_bytes is 5000" in r.json()["error"]["message"]
+    # Would not fit an empty queue: no retry can help (it was a 503 forever).
+    bigger = group(1, messages=[[{"role": "user", "content": "x" * 5000}]])
+    r = client.post("/scored_data", json=bigger)
+    assert r.status_code == 413 and "retry-after" not in r.headers
+    assert r.json()["error"]["field"] == "atropos.queue_max_bytes"
+    r = client.post("/scored_data_list", json=[group(1)] * 4)
+    assert r.status_code == 413 and r.json()["error"]["field"] == "atropos.queue_max_groups"
     assert client.post("/scored_data_list", json=[group(1)]).status_code == 200
     client.close()
 
 
 def test_gzip_in_and_out(api: httpx.Client) -> None:
-    register(api, batch_size=1)
+    register(api, batch_size=2)
     big = group(1, messages=[[{"role": "user", "content": "y" * 3000}]])
     r = api.post(
         "/scored_data",
@@ -368,6 +441,17 @@ def test_gzip_in_and_out(api: httpx.Client) -> None:
     assert "content-encoding" not in r.headers
     r = api.get("/info", headers={"accept-encoding": "gzip"})  # under 1000 bytes
     assert "content-encoding" not in r.headers
+    # A batch is spliced from the stored groups into one gzip stream: the same JSON.
+    start(api)
+    small = group(1)
+    post(api, small)
+    with api.stream("GET", "/batch", params={"ack": 1}, headers={"accept-encoding": "gzip"}) as r:
+        assert r.headers["content-encoding"] == "gzip"
+        leased = json.loads(gzip.decompress(b"".join(r.iter_raw())))
+    assert leased["batch"] == [_as_served(big), _as_served(small)]
+    assert len(leased["batch_id"]) == 32
+    r = api.get("/latest_example", headers={"accept-encoding": "identity"})
+    assert r.json() == _as_served(small)
 
 
 def test_bad_input_gets_4xx(api: httpx.Client) -> None:
@@ -385,13 +469,35 @@ def test_bad_input_gets_4xx(api: httpx.Client) -> None:
     assert api.post("/scored_data", content=b"{").status_code == 422
 
 
+def test_nan_and_infinity_are_refused(api: httpx.Client) -> None:
+    """They are not JSON; stored, they were served back as null (issue 17)."""
+    register(api, batch_size=1)
+    json_body = {"content-type": "application/json"}
+    for number in (b"NaN", b"Infinity", b"-Infinity", b"1e400"):
+        body = b'{"tokens": [[1]], "masks": [[1]], "scores": [' + number + b"]}"
+        r = api.post("/scored_data", content=body, headers=json_body)
+        assert r.status_code == 422 and r.json()["error"]["field"] == "scores.0", number
+        r = api.post("/scored_data_list", content=b"[" + body + b"]", headers=json_body)
+        assert r.status_code == 422 and r.json()["error"]["field"] == "0.scores.0", number
+        advantages = body[:-1] + b', "advantages": [[' + number + b"]]}"
+        r = api.post("/scored_data", content=advantages.replace(number + b"]", b"1]", 1),
+                     headers=json_body)
+        assert r.status_code == 422 and r.json()["error"]["field"] == "advantages.0.0", number
+    # Where a group takes any JSON (messages, overrides), too.
+    body = (b'{"tokens": [[1]], "masks": [[1]], "scores": [1], '
+            b'"messages": [[{"role": "user", "content": NaN}]]}')
+    r = api.post("/scored_data", content=body, headers=json_body)
+    assert r.status_code == 422 and "NaN" in r.json()["error"]["message"]
+    assert api.get("/latest_example").json()["scores"] != [None]
+
+
 def test_with_auth_on_reset_takes_an_admin_key_and_the_rest_stays_open(
     tmp_path: Path,
 ) -> None:
     """atroposlib clients send no key: with auth.enabled only /reset_data, the one path
     that destroys, asks for one, an API key with the admin scope like /v1/runs."""
     trace_server = {"db_path": str(tmp_path / "hub.db")}
-    hub = HubProcess(write_config(tmp_path, trace_server, auth={"enabled": True})).start()
+    hub = InProcessHub(write_config(tmp_path, trace_server, auth={"enabled": True})).start()
     ingest_key = make_api_key(trace_server, "ingest")
     admin_key = make_api_key(trace_server, "admin")
     try:
@@ -407,20 +513,97 @@ def test_with_auth_on_reset_takes_an_admin_key_and_the_rest_stays_open(
             assert client.get("/info").json()["batch_size"] == -1
             reset = client.get("/openapi.json").json()["paths"]["/reset_data"]["get"]
             assert {"401", "403"} <= set(reset["responses"])
+        # Open by choice, and said so once at start-up.
+        assert "atropos.require_key is off" in hub.log
+    finally:
+        hub.stop()
+
+
+def test_with_require_key_envs_need_ingest_and_trainers_train(tmp_path: Path) -> None:
+    """With auth on, anyone who reached the port could inject groups, take batches
+    (which removes them) or read /latest_example (issue 17). atropos.require_key
+    closes every path but / to requests without a key of the right scope."""
+    trace_server = {"db_path": str(tmp_path / "hub.db")}
+    config = write_config(tmp_path, trace_server, auth={"enabled": True},
+                          atropos={"require_key": True})
+    hub = HubProcess(config).start()
+    keys = {scope: make_api_key(trace_server, scope, name=scope)
+            for scope in ("ingest", "train", "read", "admin")}
+    env, trainer, reader, admin = ({"Authorization": f"Bearer {keys[s]}"}
+                                   for s in ("ingest", "train", "read", "admin"))
+    try:
+        with hub.client() as client:
+            # No key: 401 everywhere, before anything is read or changed.
+            for method, path in [("POST", "/register"), ("GET", "/batch"),
+                                 ("GET", "/latest_example"), ("POST", "/register-env"),
+                                 ("POST", "/scored_data"), ("POST", "/scored_data_list"),
+                                 ("GET", "/status"), ("GET", "/info"), ("GET", "/wandb_info"),
+                                 ("GET", "/status-env"), ("POST", "/disconnect-env"),
+                                 ("POST", "/batch/ack"), ("GET", "/reset_data")]:
+                r = client.request(method, path, json={})
+                assert r.status_code == 401, (path, r.text)
+                assert r.json()["error"]["field"] == "Authorization"
+            assert client.get("/").status_code == 200
+
+            # The trainer's paths take a train key, not an environment's.
+            r = client.post("/register", json=TRAINER, headers=env)
+            assert r.status_code == 403 and "needs train" in r.json()["error"]["message"]
+            assert client.post("/register", json=TRAINER, headers=trainer).status_code == 200
+            assert client.get("/batch", headers=env).status_code == 403
+            assert client.get("/batch", headers=trainer).status_code == 200
+
+            # The environments' paths take an ingest key, not a trainer's.
+            body = {"max_token_length": 512, "desired_name": "env", "weight": 1.0,
+                    "group_size": 2}
+            assert client.post("/register-env", json=body, headers=trainer).status_code == 403
+            env_id = client.post("/register-env", json=body, headers=env).json()["env_id"]
+            g = group(2, env_id)
+            assert client.post("/scored_data", json=g, headers=trainer).status_code == 403
+            assert client.post("/scored_data", json=g, headers=env).status_code == 200
+            assert client.get("/latest_example", headers=env).status_code == 403
+            latest = client.get("/latest_example", headers=trainer).json()
+            assert marker(latest) == marker(g)
+
+            # What both sides read: any key, a read key too.
+            for headers in (env, trainer, reader):
+                assert client.get("/status", headers=headers).json()["queue_size"] == 1
+                assert client.get("/info", headers=headers).json()["batch_size"] == 8
+
+            # Destroying stays admin's.
+            assert client.get("/reset_data", headers=trainer).status_code == 403
+            assert client.get("/reset_data", headers=admin).text == "Reset successful"
+            doc = client.get("/openapi.json").json()["paths"]
+            assert doc["/scored_data"]["post"]["security"] == [{"bearerAuth": ["ingest"]}]
+        assert "atropos.require_key is off" not in hub.log
     finally:
         hub.kill()
+
+
+def test_require_key_without_auth_stops_start_up(tmp_path: Path) -> None:
+    config = write_config(tmp_path, {"db_path": str(tmp_path / "hub.db")},
+                          atropos={"require_key": True})
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "atropos.require_key: needs auth.enabled: true" in result.stderr
+
+
+def test_the_queue_is_bounded_in_bytes_by_default() -> None:
+    """0.3 MB of gzip became 320 MB on disk with the byte bound off by default."""
+    from app.config import AtroposConfig
+
+    assert AtroposConfig().queue_max_bytes == 2 * 1024**3
 
 
 # --- durability and concurrency under load ---------------------------------------------
 
 
 def test_kill_9_under_load_loses_no_group_and_acks_each_once(
-    start_hub: Any, trace_server: dict[str, Any]
+    start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
     """Envs post and a trainer takes leased batches while the hub is killed -9 and
     restarted: every group the hub acknowledged is delivered, each is acknowledged
     exactly once, and a group is delivered again only if its ack never arrived."""
-    hub: HubProcess = start_hub(trace_server, atropos={"ack_timeout_seconds": 1})
+    hub: HubProcess = start_hub_process(trace_server, atropos={"ack_timeout_seconds": 1})
     with hub.client() as client:
         register(client, batch_size=2)  # any group stored, acknowledged or not, is a batch
         start(client)
@@ -463,12 +646,10 @@ def test_kill_9_under_load_loses_no_group_and_acks_each_once(
     trainers = [threading.Thread(target=trainer) for _ in range(2)]
     for t in workers + trainers:
         t.start()
-    while len(posted) < 60:
-        time.sleep(0.01)
+    wait_until(lambda: len(posted) >= 60, 60, what="60 groups posted", poll=0.01)
     hub.kill()
     hub.start()
-    while len(posted) < 120:
-        time.sleep(0.01)
+    wait_until(lambda: len(posted) >= 120, 60, what="120 groups posted", poll=0.01)
     stop_posting.set()
     for t in workers:
         t.join()
@@ -491,9 +672,9 @@ def test_kill_9_under_load_loses_no_group_and_acks_each_once(
 
 
 def test_two_hubs_on_one_database_serve_each_group_once(
-    start_hub: Any, trace_server: dict[str, Any]
+    start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
-    hubs: list[HubProcess] = [start_hub(trace_server), start_hub(trace_server)]
+    hubs: list[HubProcess] = [start_hub_process(trace_server), start_hub_process(trace_server)]
     with hubs[0].client() as client:
         register(client, batch_size=4)
         start(client)
@@ -511,8 +692,10 @@ def test_two_hubs_on_one_database_serve_each_group_once(
                 posted.append(marker(g))
 
     def trainer(hub: HubProcess) -> None:
+        deadline = time.monotonic() + 120
         with hub.client() as c:
             while not done.is_set() or c.get("/status").json()["queue_size"]:
+                assert time.monotonic() < deadline, "the queue never drained"
                 r = c.get("/batch")
                 assert r.status_code == 200, r.text
                 batch = r.json()["batch"]

@@ -1,9 +1,13 @@
 """The Atropos domain's pure parts, without a server: batch formation, buffer
-release, filled logprobs, request limits; and the tables against the migration.
+release, filled logprobs, stored segments, request limits; and the tables against
+the migration.
 (tests/test_atropos_upstream.py checks formation against atroposlib itself.)"""
 
 from __future__ import annotations
 
+import gzip
+import random
+import zlib
 from typing import Any
 
 import pytest
@@ -14,6 +18,7 @@ from pydantic import ValidationError
 from app.atropos.logprobs import fill_inference_logprobs
 from app.atropos.models import RegisterEnv, Registration, ScoredData
 from app.atropos.packing import EnvShare, Item, form_batches, groups_summing_to
+from app.atropos.segments import deflate, gzip_join, literal, plain_join
 from app.config import TraceServerConfig
 from app.db import migrate
 from app.db.engine import create_engine
@@ -67,6 +72,21 @@ def test_inference_logprobs_fill_prompt_with_1_and_the_rest_with_0() -> None:
     ]
     sent = {**group, "inference_logprobs": [[1.0, -0.5, -0.1], [1.0, -2.0]]}
     assert fill_inference_logprobs(sent) is sent
+
+
+def test_stored_segments_splice_into_one_gzip_answer() -> None:
+    """Groups deflated one by one, and constant pieces deflated once, join into the
+    gzip stream (and the plain text) of their concatenation: what GET /batch sends."""
+    rnd = random.Random(3)
+    texts = [
+        literal(b'{"batch":['),
+        *(deflate(rnd.randbytes(rnd.randrange(0, 70_000)).hex().encode()) for _ in range(3)),
+        literal(b"]}"),
+    ]
+    whole = b"".join(plain_join([t]) for t in texts)
+    assert gzip.decompress(gzip_join(texts)) == whole == plain_join(texts)
+    assert zlib.decompress(gzip_join(texts), 16 + zlib.MAX_WBITS) == whole
+    assert gzip.decompress(gzip_join([])) == b""
 
 
 @pytest.mark.parametrize(

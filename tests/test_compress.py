@@ -12,12 +12,12 @@ from app.compression import Compressed, ModelSummarizer, Skipped, compress
 from app.compression.compress import _budget
 from app.compression.extract import _dedup, key_decision_extract, shape
 from app.compression.ledger import Budget, Ledger, is_error
-from app.compression.summarize import PREFIX, _span, _Turn
+from app.compression.summarize import PREFIX, _span, _turns
 from app.config import CompressionConfig, TinkerConfig
 from app.domain import Step, StepType, Trace
 from app.ingest.tokens import count_parts
-from tests.fakes.model_server import FakeModel
-from tests.real_traces import OPENHANDS, SWE_AGENT, load
+from tests.support.fakes.model_server import FakeModel
+from tests.support.real_traces import OPENHANDS, SWE_AGENT, load
 
 REAL = OPENHANDS + SWE_AGENT
 # The long runs: OpenHands multi_swe_bench (50-80k raw tokens) and the longer SWE-agent ones.
@@ -59,10 +59,11 @@ async def test_real_runs_land_within_bounds(path: Path) -> None:
 
 
 def _assert_only_preserved_left(trace: Trace, policy: CompressionConfig, target: int) -> None:
-    """Over 25% above target is allowed only when nothing unpreserved is left to cut."""
+    """Over 25% above target is allowed only when nothing unpreserved is left that could
+    go without breaking the conversation."""
     ledger = Ledger.of(trace)
     key_decision_extract(ledger, policy, _budget(target, policy))
-    found = shape(trace.steps, policy)
+    found = shape(trace, policy)
     left = [
         i
         for i, step in enumerate(ledger.steps)
@@ -70,6 +71,8 @@ def _assert_only_preserved_left(trace: Trace, policy: CompressionConfig, target:
         and i not in found.protected
         and i not in found.owner
         and not (step.type is StepType.MESSAGE and step.role == "system")
+        and not found.protected.intersection(ledger.together(i))
+        and ledger.can_drop(ledger.together(i))
     ]
     assert left == []
 
@@ -135,7 +138,11 @@ async def test_long_outputs_are_cut_to_head_and_tail_with_a_marker() -> None:
 
 async def test_tighter_passes_then_over_limit() -> None:
     trace = load(OPENHANDS[0])  # an error streak: mostly preserved
-    result = await compressed(trace, CompressionConfig(ratio=0.5, max_tokens_after=3000))
+    drop = ["intermediate_thoughts", "repeated_observations", "redundant_tool_outputs",
+            "system_prompt"]
+    result = await compressed(
+        trace, CompressionConfig(ratio=0.5, max_tokens_after=3000, drop_fields=drop)
+    )
     assert result.over_limit and result.tokens_after > 3000
     assert result.removed["exploration_steps"] > 0 and result.removed["system_prompt"] == 1
 
@@ -316,18 +323,40 @@ async def test_summarize_middle_never_splits_a_call_from_its_result(
 
 
 def test_span_snaps_around_tool_turns() -> None:
-    turns = [
-        _Turn(role, i, i + 1)
-        for i, role in enumerate(
-            ["system", "human", "gpt", "tool", "gpt", "tool", "gpt", "tool", "gpt", "tool"]
-        )
-    ]
-    tokens = [10] * len(turns)
+    steps = [Step(type=StepType.MESSAGE, role="system", content="You are a coding agent.")]
+    for n in range(4):
+        steps += [
+            Step(type=StepType.ACTION, tool="bash", arguments={"cmd": f"run {n}"}, call_id=f"c{n}"),
+            Step(type=StepType.OBSERVATION, call_id=f"c{n}", content=f"output {n}"),
+        ]
+    ledger = Ledger.of(Trace(task="Fix the build.", steps=steps))
+    ledger.tokens[:] = [10] * len(steps)
+    turns = _turns(steps)
+    assert [t.role for t in turns] == ["system", *["gpt", "tool"] * 4]
     policy = CompressionConfig(protect_last_n_turns=3)  # the tail starts on a tool turn
     # Need 10: one gpt turn, and its tool turn goes with it.
-    assert _span(turns, tokens, 10, policy) == (4, 6)
+    assert _span(turns, ledger, 10, policy) == (3, 5)
     # Need everything: the tail's tool turn (7) belongs to gpt turn 6, so 6 stays out.
-    assert _span(turns, tokens, 1000, policy) == (4, 6)
+    assert _span(turns, ledger, 1000, policy) == (3, 5)
+
+
+def test_summary_never_meets_a_user_turn_nor_splits_a_question() -> None:
+    """A conversation (tau-bench's shape): the summary, a user turn, goes only between
+    an assistant turn and the next assistant turn, and takes questions with answers."""
+    said = [("system", "policy")]
+    for n in range(5):
+        said += [("assistant", f"question {n}?"), ("user", f"answer {n}")]
+    steps = [Step(type=StepType.MESSAGE, role=role, content=text) for role, text in said]
+    steps.insert(3, Step(type=StepType.ACTION, tool="lookup", call_id="k", arguments={}))
+    steps.insert(4, Step(type=StepType.OBSERVATION, call_id="k", content="found"))
+    # system, q0, a0, call, result, q1, a1, q2, a2, q3, a3, q4, a4
+    ledger = Ledger.of(Trace(task="Book a flight.", steps=steps))
+    policy = CompressionConfig(protect_last_n_turns=2)
+    # Wanted: q1 alone; taken: q1 with its answer, after the call's result.
+    assert _span(_turns(steps), ledger, 1, policy) == (5, 7)
+    assert not ledger.can_replace(1, 3)  # would follow the task: two user turns
+    assert not ledger.can_replace(6, 8)  # would take a1 from its question q1
+    assert not ledger.can_replace(4, 7)  # would take the result from its call
 
 
 @pytest.mark.parametrize(
@@ -355,3 +384,23 @@ async def test_summarize_middle_falls_back_when_the_model_fails(
 async def test_summarize_middle_without_a_summarizer_falls_back() -> None:
     result = await compressed(load(OPENHANDS[2]), SUMMARIZE)
     assert result.strategy == "key_decision_extract" and "no summarizer" in (result.fallback or "")
+
+
+async def test_a_conversation_without_a_place_for_a_summary_falls_back_quickly() -> None:
+    """A pure question-and-answer chat has no span a summary (a user turn) may replace:
+    summarize_middle says so, in one pass over the turns, and key_decision_extract
+    takes over (it drops questions with their answers)."""
+    steps = [Step(type=StepType.MESSAGE, role="system", content="policy")]
+    for n in range(400):
+        steps += [Step(type=StepType.MESSAGE, role="assistant", content=f"question {n} " * 20),
+                  Step(type=StepType.MESSAGE, role="user", content=f"answer {n} " * 20)]
+    trace = Trace(task="Help me.", steps=steps)
+    result = await compressed(trace, SUMMARIZE, summarizer=_Unused())
+    assert result.strategy == "key_decision_extract"
+    assert result.fallback == "nothing to summarize between the protected head and tail turns"
+    assert result.removed["exploration_steps"] % 2 == 0  # pairs
+
+
+class _Unused:
+    async def __call__(self, prompt: str, *, max_tokens: int) -> str:
+        raise AssertionError("no span, so no summary is asked for")

@@ -6,14 +6,22 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import sqlalchemy as sa
 
-from tests.conftest import ROOT, native_trace, write_config
-from tests.real_traces import OPENHANDS, SWE_AGENT, load
+from app.db.models import TRACES
+from app.db.types import utcnow
+from tests.support import ROOT
+from tests.support.builders import long_trace, native_trace
+from tests.support.databases import db_execute
+from tests.support.fakes.model_server import FakeModel
+from tests.support.hubs import InProcessHub, write_config
+from tests.support.processes import WorkerProcess, run_cli
+from tests.support.real_traces import OPENHANDS, SWE_AGENT, load
+from tests.support.waiting import wait_until
 
 DONE = {"compressed", "compression_skipped", "compression_failed"}
 # Some real runs are rejected by the default filters (error streaks); these tests are
@@ -36,14 +44,19 @@ def compression_file(tmp_path: Path, **policy: Any) -> str:
 
 
 def wait_until_done(client: httpx.Client, trace_ids: list[str], timeout: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
     records: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        records = {t: client.get(f"/v1/traces/{t}").json() for t in trace_ids}
-        if all(r["stage"] in DONE for r in records.values()):
-            return records
-        time.sleep(0.2)
-    raise AssertionError({t: r["stage"] for t, r in records.items()})
+
+    def done() -> bool:
+        records.update({t: client.get(f"/v1/traces/{t}").json() for t in trace_ids})
+        return all(r["stage"] in DONE for r in records.values())
+
+    wait_until(done, timeout, what="compression to finish", poll=0.2)
+    return records
+
+
+def leases_expired(trace_server: dict[str, Any]) -> bool:
+    [row] = db_execute(trace_server, sa.select(sa.func.max(TRACES.c.lease_expires_at).label("until")))
+    return row["until"] is None or row["until"] <= utcnow()
 
 
 def test_long_real_traces_are_compressed_and_short_ones_skipped(
@@ -121,13 +134,11 @@ def test_kill_9_during_the_stage_compresses_every_trace_once(
     cmd = [sys.executable, "-m", "app.cli", "worker", "--config", str(config)]
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
     with hub.client() as client:
-        deadline = time.monotonic() + 60
-        while client.get("/v1/stats").json()["compression"]["compressed"] < 5:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: client.get("/v1/stats").json()["compression"]["compressed"] >= 5,
+                   60, what="five traces compressed")
     first.kill()
     first.communicate()
-    time.sleep(1.2)  # the dead worker's leases run out
+    wait_until(lambda: leases_expired(trace_server), 10, what="the dead worker's leases to expire")
     burst = subprocess.run([*cmd, "--burst"], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=120)
     assert burst.returncode == 0, burst.stderr
@@ -135,3 +146,174 @@ def test_kill_9_during_the_stage_compresses_every_trace_once(
         records = wait_until_done(client, ids, timeout=5)
     assert {r["stage"] for r in records.values()} <= {"compressed", "compression_skipped"}
     assert "lease lost" not in burst.stderr
+
+
+# --- a failing, hanging or slow model (issue 17) -------------------------------------
+
+KEY_ENV = "FAKE_SUMMARY_KEY"
+FAST_RETRY = {"max_attempts": 3, "base_seconds": 0.3, "max_seconds": 1}
+
+
+def summarizing(tmp_path: Path, model_root: str, monkeypatch: Any, *, timeout: float = 5,
+                **policy: Any) -> list[str]:
+    """The --compression and --tinker arguments of a hub that summarizes with the fake
+    model (no retries inside a call: each attempt of the stage is one request)."""
+    monkeypatch.setenv(KEY_ENV, FakeModel.key)
+    tinker = tmp_path / "tinker.json"
+    tinker.write_text(json.dumps({"tinker": {
+        "base_url": f"{model_root}/v1", "api_key_env": KEY_ENV, "max_retries": 0,
+        "timeout_seconds": timeout}}))
+    settings = {"strategy": "summarize_middle", "min_tokens_after": 200,
+                "summary_target_tokens": 60, "protect_last_n_turns": 2, **policy}
+    return ["--compression", compression_file(tmp_path, **settings), "--tinker", str(tinker)]
+
+
+def holding_long_traces(
+    start_hub: Any, trace_server: dict[str, Any], ids: list[str]
+) -> InProcessHub:
+    """An API without workers (the test runs its own) that has taken long traces `ids`."""
+    hub: InProcessHub = start_hub(trace_server, "--no-workers", environment=ACCEPT_ALL,
+                                distributor=NO_BATCHES)
+    with hub.client() as client:
+        for trace_id in ids:
+            assert client.post("/v1/traces", json=long_trace(trace_id, steps=12)).status_code == 202
+    return hub
+
+
+def warnings_about_the_model(hub: InProcessHub) -> list[str]:
+    return [line for line in hub.lines if " WARNING " in line and "summary model" in line]
+
+
+def test_a_model_outage_retries_then_fails_the_trace_and_is_said_once(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
+    model_root: str, monkeypatch: Any,
+) -> None:
+    """on_model_failure `retry` (the default): while the model is down each trace is
+    retried by compression.retry, then compression_failed with the model's error;
+    the outage is one WARNING, and traces are summarized again once it answers."""
+    fake_model.down = "503"
+    hub = start_hub(trace_server, *summarizing(tmp_path, model_root, monkeypatch,
+                                               retry=FAST_RETRY),
+                    environment=ACCEPT_ALL, distributor=NO_BATCHES)
+    with hub.client() as client:
+        for n in range(3):
+            assert client.post("/v1/traces", json=long_trace(f"down-{n}", steps=12)).status_code == 202
+        records = wait_until_done(client, [f"down-{n}" for n in range(3)])
+        assert {r["stage"] for r in records.values()} == {"compression_failed"}
+        assert len(fake_model.chats()) == 9  # three attempts each
+        stats = client.get("/v1/stats").json()["compression"]
+        assert (stats["failed"], stats["fallbacks"], stats["compressed"]) == (3, 0, 0)
+        assert len(warnings_about_the_model(hub)) == 1
+
+        fake_model.down = None
+        assert client.post("/v1/traces", json=long_trace("back", steps=12)).status_code == 202
+        back = wait_until_done(client, ["back"])["back"]
+    assert back["stage"] == "compressed"
+    assert (back["compression"]["strategy"], back["compression"]["fallback"]) == (
+        "summarize_middle", None)
+    hub.wait_for_log("the summary model answers again")
+    assert len(warnings_about_the_model(hub)) == 1
+
+
+def test_with_fallback_an_outage_compresses_by_extraction_after_the_retries_and_counts_it(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
+    model_root: str, monkeypatch: Any,
+) -> None:
+    """Traces fell back to key_decision_extract at the model's first failure, silently,
+    and were never summarized once it came back (issue 17). With on_model_failure
+    `fallback` the fallback comes after the retries, is counted in /v1/stats, and the
+    outage is logged at WARNING once, not per trace."""
+    fake_model.down = "503"
+    hub = start_hub(trace_server, *summarizing(tmp_path, model_root, monkeypatch,
+                                               retry=FAST_RETRY, on_model_failure="fallback"),
+                    environment=ACCEPT_ALL, distributor=NO_BATCHES)
+    ids = [f"fb-{n}" for n in range(3)]
+    with hub.client() as client:
+        for trace_id in ids:
+            assert client.post("/v1/traces", json=long_trace(trace_id, steps=12)).status_code == 202
+        records = wait_until_done(client, ids)
+        for record in records.values():
+            assert record["stage"] == "compressed"
+            info = record["compression"]
+            assert info["strategy"] == "key_decision_extract"
+            assert info["fallback"].startswith("the summary model failed")
+        assert len(fake_model.chats()) == 9  # retried before falling back
+        stats = client.get("/v1/stats").json()["compression"]
+        assert (stats["compressed"], stats["fallbacks"], stats["failed"]) == (3, 3, 0)
+        assert len(warnings_about_the_model(hub)) == 1
+        assert "key_decision_extract (compression.on_model_failure: fallback)" in (
+            warnings_about_the_model(hub)[0])
+    hub.wait_for_log("trace fb-2: compressed with key_decision_extract: the summary model")
+
+
+def test_a_hanging_model_holds_up_no_trace_that_does_not_need_it(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
+    model_root: str, monkeypatch: Any,
+) -> None:
+    """With the model hanging, 14 short traces waited ~85 s behind 2 long ones and
+    batching waited too (issue 17): skips are written at once, and distribution runs
+    on its own schedule."""
+    fake_model.down = ("slow", 120)  # hangs past the client's timeout
+    hub = start_hub({**trace_server, "flush_interval_seconds": 60},
+                    *summarizing(tmp_path, model_root, monkeypatch, timeout=60),
+                    environment=ACCEPT_ALL,
+                    distributor={"target": "jsonl", "output_dir": str(tmp_path / "batches"),
+                                 "batch_size": 14, "min_reward_threshold": -1e9})
+    with hub.client() as client:
+        for trace_id in ("long-0", "long-1"):
+            assert client.post("/v1/traces", json=long_trace(trace_id, steps=12)).status_code == 202
+        wait_until(lambda: fake_model.in_flight == 2, timeout=10, what="both calls hanging")
+        short = [f"short-{n}" for n in range(14)]
+        for trace_id in short:
+            assert client.post("/v1/traces", json=native_trace(trace_id=trace_id)).status_code == 202
+        # Skipped, batched and delivered (jsonl) while both model calls still hang.
+        wait_until(lambda: client.get("/v1/stats").json()["by_stage"].get("delivered") == 14,
+                   timeout=10, what="the short traces skipped, batched and delivered")
+        assert fake_model.in_flight == 2
+        assert {client.get(f"/v1/traces/long-{n}").json()["stage"] for n in (0, 1)} == {
+            "accepted"}  # still with the model
+
+
+def test_model_calls_run_concurrently_up_to_the_bound(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
+    model_root: str, monkeypatch: Any,
+) -> None:
+    """`atropos worker --burst` drains them, model calls in flight included."""
+    fake_model.delay = 0.5
+    files = summarizing(tmp_path, model_root, monkeypatch, max_concurrent_calls=3)
+    ids = [f"c-{n}" for n in range(7)]
+    hub = holding_long_traces(start_hub, trace_server, ids)
+    with hub.client() as client:
+        burst = run_cli("worker", "--config", str(hub.config), *files, "--burst")
+        assert burst.returncode == 0, burst.stderr
+        records = wait_until_done(client, ids, timeout=1)
+    assert {r["compression"]["strategy"] for r in records.values()} == {"summarize_middle"}
+    assert len(fake_model.chats()) == 7
+    assert fake_model.most_in_flight == 3
+
+
+def test_a_model_slower_than_the_lease_summarizes_each_trace_once(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
+    model_root: str, monkeypatch: Any,
+) -> None:
+    """With 8 s model calls and two workers, 26 calls were made for 24 traces: the
+    lease ran out mid-call and the other worker took the trace (issue 17). The lease
+    is renewed while the call runs."""
+    fake_model.delay = 6  # longer than the lease
+    files = summarizing(tmp_path, model_root, monkeypatch, timeout=30, max_concurrent_calls=2)
+    ids = [f"slow-{n}" for n in range(6)]
+    hub = holding_long_traces(start_hub, trace_server, ids)
+    config = write_config(tmp_path, {**trace_server, "flush_interval_seconds": 0.2},
+                          workers={"lease_seconds": 5}, environment=ACCEPT_ALL,
+                          distributor=NO_BATCHES)
+    workers = [WorkerProcess(config, *files).start() for _ in range(2)]
+    try:
+        with hub.client() as client:
+            records = wait_until_done(client, ids, timeout=60)
+        assert {r["compression"]["strategy"] for r in records.values()} == {"summarize_middle"}
+        assert len(fake_model.chats()) == len(ids)
+        for worker in workers:
+            assert "lease lost" not in worker.log
+    finally:
+        for worker in workers:
+            worker.kill()

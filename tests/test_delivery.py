@@ -12,10 +12,12 @@ import httpx
 import pytest
 
 from app.config import DistributorConfig
-from tests.conftest import HubProcess, WorkerProcess, run_cli
-from tests.fakes.model_server import serve
-from tests.fakes.trainer_server import FakeTrainer
-from tests.pipeline import ingest, set_rewards, wait_until
+from tests.support.fakes.model_server import serve
+from tests.support.fakes.trainer_server import FakeTrainer
+from tests.support.hubs import InProcessHub
+from tests.support.pipeline import ingest, set_rewards
+from tests.support.processes import WorkerProcess, run_cli
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
@@ -44,7 +46,7 @@ async def test_kill_9_mid_delivery_redelivers_with_the_same_key(
 ) -> None:
     fake, url = trainer
     fake.delay = 1.0  # every delivery is in flight for a second: time to kill the worker
-    hub: HubProcess = start_hub(trace_server, "--no-workers", **sections(url))
+    hub: InProcessHub = start_hub(trace_server, "--no-workers", **sections(url))
     ids = [f"k{i:02d}" for i in range(12)]
     with hub.client() as client:
         ingest(client, ids)
@@ -86,19 +88,16 @@ async def test_a_trainer_that_fails_twice_then_succeeds(
     with hub.client() as client:
         ingest(client, ["a", "b", "c"])
         await set_rewards(trace_server, {"a": 1.0, "b": 2.0, "c": 3.0})
-        worker = WorkerProcess(hub.config).start()
-        try:
-            [batch] = wait_until(
-                lambda: [b for b in batches(client) if b["state"] == "delivered"],
-                timeout=30, what="the batch delivered")
-        finally:
-            worker.kill()
+        hub.start_stages()  # as a worker started now would
+        [batch] = wait_until(
+            lambda: [b for b in batches(client) if b["state"] == "delivered"],
+            timeout=30, what="the batch delivered")
     assert batch["attempts"] == 3 and "HTTP 503" in batch["last_error"]
     assert [r.key for r in fake.requests] == [batch["batch_id"]] * 3
     records = fake.requests[-1].records
     assert [(r["trace_id"], r["reward"]) for r in records] == [("a", 1.0), ("b", 2.0), ("c", 3.0)]
     assert all("messages" in r for r in records)  # distributor.format: openai by default
-    assert "retrying in" in worker.log
+    assert "retrying in" in hub.log
 
 
 async def test_a_target_that_keeps_failing_ends_failed_and_can_be_retried(
@@ -106,36 +105,33 @@ async def test_a_target_that_keeps_failing_ends_failed_and_can_be_retried(
 ) -> None:
     fake, url = trainer
     fake.always_fail = True
-    # A short flush interval: the worker polls for the re-queued batch (no wake-up
-    # reaches it from the `atropos batches retry` process).
+    # A short flush interval: the stages poll for the re-queued batch (no wake-up
+    # reaches them from the `atropos batches retry` process).
     hub = start_hub(trace_server | {"flush_interval_seconds": 0.5}, "--no-workers",
                     **sections(url, max_attempts=3))
     with hub.client() as client:
         ingest(client, ["x", "y", "z"])
         await set_rewards(trace_server, {"x": 1.0, "y": 1.0, "z": 1.0})
-        worker = WorkerProcess(hub.config).start()
-        try:
-            [failed] = wait_until(lambda: [b for b in batches(client) if b["state"] == "failed"],
-                                  timeout=30, what="the batch failed")
-            assert failed["attempts"] == 3 and "HTTP 503" in failed["last_error"]
-            assert client.get("/v1/stats").json()["batches"]["failed"] == 1
-            assert client.get("/v1/traces/x").json()["stage"] == "batched"
-            assert "giving up" in worker.log and "atropos batches retry" in worker.log
+        hub.start_stages()  # as a worker started now would
+        [failed] = wait_until(lambda: [b for b in batches(client) if b["state"] == "failed"],
+                              timeout=30, what="the batch failed")
+        assert failed["attempts"] == 3 and "HTTP 503" in failed["last_error"]
+        assert client.get("/v1/stats").json()["batches"]["failed"] == 1
+        assert client.get("/v1/traces/x").json()["stage"] == "batched"
+        assert "giving up" in hub.log and "atropos batches retry" in hub.log
 
-            listed = run_cli("batches", "list", "--state", "failed", "--config", str(hub.config))
-            assert listed.returncode == 0, listed.stderr
-            [line] = listed.stdout.splitlines()
-            assert line.startswith(f"{failed['batch_id']}  failed") and "HTTP 503" in line
+        listed = run_cli("batches", "list", "--state", "failed", "--config", str(hub.config))
+        assert listed.returncode == 0, listed.stderr
+        [line] = listed.stdout.splitlines()
+        assert line.startswith(f"{failed['batch_id']}  failed") and "HTTP 503" in line
 
-            fake.always_fail = False
-            done = run_cli("batches", "retry", "--all-failed", "--config", str(hub.config))
-            assert done.returncode == 0, done.stderr
-            assert done.stdout.split("\n")[:2] == ["1 failed batches are pending again",
-                                                    f"  {failed['batch_id']}"]
-            wait_until(lambda: batches(client)[0]["state"] == "delivered", timeout=60,
-                       what="the retried batch delivered")
-        finally:
-            worker.kill()
+        fake.always_fail = False
+        done = run_cli("batches", "retry", "--all-failed", "--config", str(hub.config))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split("\n")[:2] == ["1 failed batches are pending again",
+                                                f"  {failed['batch_id']}"]
+        wait_until(lambda: batches(client)[0]["state"] == "delivered", timeout=60,
+                   what="the retried batch delivered")
         assert client.get("/v1/traces/x").json()["stage"] == "delivered"
         again = run_cli("batches", "retry", failed["batch_id"], "--config", str(hub.config))
         assert again.returncode == 1 and "not failed" in again.stderr

@@ -14,8 +14,10 @@ from sqlalchemy.exc import IntegrityError
 
 from app.db.models import BATCHES, MEMBERS
 from app.db.types import utcnow
-from tests.conftest import HubProcess, run_cli
-from tests.pipeline import database, ingest, set_rewards
+from tests.support.databases import database
+from tests.support.hubs import InProcessHub
+from tests.support.pipeline import ingest, set_rewards
+from tests.support.processes import run_cli
 
 THRESHOLD = 5.0
 
@@ -23,12 +25,6 @@ THRESHOLD = 5.0
 def distributor(tmp_path: Path, **overrides: Any) -> dict[str, Any]:
     return {"target": "jsonl", "batch_size": 4, "min_reward_threshold": THRESHOLD,
             "output_dir": str(tmp_path / "batches"), **overrides}
-
-
-def burst(hub: HubProcess) -> str:
-    done = run_cli("worker", "--config", str(hub.config), "--burst")
-    assert done.returncode == 0, done.stderr
-    return done.stderr
 
 
 async def test_batches_exact_oldest_first_above_threshold(
@@ -43,7 +39,7 @@ async def test_batches_exact_oldest_first_above_threshold(
     with hub.client() as client:
         ingest(client, ids)
         await set_rewards(trace_server, rewards)
-        burst(hub)
+        hub.drain()  # as `atropos worker --burst` would
 
         listed = client.get("/v1/batches").json()["batches"]
         assert len(listed) == 2  # 11 passing traces: two full batches, three waiting
@@ -60,7 +56,7 @@ async def test_batches_exact_oldest_first_above_threshold(
         # One more passing trace completes the third batch, from the oldest waiting ones.
         ingest(client, ["t16"])
         await set_rewards(trace_server, {"t16": 9.0})
-        burst(hub)
+        hub.drain()
         newest = client.get("/v1/batches?limit=1").json()["batches"][0]
         third = client.get(f"/v1/batches/{newest['batch_id']}").json()
         assert third["trace_ids"] == passing[8:] + ["t16"]
@@ -81,7 +77,7 @@ async def test_jsonl_target_writes_files_and_manifest(
     with hub.client() as client:
         ingest(client, ids)
         await set_rewards(trace_server, {t: 10.0 for t in ids})
-        burst(hub)
+        hub.drain()
         listed = client.get("/v1/batches").json()["batches"]
     manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert sorted(m["batch_id"] for m in manifest) == sorted(b["batch_id"] for b in listed)
@@ -146,7 +142,7 @@ async def test_schema_refuses_a_trace_in_two_batches(
                     trace_id="only", batch_id="b2", position=0))
 
 
-def test_unknown_batch_is_a_json_404(hub: HubProcess) -> None:
+def test_unknown_batch_is_a_json_404(hub: InProcessHub) -> None:
     with hub.client() as client:
         r = client.get("/v1/batches/nope")
         assert r.status_code == 404 and r.json()["error"]["field"] == "batch_id"

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import run_cli
-from tests.fakes.model_server import FakeModel
+from tests.support.fakes.model_server import FakeModel
+from tests.support.processes import run_cli
 
 KEY = FakeModel.key
 KEY_ENV = "DOCTOR_TEST_KEY"

@@ -1,4 +1,5 @@
-"""Nothing acknowledged is ever lost: restarts, SIGTERM with requests in flight, kill -9."""
+"""Nothing acknowledged is ever lost: restarts, SIGTERM with requests in flight, kill -9
+(hub processes: what is under test is the process's own end)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from typing import Any
 
 import httpx
 
-from tests.conftest import HubProcess, native_trace, write_config
+from tests.support.builders import native_trace
+from tests.support.hubs import write_config
+from tests.support.processes import HubProcess
+from tests.support.waiting import wait_until
 
 
-def test_traces_survive_a_restart(start_hub: Any, trace_server: dict[str, Any]) -> None:
-    hub = start_hub(trace_server)
+def test_traces_survive_a_restart(start_hub_process: Any, trace_server: dict[str, Any]) -> None:
+    hub = start_hub_process(trace_server)
     with hub.client() as client:
         for i in range(5):
             assert client.post("/v1/traces", json=native_trace(trace_id=f"r-{i}")).status_code == 202
@@ -26,9 +30,9 @@ def test_traces_survive_a_restart(start_hub: Any, trace_server: dict[str, Any]) 
 
 
 def test_sigterm_finishes_requests_in_flight(
-    start_hub: Any, trace_server: dict[str, Any]
+    start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
-    hub = start_hub(trace_server)
+    hub = start_hub_process(trace_server)
     acknowledged: list[str] = []
     stop = threading.Event()
 
@@ -47,8 +51,7 @@ def test_sigterm_finishes_requests_in_flight(
     threads = [threading.Thread(target=sender, args=(n,)) for n in range(4)]
     for t in threads:
         t.start()
-    while len(acknowledged) < 40:
-        threading.Event().wait(0.01)
+    wait_until(lambda: len(acknowledged) >= 40, 60, what="40 traces acknowledged", poll=0.01)
     assert hub.stop(signal.SIGTERM) == 0
     stop.set()
     for t in threads:
@@ -61,9 +64,9 @@ def test_sigterm_finishes_requests_in_flight(
 
 
 def test_kill_9_loses_no_acknowledged_trace(
-    start_hub: Any, trace_server: dict[str, Any]
+    start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
-    hub: HubProcess = start_hub(trace_server)
+    hub: HubProcess = start_hub_process(trace_server)
     acknowledged: list[str] = []
     lock = threading.Lock()
 
@@ -81,8 +84,7 @@ def test_kill_9_loses_no_acknowledged_trace(
     threads = [threading.Thread(target=sender, args=(n,)) for n in range(8)]
     for t in threads:
         t.start()
-    while len(acknowledged) < 200:
-        threading.Event().wait(0.005)
+    wait_until(lambda: len(acknowledged) >= 200, 60, what="200 traces acknowledged", poll=0.005)
     hub.kill()
     for t in threads:
         t.join()

@@ -17,8 +17,10 @@ from app.db import migrate
 from app.db.models import TRACES
 from app.db.types import utcnow
 from app.domain import Outcome, Status, Trace
-from tests.conftest import db_execute, native_trace, write_config
-from tests.pipeline import database, wait_until
+from tests.support.builders import native_trace
+from tests.support.databases import database, db_execute
+from tests.support.hubs import write_config
+from tests.support.waiting import wait_until
 from tests.test_import import run
 
 # The seed example: a verifier's 0.01, no status.

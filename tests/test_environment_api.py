@@ -11,28 +11,18 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ROOT, native_trace, write_config
+from app.domain import Step
+from tests.support import ROOT
+from tests.support.builders import action, final, native_trace, observation, thought
+from tests.support.hubs import write_config
 
 
-def action(tool: str = "terminal", **arguments: Any) -> dict[str, Any]:
-    return {"type": "action", "tool": tool, "arguments": arguments or {"command": "ls"}}
+def call(tool: str = "terminal") -> Step:
+    """A tool call with valid arguments."""
+    return action(tool, {"command": "ls"})
 
 
-def observation(content: str = "ok", error: str | None = None, exit_code: int | None = None
-                ) -> dict[str, Any]:
-    step: dict[str, Any] = {"type": "observation", "content": content}
-    if error is not None:
-        step["error"] = error
-    if exit_code is not None:
-        step["exit_code"] = exit_code
-    return step
-
-
-def thought(text: str) -> dict[str, Any]:
-    return {"type": "thought", "content": text}
-
-
-FINAL = {"type": "final", "content": "done"}
+FINAL = final("done")
 
 
 @pytest.fixture
@@ -50,7 +40,7 @@ def env_client(start_hub: Any, trace_server: dict[str, Any]) -> Any:
         c.close()
 
 
-def post(client: httpx.Client, steps: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+def post(client: httpx.Client, steps: list[Any], **extra: Any) -> dict[str, Any]:
     r = client.post("/v1/traces", json=native_trace(steps=steps, **extra))
     assert r.status_code == 202, r.text
     answer: dict[str, Any] = r.json()
@@ -66,17 +56,17 @@ SEED = {
 
 def test_seed_rules_at_their_edges(env_client: Any) -> None:
     client = env_client(SEED)
-    ok = post(client, [action(), observation(exit_code=0), FINAL])
+    ok = post(client, [call(), observation(exit_code=0), FINAL])
     assert ok["reward"] == 30 and ok["stage"] == "accepted"
     assert ok["reward_breakdown"]["task_success"] == {"fired": True, "count": 1, "points": 20.0}
     assert ok["reward_breakdown"]["code_runs_ok"]["fired"] is True
 
-    failing = post(client, [action(), observation(exit_code=1), FINAL],
+    failing = post(client, [call(), observation(exit_code=1), FINAL],
                    outcome={"status": "failure"})
     assert failing["reward"] == 0
     assert not failing["reward_breakdown"]["code_runs_ok"]["fired"]
 
-    timeout = post(client, [action(), FINAL], outcome={"status": "timeout"})
+    timeout = post(client, [call(), FINAL], outcome={"status": "timeout"})
     assert timeout["reward"] == -15
 
     # invalid_tool_call counts per occurrence: arguments not an object, twice.
@@ -86,14 +76,14 @@ def test_seed_rules_at_their_edges(env_client: Any) -> None:
     assert bad_args["reward_breakdown"]["invalid_tool_call"] == {
         "fired": True, "count": 2, "points": -10.0}
     # A tool missing from the declared tool list is invalid too.
-    undeclared = post(client, [action("rm"), FINAL], tools=["terminal"],
+    undeclared = post(client, [call("rm"), FINAL], tools=["terminal"],
                       outcome={"status": "failure"})
     assert undeclared["reward_breakdown"]["invalid_tool_call"]["count"] == 1
 
     # loop_detected: 2 identical actions in a row do not fire, 3 do (thoughts between).
-    two = [action(), observation(), thought("again"), action(), observation(), FINAL]
+    two = [call(), observation(), thought("again"), call(), observation(), FINAL]
     assert not post(client, two)["reward_breakdown"]["loop_detected"]["fired"]
-    three = two[:-1] + [action(), observation(), FINAL]
+    three = two[:-1] + [call(), observation(), FINAL]
     looped = post(client, three)
     assert looped["reward_breakdown"]["loop_detected"] == {"fired": True, "count": 1,
                                                           "points": -10.0}
@@ -101,7 +91,7 @@ def test_seed_rules_at_their_edges(env_client: Any) -> None:
 
 def test_filters_reject_with_visible_reasons_and_still_score(env_client: Any) -> None:
     client = env_client(SEED)
-    twice = [thought("Try it"), action(), observation(), thought("try  IT"), FINAL]
+    twice = [thought("Try it"), call(), observation(), thought("try  IT"), FINAL]
     assert post(client, twice)["reject_reasons"] == []
     thrice = twice[:-1] + [thought("TRY it"), FINAL]
     rejected = post(client, thrice, trace_id="rep")
@@ -111,12 +101,12 @@ def test_filters_reject_with_visible_reasons_and_still_score(env_client: Any) ->
          "step_index": 4}]
     assert rejected["reward"] == 20  # scored all the same
 
-    streak2 = [action(), observation(error="boom"), action(), observation(error="boom"), FINAL]
+    streak2 = [call(), observation(error="boom"), call(), observation(error="boom"), FINAL]
     assert post(client, streak2)["stage"] == "accepted"
-    streak3 = streak2[:-1] + [action(), observation(error="boom"), FINAL]
+    streak3 = streak2[:-1] + [call(), observation(error="boom"), FINAL]
     assert post(client, streak3)["reject_reasons"][0]["filter"] == "tool_error_streak"
     # Non-zero exit codes alone are not tool errors.
-    exits = [s for _ in range(4) for s in (action(), observation(exit_code=2))] + [FINAL]
+    exits = [s for _ in range(4) for s in (call(), observation(exit_code=2))] + [FINAL]
     assert post(client, exits)["stage"] == "accepted"
 
     empty = post(client, [{"type": "action", "tool": "", "arguments": {}}, FINAL])
@@ -159,16 +149,16 @@ def test_long_form_and_custom_rules(env_client: Any) -> None:
     assert capped["reward_breakdown"]["loop_detected"]["fired"]  # threshold 2
     assert capped["reward_breakdown"]["answered"]["fired"]
 
-    passing = post(client, [action("run_tests"), observation("12 passed in 0.3s"), FINAL],
+    passing = post(client, [call("run_tests"), observation("12 passed in 0.3s"), FINAL],
                    metadata={"difficulty": "hard"})
     assert passing["reward_breakdown"]["tests_pass"]["fired"]
     assert passing["reward_breakdown"]["hard_success"]["fired"]
     assert passing["reward"] == 5 + 7 + 1
-    failing = post(client, [action("run_tests"), observation("1 failed"), FINAL],
+    failing = post(client, [call("run_tests"), observation("1 failed"), FINAL],
                    metadata={"difficulty": "easy"})
     assert failing["reward"] == 1
 
-    streak = post(client, [action(), observation(error="e"), action(), observation(error="e"),
+    streak = post(client, [call(), observation(error="e"), call(), observation(error="e"),
                            FINAL])
     assert streak["reject_reasons"][0]["filter"] == "tool_error_streak"
 

@@ -15,8 +15,11 @@ from app import formats
 from app.cli import export
 from app.cli.export import ExportQuery, export_traces
 from app.db.models import TRACES
-from tests.conftest import HubProcess, native_trace, run_cli
-from tests.pipeline import database, ingest, set_rewards
+from tests.support.builders import long_trace
+from tests.support.databases import database
+from tests.support.hubs import InProcessHub
+from tests.support.pipeline import ingest, set_rewards
+from tests.support.processes import run_cli
 
 ATIF_VERSION = re.compile(r"ATIF-v1\.\d+")
 OPENAI_ROLES = {"system", "user", "assistant", "tool"}
@@ -24,26 +27,32 @@ ASSISTANT_KEYS = {"role", "content", "tool_calls", "reasoning_content", "name", 
 
 
 def check_openai(record: dict[str, Any]) -> None:
-    """OpenAI chat fine-tuning JSONL: messages (+ tools); every tool message answers a
-    call made before it; arguments are JSON text. `reasoning_content` is allowed on
-    assistant messages (the DeepSeek/Hermes convention for reasoning)."""
+    """OpenAI chat fine-tuning JSONL: messages (+ tools); one system message, first;
+    every tool message answers a call of the assistant message before it; arguments
+    are JSON text; the record ends on an assistant message. `reasoning_content` is
+    allowed on assistant messages (the DeepSeek/Hermes convention for reasoning)."""
     assert set(record) <= {"messages", "tools", "parallel_tool_calls"}
     calls: set[str] = set()
     messages = record["messages"]
-    assert messages and any(m["role"] == "assistant" for m in messages)
-    for m in messages:
+    assert messages and messages[-1]["role"] == "assistant"
+    assert all(m["role"] != "system" for m in messages[1:])
+    for before, m in zip([None, *messages], messages):
         assert m["role"] in OPENAI_ROLES
         if m["role"] == "assistant":
             assert set(m) <= ASSISTANT_KEYS and ("content" in m or "tool_calls" in m)
+            assert m.get("content") or m.get("tool_calls") or m.get("reasoning_content")
+            calls = set()
             for call in m.get("tool_calls", []):
                 assert call["type"] == "function" and isinstance(call["id"], str)
                 assert isinstance(call["function"]["name"], str)
-                assert isinstance(json.loads(call["function"]["arguments"]), dict)
+                assert isinstance(call["function"]["arguments"], str)
                 calls.add(call["id"])
         elif m["role"] == "tool":
+            assert before is not None and before["role"] in ("assistant", "tool")
             assert m["tool_call_id"] in calls and isinstance(m["content"], str)
         else:
             assert isinstance(m["content"], str)
+            assert not (m["role"] == "user" and before is not None and before["role"] == "user")
 
 
 def check_sharegpt(record: dict[str, Any]) -> None:
@@ -92,21 +101,7 @@ CHECKS = {"openai": check_openai, "sharegpt": check_sharegpt, "hermes": check_he
           "atif": check_atif}
 
 
-def long_trace(trace_id: str) -> dict[str, Any]:
-    steps: list[dict[str, Any]] = []
-    for i in range(60):
-        steps += [
-            {"type": "thought", "content": f"Step {i}: the build of module {i} failed; look."},
-            {"type": "action", "tool": "terminal", "call_id": f"c{i}",
-             "arguments": {"command": f"make target_{i}"}},
-            {"type": "observation", "call_id": f"c{i}", "exit_code": 0,
-             "content": " ".join(f"compiling src/module_{j}.py ok" for j in range(12))},
-        ]
-    steps.append({"type": "final", "content": "The build passes now."})
-    return native_trace(trace_id=trace_id, steps=steps)
-
-
-def run_export(hub: HubProcess, out: Path, *args: str) -> list[dict[str, Any]]:
+def run_export(hub: InProcessHub, out: Path, *args: str) -> list[dict[str, Any]]:
     done = run_cli("export", "--config", str(hub.config), "-o", str(out), *args)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in out.read_text().splitlines()]
@@ -135,21 +130,33 @@ async def test_every_format_validates_and_filters_apply(
     async with database(trace_server) as engine, engine.begin() as conn:
         await conn.execute(sa.update(TRACES).where(TRACES.c.trace_id == "e-rejected").values(stage="rejected"))
 
-    exported = {fmt: run_export(hub, tmp_path / f"{fmt}.jsonl", "--format", fmt)
-                for fmt in CHECKS}
+    # By default, what training would get: not rejected, reward >= the threshold (5).
+    done = run_cli("export", "--config", str(hub.config), "--format", "atif",
+                   "-o", str(tmp_path / "default.jsonl"))
+    assert done.returncode == 0, done.stderr
+    default = [json.loads(line) for line in (tmp_path / "default.jsonl").read_text().splitlines()]
+    assert [r["session_id"] for r in default] == ["e-1", "e-openai"]
+    assert "left out 3: 2 reward under 5, 1 rejected" in done.stderr
+
+    exported = {fmt: run_export(hub, tmp_path / f"{fmt}.jsonl", "--format", fmt,
+                                "--all", "--stage", "accepted") for fmt in CHECKS}
     for fmt, records in exported.items():
         assert len(records) == len(ids), fmt  # the rejected trace is left out
         for record in records:
             CHECKS[fmt](record)
             formats.parse(record)  # and the hub reads its own export back
     assert [r["session_id"] for r in exported["atif"]] == ids  # oldest first
+    everything = run_export(hub, tmp_path / "all.jsonl", "--format", "atif", "--all")
+    assert [r["session_id"] for r in everything] == [*ids, "e-rejected"]
 
-    high = run_export(hub, tmp_path / "high.jsonl", "--format", "atif", "--min-reward", "9")
+    high = run_export(hub, tmp_path / "high.jsonl", "--format", "atif", "--all",
+                      "--stage", "accepted", "--min-reward", "9")
     assert [r["session_id"] for r in high] == ["e-1", "e-openai"]
     assert run_export(hub, tmp_path / "recent.jsonl", "--format", "atif", "--since", "1h")
-    assert not run_export(hub, tmp_path / "future.jsonl", "--format", "atif",
+    assert not run_export(hub, tmp_path / "future.jsonl", "--format", "atif", "--all",
                           "--since", "2999-01-01")
-    rejected = run_export(hub, tmp_path / "rej.jsonl", "--format", "atif", "--stage", "rejected")
+    rejected = run_export(hub, tmp_path / "rej.jsonl", "--format", "atif", "--all",
+                          "--stage", "rejected")
     assert [r["session_id"] for r in rejected] == ["e-rejected"]
 
 
@@ -159,8 +166,7 @@ def test_compressed_view_progress_and_stdout(
     hub = start_hub(trace_server, "--no-workers")
     with hub.client() as client:
         assert client.post("/v1/traces", json=long_trace("long")).status_code == 202
-    compressed = run_cli("worker", "--config", str(hub.config), "--burst")
-    assert compressed.returncode == 0, compressed.stderr
+    hub.drain()  # compresses it, as `atropos worker --burst` would
     whole = run_export(hub, tmp_path / "whole.jsonl", "--format", "openai")
     short = run_export(hub, tmp_path / "short.jsonl", "--format", "openai", "--compressed")
     assert len(json.dumps(short[0])) < len(json.dumps(whole[0])) / 2
@@ -184,6 +190,6 @@ async def test_export_is_paged_and_complete(
     out = tmp_path / "paged.jsonl"
     async with database(trace_server) as engine:
         with open(out, "wb") as f:
-            written = await export_traces(engine, ExportQuery("atif"), f)
-    assert written == 7
+            tally = await export_traces(engine, ExportQuery("atif"), f)
+    assert tally.total == 7 and not tally.left_out
     assert [json.loads(line)["session_id"] for line in out.read_text().splitlines()] == ids

@@ -5,33 +5,15 @@ from typing import Any
 import orjson
 import pytest
 
-from app.domain import Step, StepType, Trace
+from app.domain import Step, Trace
 from app.errors import ConfigError
 from app.evaluation.filters import SIMILARITY_WINDOW, Filters, RejectReason, find_reject_reasons
-
-
-def thought(text: str | None) -> Step:
-    return Step(type=StepType.THOUGHT, content=text)
-
-
-def act(tool: str | None = "bash") -> Step:
-    return Step(type=StepType.ACTION, tool=tool, arguments={})
-
-
-def obs(content: str = "ok", *, error: str | None = None, exit_code: int | None = None) -> Step:
-    return Step(type=StepType.OBSERVATION, content=content, error=error, exit_code=exit_code)
-
-
-def msg(role: str, content: str | None) -> Step:
-    return Step(type=StepType.MESSAGE, role=role, content=content)
-
-
-def final(text: str | None) -> Step:
-    return Step(type=StepType.FINAL, content=text)
+from tests.support import checks
+from tests.support.builders import action, final, message, observation, thought, trace
 
 
 def reasons(steps: list[Step], filters: Any) -> list[RejectReason]:
-    return find_reject_reasons(Trace(task="t", steps=steps), Filters.from_config(filters))
+    return find_reject_reasons(trace(*steps), Filters.from_config(filters))
 
 
 def hit(steps: list[Step], filters: Any) -> int | None | bool:
@@ -42,23 +24,19 @@ def hit(steps: list[Step], filters: Any) -> int | None | bool:
 
 
 def config_error(filters: Any) -> str:
-    with pytest.raises(ConfigError) as caught:
-        Filters.from_config(filters)
-    message = str(caught.value)
-    assert "\n" not in message
-    return message
+    return checks.config_error(Filters.from_config, filters)
 
 
 # --- the reasons ------------------------------------------------------------------------
 
 
 def test_a_valid_trace_has_no_reasons() -> None:
-    steps = [thought("look"), act(), obs(), thought("done looking"), final("42")]
+    steps = [thought("look"), action(), observation(), thought("done looking"), final("42")]
     assert reasons(steps, ["repeated_thought", "empty_action", "tool_error_streak"]) == []
 
 
 def test_one_json_ready_reason_per_matching_filter_in_config_order() -> None:
-    steps = [act(None), *[thought("same")] * 3, *[obs(error="boom")] * 6, act("")]
+    steps = [action(None), *[thought("same")] * 3, *[observation(error="boom")] * 6, action("")]
     found = reasons(steps, ["tool_error_streak", "empty_action", "repeated_thought"])
     assert found == [
         {
@@ -80,7 +58,7 @@ def test_the_two_config_forms_agree() -> None:
     as_list = Filters.from_config(["empty_action", "tool_error_streak"])
     as_dict = Filters.from_config({"empty_action": {}, "tool_error_streak": {"max_streak": 3}})
     assert as_list.names == as_dict.names == ("empty_action", "tool_error_streak")
-    t = Trace(steps=[obs(error="e")] * 3)
+    t = Trace(steps=[observation(error="e")] * 3)
     assert find_reject_reasons(t, as_list) == find_reject_reasons(t, as_dict)
 
 
@@ -93,7 +71,7 @@ def test_no_filters_reject_nothing() -> None:
 
 @pytest.mark.parametrize(("n", "index"), [(2, False), (3, 4)])
 def test_repeated_thought_at_the_default_threshold(n: int, index: int | bool) -> None:
-    steps = [s for _ in range(n) for s in (thought("Search again"), act())]
+    steps = [s for _ in range(n) for s in (thought("Search again"), action())]
     assert hit(steps, ["repeated_thought"]) == index
 
 
@@ -105,7 +83,7 @@ def test_max_repeats_parameter(n: int, index: int | bool) -> None:
 def test_thoughts_compare_after_folding_case_and_whitespace() -> None:
     steps = [
         thought("I will  search"),
-        obs(),
+        observation(),
         thought("i will search\n"),
         thought(" I WILL\tSEARCH"),
     ]
@@ -125,7 +103,7 @@ def test_only_thoughts_with_text_count() -> None:
         final("x"),
         final("x"),
         final("x"),
-        msg("assistant", "x"),
+        message("assistant", "x"),
     ]
     assert hit(steps, ["repeated_thought"]) is False
 
@@ -172,30 +150,30 @@ def test_a_trace_without_steps_is_empty() -> None:
 
 
 def test_a_trace_without_agent_steps_is_empty() -> None:
-    found = reasons([msg("system", "be nice"), msg("user", "hi")], ["empty_action"])
+    found = reasons([message("system", "be nice"), message("user", "hi")], ["empty_action"])
     assert found[0]["detail"] == "the trace has no step by the agent"
     assert found[0]["step_index"] is None
 
 
 @pytest.mark.parametrize("tool", [None, "", "  "])
 def test_an_action_without_a_tool_name_is_empty(tool: str | None) -> None:
-    assert hit([thought("x"), act(), obs(), act(tool), obs()], ["empty_action"]) == 3
+    assert hit([thought("x"), action(), observation(), action(tool), observation()], ["empty_action"]) == 3
 
 
 @pytest.mark.parametrize(
     ("steps", "index"),
     [
-        ([msg("user", "q"), msg("assistant", "")], 1),
-        ([msg("user", "q"), msg("assistant", " \n"), msg("user", "well?")], 1),
-        ([msg("user", "q"), thought(""), msg("assistant", None), msg("user", "?")], 1),
-        ([act(), obs(), thought("")], 2),  # a turn that is only "<think>\n"
-        ([act(), obs(), final("")], 2),
-        ([act(), obs(), thought(" "), final(None)], 2),
-        ([msg("user", ""), act(), obs("")], False),  # only the agent's turns count
-        ([thought(""), act(), obs()], False),  # a tool call is not empty
-        ([act(), obs(), thought("still thinking")], False),
-        ([msg("user", "q"), msg("assistant", "a")], False),
-        ([act(), obs(), final("42")], False),
+        ([message("user", "q"), message("assistant", "")], 1),
+        ([message("user", "q"), message("assistant", " \n"), message("user", "well?")], 1),
+        ([message("user", "q"), thought(""), message("assistant", None), message("user", "?")], 1),
+        ([action(), observation(), thought("")], 2),  # a turn that is only "<think>\n"
+        ([action(), observation(), final("")], 2),
+        ([action(), observation(), thought(" "), final(None)], 2),
+        ([message("user", ""), action(), observation("")], False),  # only the agent's turns count
+        ([thought(""), action(), observation()], False),  # a tool call is not empty
+        ([action(), observation(), thought("still thinking")], False),
+        ([message("user", "q"), message("assistant", "a")], False),
+        ([action(), observation(), final("42")], False),
     ],
 )
 def test_an_agent_turn_without_content_or_call_is_empty(
@@ -205,7 +183,7 @@ def test_an_agent_turn_without_content_or_call_is_empty(
 
 
 def test_empty_action_reports_the_first_problem() -> None:
-    steps = [msg("user", "q"), msg("assistant", ""), msg("user", "q"), act(None)]
+    steps = [message("user", "q"), message("assistant", ""), message("user", "q"), action(None)]
     found = reasons(steps, ["empty_action"])
     assert found == [
         {
@@ -221,38 +199,38 @@ def test_empty_action_reports_the_first_problem() -> None:
 
 @pytest.mark.parametrize(("n", "index"), [(2, False), (3, 5)])
 def test_tool_error_streak_at_the_default_threshold(n: int, index: int | bool) -> None:
-    steps = [s for _ in range(n) for s in (act(), obs(error="Error: no seats"))]
+    steps = [s for _ in range(n) for s in (action(), observation(error="Error: no seats"))]
     assert hit(steps, ["tool_error_streak"]) == index
 
 
 @pytest.mark.parametrize(("max_streak", "index"), [(1, 0), (2, 1), (4, False)])
 def test_max_streak_parameter(max_streak: int, index: int | bool) -> None:
-    steps = [obs(error="e"), obs(error="e"), obs(error="e")]
+    steps = [observation(error="e"), observation(error="e"), observation(error="e")]
     assert hit(steps, {"tool_error_streak": {"max_streak": max_streak}}) == index
 
 
 def test_a_successful_observation_breaks_the_streak_other_steps_do_not() -> None:
-    broken = [obs(error="e"), obs(error="e"), obs("fine"), obs(error="e"), obs(error="e")]
+    broken = [observation(error="e"), observation(error="e"), observation("fine"), observation(error="e"), observation(error="e")]
     assert hit(broken, ["tool_error_streak"]) is False
     spaced = [
-        obs(error="e"),
+        observation(error="e"),
         thought("hm"),
-        act(),
-        obs(error="e"),
-        msg("user", "?"),
-        obs(error="e"),
+        action(),
+        observation(error="e"),
+        message("user", "?"),
+        observation(error="e"),
     ]
     assert hit(spaced, ["tool_error_streak"]) == 5
 
 
 def test_a_non_zero_exit_code_alone_is_not_a_tool_error() -> None:
-    steps = [obs("FAILED test_x", exit_code=1), obs("127", exit_code=127), obs(exit_code=2)]
+    steps = [observation("FAILED test_x", exit_code=1), observation("127", exit_code=127), observation(exit_code=2)]
     assert hit(steps, ["tool_error_streak"]) is False
-    assert hit([obs(error="", exit_code=1)] * 3, ["tool_error_streak"]) is False
+    assert hit([observation(error="", exit_code=1)] * 3, ["tool_error_streak"]) is False
 
 
 def test_the_detail_quotes_the_last_error_briefly() -> None:
-    found = reasons([obs(error="x" * 200)] * 3, ["tool_error_streak"])
+    found = reasons([observation(error="x" * 200)] * 3, ["tool_error_streak"])
     detail = found[0]["detail"]
     assert detail.startswith("3 tool errors in a row (max_streak 3), the last: 'xxx")
     assert detail.endswith("...'") and len(detail) < 140

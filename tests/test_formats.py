@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import copy
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,9 @@ from hypothesis import strategies as st
 from app import formats
 from app.config import EnvironmentConfig, LimitsConfig
 from app.domain import Status, StepType, Trace
-from app.errors import HubError, Invalid, UnknownFormat
+from app.errors import HubError, Invalid, Unexportable, UnknownFormat
 from app.evaluation.environment import Environment
-from app.ingest.ingestor import Preparer
+from app.ingest.ingestor import NUL_STORED_AS, Preparer
 
 REAL = Path(__file__).resolve().parents[1].parent / "shared/fixtures/real"
 HERMES_LINE = REAL / "hermes-agent/lucifexia_trajectory_samples.jsonl"
@@ -964,7 +965,11 @@ def _parse_fails_only_with_hub_errors(body: Any, fmt: str | None) -> None:
     # again (or is refused with a HubError, e.g. a native export of a trace without task).
     Trace.model_validate(trace.model_dump())
     for target in formats.EXPORTS:
-        exported = formats.export(trace, target)
+        try:
+            exported = formats.export(trace, target)
+        except Unexportable:
+            assert target == "openai"  # a training record needs an assistant turn
+            continue
         json.dumps(exported)
         try:
             formats.parse(exported, "hermes" if target == "hermes" else None)
@@ -1150,7 +1155,8 @@ def _prepare_fails_only_with_hub_errors(body: Any, fmt: str | None, limits: Limi
     event("prepared")
     for column in ("reward_breakdown", "reject_reasons"):
         orjson.dumps(row[column])
-    assert orjson.loads(row["original"].text) == orjson.loads(orjson.dumps(body))
+    # Stored as sent, but for NUL, which neither database can store in text.
+    assert orjson.loads(row["original"].text) == _nul_replaced(orjson.loads(orjson.dumps(body)))
     assert len(orjson.loads(row["trace"].text)["steps"]) <= limits.max_steps_per_trace
 
 
@@ -1203,3 +1209,84 @@ def test_arguments_that_are_not_an_object_are_kept_for_scoring() -> None:
         {"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "a", "arguments": 4}}]},
     ]})
     assert [s.arguments for s in trace.steps if s.type == "action"] == [4]
+
+
+# --- linear time on hostile text (issue 17) ----------------------------------------------
+
+_MB = 1_000_000
+_PROSE = ("the agent reads the file, counts its lines and reports the number it found. ",
+          "a tool call failed twice; the model retried with a smaller input and it passed. ")
+
+
+def _fill(pattern: str, size: int = _MB) -> str:
+    return (pattern * (size // len(pattern) + 1))[:size]
+
+
+def _adversarial(fmt: str, text: Any) -> dict[str, Any]:
+    """A trace of `fmt` carrying about 1 MB of `text(pattern, size)` where its parser
+    scans text; `text` is given the hostile pattern of that place. (Not long runs of
+    blanks: tiktoken counts those at ~2 s per MB, a cost of the tokenizer, which
+    limits.max_item_seconds bounds.)"""
+    if fmt == "sharegpt":  # the issue's attack: many tags that never close
+        return {"conversations": [
+            {"from": "human", "value": "go"},
+            {"from": "gpt", "value": text("<tool_call> ", _MB // 2)},
+            {"from": "tool", "value": text("<tool_response> ", _MB // 2)}]}
+    if fmt == "openai":
+        return {"messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": text("</think><think> ", _MB // 2)},
+            {"role": "tool", "tool_call_id": "c", "content": text("<think> error:", _MB // 2)}]}
+    if fmt == "atif":
+        return {"schema_version": "ATIF-v1.4", "session_id": uuid.uuid4().hex,
+                "agent": {"name": "a", "version": "1"},
+                "steps": [{"step_id": 1, "source": "user", "message": "go"},
+                          {"step_id": 2, "source": "agent", "message": text("<think>", _MB // 2),
+                           "observation": {"results": [{"content": text("error:<", _MB // 2)}]}}]}
+    # native: near-duplicate thoughts and repeated calls, for the filters and rules.
+    thought = text("think again about the same thing ", 250)
+    steps = [step for i in range(2200) for step in (
+        {"type": "thought", "content": thought[: 200 + i % 50]},
+        {"type": "action", "tool": "t", "arguments": {"same": thought[:50]}, "call_id": f"c{i}"},
+        {"type": "observation", "call_id": f"c{i}", "content": "error: again", "error": True})]
+    return {"task": "go", "steps": steps}
+
+
+@pytest.mark.parametrize("fmt", ["sharegpt", "openai", "atif", "native"])
+def test_a_hostile_megabyte_is_answered_in_linear_time(
+    fmt: str, start_hub: Any, tmp_path: Path
+) -> None:
+    """Through the real ingest path: a 144 KB ShareGPT turn of "<tool_call> " took 49 s;
+    at 1 MB, 40 min. Here each format's hostile megabyte must be answered in under 1 s,
+    or, on a machine too loaded for that, in under 4 times what a megabyte of prose
+    in the same shape takes (quadratic work would take minutes either way)."""
+    import time
+
+    hub = start_hub({"storage_backend": "sqlite", "db_path": str(tmp_path / "t.db")},
+                    "--no-workers", limits={"max_step_chars": 2 * _MB})
+    texts = {
+        "warm-up": lambda _, n: _fill(_PROSE[0], n),  # the tokenizer and caches
+        "prose": lambda _, n: _fill(_PROSE[1], n),
+        "hostile": _fill,
+    }
+    took = {}
+    with hub.client() as client:
+        for kind, text in texts.items():
+            body = orjson.dumps(_adversarial(fmt, text))
+            started = time.monotonic()
+            r = client.post("/v1/traces", content=body,
+                            headers={"content-type": "application/json"})
+            took[kind] = time.monotonic() - started
+            assert r.status_code == 202, (kind, r.text[:300])
+            assert len(body) > 0.9 * _MB
+    assert took["hostile"] < max(1.0, 4 * took["prose"]), took
+
+
+def _nul_replaced(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.replace("\x00", NUL_STORED_AS)
+    if isinstance(value, dict):
+        return {_nul_replaced(k): _nul_replaced(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nul_replaced(v) for v in value]
+    return value

@@ -3,20 +3,18 @@ against the facts SOURCES.md states."""
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import REAL, ROOT, write_config
+from tests.support import REAL
+from tests.support.hubs import write_config
+from tests.support.processes import run_cli
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)},
-                          capture_output=True, text=True, timeout=300)
+    return run_cli(*args, timeout=300)
 
 
 def summary(stdout: str) -> dict[str, str]:
@@ -64,7 +62,7 @@ def test_the_whole_corpus_is_stored_or_reported(tmp_path: Path) -> None:
 
 def test_import_through_a_running_hub(start_hub: Any, trace_server: dict[str, Any],
                                       tmp_path: Path) -> None:
-    hub = start_hub(trace_server, "--no-workers")
+    hub = start_hub(trace_server, "--no-workers", listen=True)  # `import --url`: a socket
     config = write_config(tmp_path, trace_server)
     result = run("import", "--config", str(config), "--url", hub.url, str(REAL / "tau-bench"))
     assert result.returncode == 0, result.stderr

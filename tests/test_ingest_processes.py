@@ -7,7 +7,6 @@ import asyncio
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,16 @@ from app.errors import HubError, Invalid, Unavailable
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Preparer
 from app.ingest.processes import IngestProcesses
-from tests.conftest import HubProcess, native_trace
+from tests.support.builders import native_trace
+from tests.support.processes import HubProcess
+from tests.support.waiting import wait_until, wait_until_async
 
 PREPARER = Preparer(Environment.from_config(EnvironmentConfig()), LimitsConfig())
+
+
+def in_flight(processes: IngestProcesses) -> int:
+    """Items written to the ingest processes and not yet answered."""
+    return sum(proc.items for proc in processes._processes)
 
 
 def long_trace(n: int) -> dict[str, Any]:
@@ -53,7 +59,8 @@ async def test_a_killed_process_fails_what_it_held_and_is_replaced() -> None:
         (pid,) = processes.pids
         assert pid is not None
         held = asyncio.create_task(processes.rows([long_trace(n) for n in range(200)], None))
-        await asyncio.sleep(0.2)  # the process is busy with it
+        await wait_until_async(lambda: in_flight(processes) == 200, 10,
+                               what="the process busy with it")
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(Unavailable) as refused:
             await held
@@ -69,7 +76,8 @@ async def test_close_answers_what_was_sent_then_ends_the_processes() -> None:
     processes = IngestProcesses(PREPARER, 2)
     await processes.rows([native_trace()], None)
     sent = [asyncio.create_task(processes.rows([long_trace(n)], None)) for n in range(8)]
-    await asyncio.sleep(0)  # written to the processes
+    await wait_until_async(lambda: in_flight(processes) + sum(s.done() for s in sent) == 8, 10,
+                           what="written to the processes")
     pids = processes.pids
     await processes.close()
     assert [(await s)[0]["trace_id"] for s in sent] == [f"long-{n}" for n in range(8)]
@@ -82,11 +90,37 @@ async def test_close_kills_a_process_still_busy_after_the_timeout() -> None:
     await processes.rows([native_trace()], None)
     (pid,) = processes.pids
     held = asyncio.create_task(processes.rows([long_trace(n) for n in range(400)], None))
-    await asyncio.sleep(0.1)
+    await wait_until_async(lambda: in_flight(processes) == 400, 10, what="the process busy")
     await processes.close(timeout=0.2)
     with pytest.raises(Unavailable):
         await held
     assert pid is not None and not Path(f"/proc/{pid}").exists()
+
+
+async def test_an_item_past_max_item_seconds_is_refused_and_its_process_replaced() -> None:
+    # Counting the tokens of 32 MB of text takes about 2 s on an idle machine (more on
+    # a busy one); the limit is a quarter of one.
+    limits = LimitsConfig(max_item_seconds=0.25, max_step_chars=40_000_000)
+    processes = IngestProcesses(Preparer(PREPARER.environment, limits), 1)
+    try:
+        await processes.rows([native_trace()], None)
+        (pid,) = processes.pids
+        words = " ".join(f"word{n % 5000}" for n in range(4_000_000))[:32_000_000]
+        slow = native_trace(trace_id="slow", steps=[{"type": "observation", "content": words}])
+        batch = [native_trace(trace_id="before"), slow, native_trace(trace_id="after")]
+        before, refused, after = await asyncio.wait_for(processes.rows(batch, None), 30)
+        assert isinstance(refused, Invalid) and refused.status == 422
+        assert refused.field == "limits.max_item_seconds"
+        assert "limits.max_item_seconds (0.25 s)" in refused.message
+        # The items it held beside the slow one were prepared by its successor.
+        assert isinstance(before, dict) and before["trace_id"] == "before"
+        assert isinstance(after, dict) and after["trace_id"] == "after"
+        assert pid is not None and not Path(f"/proc/{pid}").exists()
+        assert processes.pids != [pid]
+        (row,) = await processes.rows([native_trace(trace_id="next")], None)
+        assert not isinstance(row, HubError) and row["trace_id"] == "next"
+    finally:
+        await processes.close()
 
 
 def _sqlite(tmp_path: Path) -> dict[str, Any]:
@@ -95,12 +129,12 @@ def _sqlite(tmp_path: Path) -> dict[str, Any]:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "systemd"])
 def test_a_stop_signal_to_the_whole_group_finishes_requests_in_flight(
-    start_hub: Any, tmp_path: Path, sig: signal.Signals
+    start_hub_process: Any, tmp_path: Path, sig: signal.Signals
 ) -> None:
     """Ctrl-C in a terminal, or systemd stopping the service, signals every process of
     the job, ingest processes too: they keep preparing until the hub has answered what
     it accepted."""
-    hub: HubProcess = start_hub(_sqlite(tmp_path), "--no-workers")
+    hub: HubProcess = start_hub_process(_sqlite(tmp_path), "--no-workers")
     acknowledged: list[str] = []
     stop = threading.Event()
 
@@ -119,8 +153,7 @@ def test_a_stop_signal_to_the_whole_group_finishes_requests_in_flight(
     threads = [threading.Thread(target=sender, args=(n,)) for n in range(4)]
     for t in threads:
         t.start()
-    while len(acknowledged) < 8:
-        time.sleep(0.01)
+    wait_until(lambda: len(acknowledged) >= 8, 60, what="8 traces acknowledged", poll=0.01)
     assert hub.proc is not None
     os.killpg(hub.proc.pid, sig)  # once: a second signal forces the exit
     assert hub.wait(timeout=30) == 0
@@ -136,23 +169,19 @@ def test_a_stop_signal_to_the_whole_group_finishes_requests_in_flight(
 
 
 def test_ingest_processes_start_with_the_hub_and_die_with_it(
-    start_hub: Any, tmp_path: Path
+    start_hub_process: Any, tmp_path: Path
 ) -> None:
     """Started at start-up, before any trace; a hub killed with -9 leaves none behind."""
-    hub: HubProcess = start_hub(_sqlite(tmp_path) | {"ingest_processes": 2}, "--no-workers")
+    hub: HubProcess = start_hub_process(_sqlite(tmp_path) | {"ingest_processes": 2},
+                                        "--no-workers")
 
     def forked() -> list[int]:  # the fork server and the processes it forked
         return [pid for pid in hub.group() if b"forkserver" in _cmdline(pid)]
 
-    deadline = time.monotonic() + 20
-    while len(forked()) < 3 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: len(forked()) >= 3, 20, what="the fork server and two processes")
     assert len(forked()) == 3
     hub.kill()
-    deadline = time.monotonic() + 10
-    while hub.group() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert hub.group() == []
+    wait_until(lambda: not hub.group(), 10, what=f"the group to end: {hub.group()}")
 
 
 def _cmdline(pid: int) -> bytes:

@@ -3,6 +3,8 @@ is stored, and the good items of a batch still are."""
 
 from __future__ import annotations
 
+import gzip
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 from app.config import LimitsConfig
 from app.errors import Invalid, PayloadTooLarge
 from app.ingest.limits import check_item, json_depth
-from tests.conftest import native_trace
+from tests.support.builders import native_trace
 
 LIMITS = {"max_traces_per_request": 3, "max_steps_per_trace": 6, "max_step_chars": 300,
           "max_json_depth": 8, "max_queued_traces": 50}
@@ -91,6 +93,53 @@ def test_traces_per_request(limited: httpx.Client) -> None:
     assert r.status_code == 413
     assert limited.get("/v1/stats").json()["traces"] == 0
     assert limited.post("/v1/traces", json=[native_trace()] * 3).status_code == 207
+
+
+def _kb(pid: int, field: str) -> int:
+    """A /proc/PID/status figure, in kB: VmRSS now, VmHWM the peak so far."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def test_item_count_bombs_are_refused_before_anything_is_built(
+    start_hub_process: Any, tmp_path: Path
+) -> None:
+    """A million `{}` is 3 MB of JSON and 5 KB of gzip; parsed, ~100 MB; validated by
+    pydantic, an error each, 3.4 GB (issue 17). Each is refused after counting."""
+    hub = start_hub_process({"storage_backend": "sqlite", "db_path": str(tmp_path / "t.db")})
+    assert hub.proc is not None
+    empties = [b"{}"] * 1_000_000
+    bombs = [
+        ("/v1/traces", b"\n".join(empties), "application/x-ndjson",
+         "limits.max_traces_per_request"),
+        ("/v1/traces", b"[" + b",".join(empties) + b"]", "application/json",
+         "limits.max_traces_per_request"),
+        ("/v1/traces", b'{"traces": [' + b",".join(empties) + b"]}", "application/json",
+         "limits.max_traces_per_request"),
+        ("/scored_data_list", b"[" + b",".join(empties) + b"]", "application/json",
+         "atropos.max_groups_per_request"),
+    ]
+    with hub.client() as client:
+        client.get("/healthz")
+        before = _kb(hub.proc.pid, "VmRSS")
+        for path, body, media, limit in bombs:
+            r = client.post(path, content=gzip.compress(body),
+                            headers={"content-type": media, "content-encoding": "gzip"})
+            assert r.status_code == 413, (path, r.text)
+            assert r.json()["error"]["field"] == limit
+        # Under the count, a list of bad groups: the first 20 errors, not 30,000.
+        ten_thousand = b"[" + b",".join([b"{}"] * 10_000) + b"]"
+        r = client.post("/scored_data_list", content=gzip.compress(ten_thousand),
+                        headers={"content-type": "application/json",
+                                 "content-encoding": "gzip"})
+        assert r.status_code == 422 and r.json()["error"]["field"] == "0.tokens"
+        assert r.json()["error"]["message"].endswith("(and 19 more)")
+        peak, after = _kb(hub.proc.pid, "VmHWM"), _kb(hub.proc.pid, "VmRSS")
+        assert peak - before < 120_000, f"peak {peak} kB, {before} kB before"
+        assert after - before < 60_000, f"{after} kB after, {before} kB before"
+        assert client.get("/v1/stats").json()["traces"] == 0
 
 
 def test_limits_config_must_be_consistent() -> None:

@@ -21,7 +21,7 @@ from app.llm import (
     chat,
     chat_url,
 )
-from tests.fakes.model_server import FakeModel, Fault
+from tests.support.fakes.model_server import FakeModel, Fault
 
 KEY = FakeModel.key
 KEY_ENV = "FAKE_MODEL_KEY"

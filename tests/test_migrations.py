@@ -9,6 +9,7 @@ import pytest
 import sqlalchemy as sa
 from alembic.script import ScriptDirectory
 
+from app.atropos.segments import Segment, plain_join
 from app.config import TraceServerConfig
 from app.db import migrate
 from app.db.engine import create_engine
@@ -17,6 +18,13 @@ from app.db.engine import create_engine
 def revisions() -> list[str]:
     script = ScriptDirectory.from_config(migrate._alembic_config())
     return [rev.revision for rev in reversed(list(script.walk_revisions()))]
+
+
+def test_the_head_read_from_the_revision_files_is_alembics() -> None:
+    """Start-up compares the database with the head read from the files (alembic is
+    not imported when there is nothing to migrate): the same head alembic finds."""
+    script = ScriptDirectory.from_config(migrate._alembic_config())
+    assert migrate.head_revision() == ",".join(sorted(script.get_heads()))
 
 
 @pytest.fixture
@@ -77,7 +85,7 @@ async def columns(engine: Any, table: str) -> dict[str, dict[str, Any]]:
 
 
 async def test_env_reward_comes_and_goes_with_0006_keeping_the_rows(engine: Any) -> None:
-    assert revisions()[-1] == "0006" and migrate.head_revision() == "0006"
+    assert "0006" in revisions()
     await migrate.upgrade(engine, "0005")
     assert "env_reward" not in await columns(engine, "traces")
     await insert_trace(engine, "old")
@@ -94,3 +102,35 @@ async def test_env_reward_comes_and_goes_with_0006_keeping_the_rows(engine: Any)
     async with engine.connect() as conn:
         assert (await conn.execute(sa.text("SELECT trace_id, reward FROM traces"))).one() == (
             "old", 20)
+
+
+async def test_0008_deflates_atropos_groups_and_back(engine: Any) -> None:
+    """Groups queued before 0008 are served after it, byte for byte, and after a
+    downgrade again; envs registered before it count as last heard at registration."""
+    payload = '{"tokens":[[1,2,3]],"masks":[[-100,2,3]],"scores":[1.0]}' * 50
+    await migrate.upgrade(engine, "0005")
+    async with engine.begin() as conn:
+        await conn.execute(sa.text(
+            "INSERT INTO atropos_envs (env_id, desired_name, real_name, weight,"
+            " max_token_length, group_size, connected, registered_at) VALUES"
+            " (0, 'e', 'e_0', 1.0, 512, 1, true, '2026-01-01 00:00:00')"))
+        await conn.execute(sa.text("INSERT INTO atropos_payloads (id, payload) VALUES (7, :p)"),
+                           {"p": payload})
+        await conn.execute(sa.text(
+            "INSERT INTO atropos_groups (id, state, env_id, size, bytes, fill_logprobs,"
+            " payload_id, created_at) VALUES (3, 'queued', 0, 1, :n, true, 7,"
+            " '2026-01-01 00:00:00')"), {"n": len(payload)})
+    await migrate.upgrade(engine)
+    async with engine.connect() as conn:
+        row = (await conn.execute(sa.text(
+            "SELECT s.deflated, s.crc32, g.bytes FROM atropos_groups g"
+            " JOIN atropos_segments s ON s.id = g.segment_id WHERE g.id = 3"))).one()
+        seen = await conn.scalar(sa.text("SELECT last_seen_at FROM atropos_envs"))
+    assert plain_join([Segment(bytes(row[0]), row[1], row[2])]).decode() == payload
+    assert len(row[0]) < len(payload) / 4
+    assert str(seen).startswith("2026-01-01 00:00:00")
+    await migrate.downgrade(engine, "0005")
+    async with engine.connect() as conn:
+        assert await conn.scalar(sa.text(
+            "SELECT p.payload FROM atropos_groups g"
+            " JOIN atropos_payloads p ON p.id = g.payload_id WHERE g.id = 3")) == payload

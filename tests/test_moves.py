@@ -22,7 +22,7 @@ from app.domain import BatchState, Stage
 from app.errors import Conflict
 from app.runs import records
 from app.runs.records import RUN_STATUSES, RunStatus
-from tests.pipeline import insert_trace, migrated, stages
+from tests.support.pipeline import insert_trace, migrated, stages
 
 MACHINES: list[StateMachine[Any]] = [
     TRACE_STAGES, BATCH_STATES, RUN_STATUSES, GROUP_STATES, ATROPOS_BATCH_STATES

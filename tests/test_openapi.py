@@ -22,7 +22,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.conftest import HubProcess, make_api_key, native_trace, write_config
+from tests.support.builders import native_trace
+from tests.support.databases import make_api_key
+from tests.support.hubs import InProcessHub, write_config
 
 CHECKS = [
     not_a_server_error,
@@ -35,24 +37,26 @@ FUZZ = settings(max_examples=25, deadline=None, suppress_health_check=list(Healt
 
 
 @pytest.fixture(scope="module")
-def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HubProcess, str]]:
+def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[InProcessHub, str]]:
     """A hub with auth on and small limits (so the limit answers are reached too), with
-    a few traces stored, and an admin key."""
+    a few traces stored, and an admin key; served by uvicorn, as schemathesis reads the
+    document from a URL."""
     tmp: Path = tmp_path_factory.mktemp("fuzz")
     trace_server = {"storage_backend": "sqlite", "db_path": str(tmp / "traces.db")}
     limits = {"max_body_bytes": 20_000, "max_traces_per_request": 5, "max_json_depth": 10}
-    hub = HubProcess(write_config(tmp, trace_server, auth={"enabled": True}, limits=limits))
+    hub = InProcessHub(write_config(tmp, trace_server, auth={"enabled": True}, limits=limits),
+                       listen=True)
     hub.start()
     key = make_api_key(trace_server, "admin")
     with hub.client(headers={"Authorization": f"Bearer {key}"}) as client:
         for i in range(3):
             assert client.post("/v1/traces", json=native_trace(trace_id=f"f-{i}")).status_code == 202
     yield hub, key
-    hub.kill()
+    hub.stop()
 
 
 @pytest.fixture(scope="module")
-def hub_schema(fuzzed: tuple[HubProcess, str]) -> Any:
+def hub_schema(fuzzed: tuple[InProcessHub, str]) -> Any:
     return schemathesis.openapi.from_url(fuzzed[0].url + "/openapi.json")
 
 
@@ -79,7 +83,7 @@ def fuzz(hub_schema: Any, mode: GenerationMode, max_examples: int,
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
-def test_with_a_key(hub_schema: Any, fuzzed: tuple[HubProcess, str], mode: GenerationMode) -> None:
+def test_with_a_key(hub_schema: Any, fuzzed: tuple[InProcessHub, str], mode: GenerationMode) -> None:
     ran = fuzz(hub_schema, mode, 25, {"Authorization": f"Bearer {fuzzed[1]}"})
     assert {"POST /v1/traces", "GET /v1/traces", "GET /v1/traces/{trace_id}"} <= set(ran)
 
@@ -88,7 +92,7 @@ def test_without_a_key(hub_schema: Any) -> None:
     fuzz(hub_schema, GenerationMode.POSITIVE, 5)
 
 
-def test_the_document_declares_the_error_shape(fuzzed: tuple[HubProcess, str]) -> None:
+def test_the_document_declares_the_error_shape(fuzzed: tuple[InProcessHub, str]) -> None:
     with fuzzed[0].client() as client:
         doc = client.get("/openapi.json").json()
     assert doc["components"]["schemas"]["Error"]["required"] == ["error"]
@@ -103,7 +107,7 @@ def test_the_document_declares_the_error_shape(fuzzed: tuple[HubProcess, str]) -
                     assert ref == f"#/components/schemas/{shape}", (method, path, status)
 
 
-def test_the_document_declares_every_success_body(fuzzed: tuple[HubProcess, str]) -> None:
+def test_the_document_declares_every_success_body(fuzzed: tuple[InProcessHub, str]) -> None:
     with fuzzed[0].client() as client:
         doc = client.get("/openapi.json").json()
     for path, operations in doc["paths"].items():
@@ -119,7 +123,7 @@ def test_the_document_declares_every_success_body(fuzzed: tuple[HubProcess, str]
 
 
 def test_success_bodies_conform_to_the_document(
-    hub_schema: Any, fuzzed: tuple[HubProcess, str]
+    hub_schema: Any, fuzzed: tuple[InProcessHub, str]
 ) -> None:
     """What random requests rarely reach, each answer checked against the document: a
     rejected trace, a batch with a bad item, every view of a trace, and a whole Atropos

@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REAL, run_cli, write_config
+from tests.support import REAL
+from tests.support.hubs import write_config
+from tests.support.processes import run_cli
 
 PASSWORD = "s3cret-pw"
 

@@ -158,9 +158,6 @@ def test_compose_postgres_profile() -> None:
         assert worker["depends_on"]["hub-pg"]["condition"] == "service_healthy"
 
 
-@pytest.mark.skipif(
-    not (ROOT / "app" / "cli.py").exists(), reason="app/cli/main.py (the `atropos` CLI) not built yet"
-)
 @pytest.mark.parametrize("argv", [[*SERVE, "--no-workers"], WORKER], ids=["serve", "worker"])
 def test_the_cli_takes_the_flags_the_docker_files_pass(argv: list[str]) -> None:
     atropos = Path(sys.executable).parent / "atropos"

@@ -11,8 +11,11 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, HubProcess, native_trace, run_cli, write_config
-from tests.pipeline import wait_until
+from tests.support import ROOT
+from tests.support.builders import native_trace
+from tests.support.hubs import write_config
+from tests.support.processes import HubProcess, run_cli
+from tests.support.waiting import wait_until
 
 README_FIRST = re.compile(r"```sh\n(.*?)\n", re.DOTALL)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import native_trace, write_config
-from tests.test_import import run
+from tests.support.builders import native_trace
+from tests.support.hubs import write_config
+from tests.support.processes import run_cli
 
 
 def test_rescore_applies_new_rules_and_filters(
@@ -24,11 +25,11 @@ def test_rescore_applies_new_rules_and_filters(
 
     config = write_config(tmp_path, trace_server, environment={
         "reward_rules": {"task_success": 100}, "invalid_trace_filters": []})
-    result = run("rescore", "--config", str(config))
+    result = run_cli("rescore", "--config", str(config))
     assert result.returncode == 0, result.stderr
     assert "rescored: 2" in result.stdout
     assert "stage rejected->accepted: 1" in result.stdout
-    assert run("rescore", "--config", str(config)).stdout.startswith("rescored: 0")
+    assert run_cli("rescore", "--config", str(config)).stdout.startswith("rescored: 0")
 
     hub.start()
     with hub.client() as client:

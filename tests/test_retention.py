@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,12 @@ from app.db.models import SCHEDULED_TASKS, TRACES
 from app.db.types import utcnow
 from app.durations import format_duration, parse_duration
 from app.stages.retention import Criteria
-from tests.conftest import ROOT, HubProcess, db_execute, native_trace, run_cli, write_config
+from tests.support import ROOT
+from tests.support.builders import native_trace
+from tests.support.databases import db_execute
+from tests.support.hubs import InProcessHub, write_config
+from tests.support.processes import run_cli
+from tests.support.waiting import wait_until
 
 # The batches tables as the distribution stage creates them (migration 0003); made
 # here when this database has none, to show that retention respects them.
@@ -67,9 +71,9 @@ ALL = ["old-1", "old-2", "old-3", "old-high", "new-low", "old-batched", "old-lea
 
 
 @pytest.fixture
-def aged(start_hub: Any, trace_server: dict[str, Any]) -> HubProcess:
+def aged(start_hub: Any, trace_server: dict[str, Any]) -> InProcessHub:
     """A hub (no background stages) holding traces of every kind, most 40 days old."""
-    hub: HubProcess = start_hub(trace_server, "--no-workers")
+    hub: InProcessHub = start_hub(trace_server, "--no-workers")
     with hub.client() as client:
         low = [ingest(client, t, success=False) for t in ALL if t != "old-high"]
         assert max(low) < 5 <= ingest(client, "old-high", success=True)
@@ -84,7 +88,7 @@ def aged(start_hub: Any, trace_server: dict[str, Any]) -> HubProcess:
     return hub
 
 
-def test_prune_counts_then_deletes_in_batches(aged: HubProcess, trace_server: dict[str, Any]) -> None:
+def test_prune_counts_then_deletes_in_batches(aged: InProcessHub, trace_server: dict[str, Any]) -> None:
     config = str(aged.config)
     dry = run_cli("prune", "--config", config, "--older-than", "30d", "--max-reward", "5",
                   "--dry-run")
@@ -132,7 +136,7 @@ def on_a_terminal(answer: str, *args: str) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def test_prune_asks_on_a_terminal(aged: HubProcess) -> None:
+def test_prune_asks_on_a_terminal(aged: InProcessHub) -> None:
     args = ("prune", "--config", str(aged.config), "--older-than", "30d", "--max-reward", "5")
     code, out = on_a_terminal("n", *args)
     assert code == 1 and "matching: 4 traces" in out and "nothing deleted" in out
@@ -144,20 +148,22 @@ def test_prune_asks_on_a_terminal(aged: HubProcess) -> None:
 
 
 def test_worker_applies_retention_once_per_period(
-    aged: HubProcess, start_hub: Any, trace_server: dict[str, Any]
+    aged: InProcessHub, start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:
-    aged.kill()
-    retention = {"older_than": "30d", "max_reward": 5, "every": "1h", "batch_size": 2}
+    aged.stop()
     # A target that never takes the batch, so that it stays pending (and protected).
     never = {"target": "http", "url": "http://127.0.0.1:9/batches"}
+    # The other stages first: each stage runs in a loop of its own, and retention passes
+    # over a trace that compression holds a lease on at that moment (until next period).
+    settled = run_cli("worker", "--config", str(write_config(tmp_path, trace_server,
+                                                                distributor=never)), "--burst")
+    assert settled.returncode == 0, settled.stderr
+    retention = {"older_than": "30d", "max_reward": 5, "every": "1h", "batch_size": 2}
     hub = start_hub({**trace_server, "flush_interval_seconds": 0.2}, retention=retention,
                     distributor=never)
     kept = {"old-high", "new-low", "old-batched", "old-leased", "old-pending-batch"}
     with hub.client() as client:
-        deadline = time.monotonic() + 20
-        while present(client, *ALL) != kept:
-            assert time.monotonic() < deadline, present(client, *ALL)
-            time.sleep(0.2)
+        wait_until(lambda: present(client, *ALL) == kept, 20, what=f"only {kept} left")
         hub.wait_for_log("retention: deleted 4 of 4 traces matching older than 30d, reward < 5")
         [task] = db_execute(trace_server, sa.select(SCHEDULED_TASKS))
         assert task["name"] == "retention" and task["last_result"]["deleted"] == 4

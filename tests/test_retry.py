@@ -23,8 +23,8 @@ from app.errors import Unavailable
 from app.ingest.inserter import TraceInserter
 from app.stages.compression import CompressionStage
 from app.stages.leases import Lease, claim, retry_later
-from tests.conftest import create_pg_database, drop_pg_database
-from tests.pipeline import insert_trace, migrated, stages
+from tests.support.databases import create_pg_database, drop_pg_database
+from tests.support.pipeline import insert_trace, migrated, stages
 
 
 def test_the_default_backoffs() -> None:

@@ -5,22 +5,26 @@ and log path, completion, and stopping in reverse order."""
 from __future__ import annotations
 
 import json
+import os
+import pwd
 from datetime import datetime
 from pathlib import Path
 
-from tests.runs_support import (
+import pytest
+
+from app.runs.logs import TAIL_MAX_BYTES
+from tests.support.hubs import write_config
+from tests.support.processes import run_cli
+from tests.support.runs import (
     KEY_ENV,
     RunsEnv,
     alive,
     free_port,
     run_tables,
-    runs_env,
     spec,
     start,
     wait_status,
 )
-
-__all__ = ["runs_env"]  # the fixture, imported for pytest
 
 
 def test_runs_are_refused_unless_enabled(runs_env: RunsEnv) -> None:
@@ -52,6 +56,11 @@ def test_bad_specs_and_unknown_runs_get_json_errors(runs_env: RunsEnv) -> None:
             ({"trainer": {"command": ["x"]}, "env": {"OPENAI_API_KEY": "mine"}}, "env"),
             ({"trainer": {"command": ["x"]}, "poll_interval": 0}, "poll_interval"),
             ({"trainer": {"command": ["x"]}, "cwd": "/no/such/dir"}, "cwd"),
+            ({"trainer": {"command": ["x"]}, "cwd": "/tmp\x00/etc"}, "cwd"),
+            ({"trainer": {"command": ["x"]}, "cwd": "/tmp/" + "d" * 300}, "cwd"),
+            ({"trainer": {"command": ["x"]}, "cwd": "/tmp/" + "d/" * 3000}, "cwd"),
+            ({"trainer": {"command": ["x\x00y"]}}, "trainer.command.0"),
+            ({"trainer": {"command": ["x"]}, "env": {"A": "b\x00"}}, "env.A"),
         ]
         for body, field in cases:
             response = client.post("/v1/runs", json=body)
@@ -164,8 +173,17 @@ def test_a_trainer_that_fails_fails_the_run_with_code_and_log(runs_env: RunsEnv)
         assert run["error_message"] == f"Trainer exited with code 3. Check {trainer['log_path']}"
         assert env0["exit_code"] == -15 and not alive(env0["pid"])
         shown = client.get(f"/v1/runs/{run_id}?tail=2").json()["processes"][0]["log_tail"]
-    assert shown == ["trainer started", "OPENAI_API_KEY is [redacted]"]
-    assert runs_env.model_key in Path(trainer["log_path"]).read_text()  # its own doing
+        assert shown == ["trainer started", "OPENAI_API_KEY is [redacted]"]
+        assert runs_env.model_key in Path(trainer["log_path"]).read_text()  # its own doing
+        # 64 MB without a newline: ?tail=1 read all of it, and answered all of it.
+        with open(trainer["log_path"], "ab") as log:
+            for _ in range(64):
+                log.write(b"x" * 2**20)
+            log.write(b"the end")
+        r = client.get(f"/v1/runs/{run_id}?tail=1")
+        (line,) = r.json()["processes"][0]["log_tail"]
+        assert line.endswith("the end") and len(line) == TAIL_MAX_BYTES
+        assert len(r.content) < 2 * TAIL_MAX_BYTES
     assert runs_env.model_key not in hub.log
 
 
@@ -228,3 +246,41 @@ def test_start_failures_say_why(runs_env: RunsEnv) -> None:
 
 def _at(iso: str) -> datetime:
     return datetime.fromisoformat(iso)
+
+
+def test_runs_user_keeps_the_processes_out_of_the_hubs_environment(runs_env: RunsEnv) -> None:
+    """A run's processes, as the hub's own user, can read /proc/PID/environ of the hub
+    and so the model keys the environments are not given (issue 17). With runs.user
+    (the hub runs as root) they run as that user and cannot."""
+    if os.geteuid() != 0:
+        pytest.skip("runs.user needs the hub to run as root")
+
+    def peek(hub_pid: int) -> list[str]:
+        return ["/bin/sh", "-c", f"echo uid $(id -u); if cat /proc/{hub_pid}/environ "
+                "> /dev/null 2>&1; then echo 'environ: read'; else echo 'environ: denied'; "
+                "fi; exec sleep 60"]
+
+    seen = {}
+    for user in (None, "nobody"):
+        hub = runs_env.hub_process(user=user)  # its own process, with its own environment
+        assert hub.proc is not None
+        body = spec(["/bin/sh", "-c", "exec sleep 60"], peek(hub.proc.pid),
+                    env_health=[{"log": "environ:"}], cwd="/tmp")
+        with hub.client() as client:
+            run_id = start(client, body)
+            run = wait_status(client, run_id, "running")
+            seen[user] = Path(run["processes"][1]["log_path"]).read_text()
+            client.delete(f"/v1/runs/{run_id}")
+            wait_status(client, run_id, "stopped")
+        hub.stop()
+    assert "uid 0" in seen[None] and "environ: read" in seen[None]
+    assert f"uid {pwd.getpwnam('nobody').pw_uid}" in seen["nobody"]
+    assert "environ: denied" in seen["nobody"]
+
+
+def test_runs_user_must_exist(runs_env: RunsEnv) -> None:
+    config = write_config(runs_env.tmp, runs_env.trace_server,
+                          runs={"enabled": True, "user": "no-such-user-here"})
+    result = run_cli("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "runs.user: Value error, no user 'no-such-user-here'" in result.stderr

@@ -15,10 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.runs_support import RunsEnv, alive, runs_env
-
-__all__ = ["runs_env"]  # the fixture, imported for pytest
+from tests.support import ROOT
+from tests.support.runs import RunsEnv, alive
 
 
 @pytest.fixture
@@ -74,7 +72,7 @@ def _command(runs_env: RunsEnv, name: str, *args: Any) -> str:
 
 
 def test_ctrl_c_stops_the_run(runs_env: RunsEnv) -> None:
-    hub = runs_env.hub()
+    hub = runs_env.hub(listen=True)
     cli = _Cli(
         "--url", hub.url,
         "--trainer", _command(runs_env, "trainer"), "--trainer-health", "log:trainer started",
@@ -104,7 +102,7 @@ def test_ctrl_c_stops_the_run(runs_env: RunsEnv) -> None:
 
 
 def test_the_exit_code_is_the_runs_outcome(runs_env: RunsEnv) -> None:
-    hub = runs_env.hub()
+    hub = runs_env.hub(listen=True)
     common = ("--url", hub.url, "--poll-interval", 0.2, "--watch-interval", 0.1)
     done = _Cli(*common, "--trainer", _command(runs_env, "ok", "--exit-after", 0.5))
     failed = _Cli(*common, "--trainer", _command(runs_env, "bad", "--exit-after", 0.5,

@@ -3,7 +3,6 @@ identity by start time, stopping a whole process group, log tails and log scanni
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 import time
@@ -12,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from app.runs.health import _LogScanner
-from app.runs.logs import tail
+from app.runs.logs import TAIL_MAX_BYTES, tail
 from app.runs.process import RunProcess, describe_exit, is_running, start_ticks
+from tests.support.waiting import wait_until_async
 
 
 def _spawn(tmp_path: Path, code: str, role: str = "trainer") -> RunProcess:
@@ -24,10 +24,7 @@ def _spawn(tmp_path: Path, code: str, role: str = "trainer") -> RunProcess:
 
 
 async def _ended(proc: RunProcess, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while proc.running():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.02)
+    await wait_until_async(lambda: not proc.running(), timeout, what="the process to end")
 
 
 @pytest.mark.parametrize(
@@ -81,8 +78,8 @@ async def test_stop_reaches_the_whole_group_and_kills_what_ignores_sigterm(
         f"subprocess.Popen([sys.executable, '-c', {ignorer!r}]); time.sleep(60)"
     )
     proc = _spawn(tmp_path, code)
-    while not helper.exists() or not helper.read_text():
-        await asyncio.sleep(0.02)
+    await wait_until_async(lambda: helper.exists() and helper.read_text(), 20,
+                           what="the helper's pid")
     helper_pid = int(helper.read_text())
     began = time.monotonic()
     await proc.stop(0.5)
@@ -99,6 +96,15 @@ def test_tail_reads_the_end_of_long_and_missing_logs(tmp_path: Path) -> None:
     assert [line[:9] for line in tail(log, 3)] == ["line 4998", "line 4999", "last"]
     assert len(tail(log, 2000)) == 2000
     assert tail(log, 0) == [] and tail(tmp_path / "missing.log", 5) == []
+
+
+def test_tail_reads_at_most_its_bound_from_the_end(tmp_path: Path) -> None:
+    log = tmp_path / "a.log"
+    log.write_bytes(b"y" * (3 * TAIL_MAX_BYTES) + b"\nshort\n" + b"z" * (TAIL_MAX_BYTES // 2))
+    assert tail(log, 2) == ["short", "z" * (TAIL_MAX_BYTES // 2)]
+    lines = tail(log, 10)  # what fits in the bound: the last line, and the end of one
+    assert lines[1:] == ["short", "z" * (TAIL_MAX_BYTES // 2)]
+    assert sum(len(line) for line in lines) + len(lines) - 1 == TAIL_MAX_BYTES
 
 
 def test_the_log_check_sees_lines_as_they_are_written(tmp_path: Path) -> None:

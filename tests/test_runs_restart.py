@@ -1,20 +1,19 @@
 """Runs outlive the hub: a restarted hub re-attaches to the runs whose processes are
-alive and fails those whose processes are gone, saying why."""
+alive and fails those whose processes are gone, saying why. (Hub processes: they are
+stopped, killed -9 and restarted.)"""
 
 from __future__ import annotations
 
 import os
 import signal
-import time
 
-from tests.runs_support import RunsEnv, alive, runs_env, spec, start, wait_status
-
-__all__ = ["runs_env"]  # the fixture, imported for pytest
+from tests.support.runs import RunsEnv, alive, spec, start, wait_status
+from tests.support.waiting import wait_until
 
 
 def test_a_restarted_hub_reattaches_live_runs_and_fails_dead_ones(runs_env: RunsEnv) -> None:
     finish_live, finish_coded = runs_env.tmp / "finish-live", runs_env.tmp / "finish-coded"
-    hub = runs_env.hub()
+    hub = runs_env.hub_process()
     with hub.client() as client:
         live = start(client, spec(runs_env.child("live-t", "--exit-when", finish_live),
                                   runs_env.child("live-e")))
@@ -25,8 +24,9 @@ def test_a_restarted_hub_reattaches_live_runs_and_fails_dead_ones(runs_env: Runs
         starting = start(client, spec(runs_env.child("starting-t"),
                                       trainer_health={"log": "never printed"}))
         wait_status(client, starting, "starting")
-        while not (starting_pid := client.get(f"/v1/runs/{starting}").json()["processes"][0]["pid"]):
-            time.sleep(0.05)
+        starting_pid = wait_until(
+            lambda: client.get(f"/v1/runs/{starting}").json()["processes"][0]["pid"], 20,
+            what="the starting trainer's pid")
     pids = {run_id: [p["pid"] for p in run["processes"]] for run_id, run in runs.items()}
 
     assert hub.stop(signal.SIGTERM) == 0
@@ -77,7 +77,7 @@ def test_a_stop_taken_by_another_hub_is_carried_out(runs_env: RunsEnv) -> None:
     """Two hubs share the database. A DELETE that the other hub answers is carried out
     by the watching hub at its next poll, or by the other hub itself once the watcher
     is dead."""
-    watcher, other = runs_env.hub(), runs_env.hub()
+    watcher, other = runs_env.hub_process(), runs_env.hub_process()
     with watcher.client() as w, other.client() as o:
         first = start(w, spec(runs_env.child("t1"), runs_env.child("e1")))
         pids = [p["pid"] for p in wait_status(w, first, "running")["processes"]]
@@ -99,7 +99,7 @@ def test_a_stop_taken_by_another_hub_is_carried_out(runs_env: RunsEnv) -> None:
 def test_a_stop_cut_short_by_a_hub_crash_is_finished_by_the_next_hub(
     runs_env: RunsEnv,
 ) -> None:
-    hub = runs_env.hub()
+    hub = runs_env.hub_process()
     with hub.client() as client:
         body = spec(
             runs_env.child("t"),
@@ -112,10 +112,8 @@ def test_a_stop_cut_short_by_a_hub_crash_is_finished_by_the_next_hub(
         run_id = start(client, body)
         pids = [p["pid"] for p in wait_status(client, run_id, "running")["processes"]]
         client.delete(f"/v1/runs/{run_id}")
-        deadline = time.monotonic() + 10
-        while not any(e["event"] == "sigterm" for e in runs_env.events()):
-            assert time.monotonic() < deadline, runs_env.events()
-            time.sleep(0.02)
+        wait_until(lambda: any(e["event"] == "sigterm" for e in runs_env.events()), 10,
+                   what="a SIGTERM", poll=0.02)
     hub.kill()  # while it waits for the environment that shrugs SIGTERM off
     assert all(alive(pid) for pid in pids)
     hub.start()
@@ -126,7 +124,5 @@ def test_a_stop_cut_short_by_a_hub_crash_is_finished_by_the_next_hub(
 
 
 def _wait_gone(*pids: int, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while any(alive(pid) for pid in pids):
-        assert time.monotonic() < deadline, f"still alive: {[p for p in pids if alive(p)]}"
-        time.sleep(0.05)
+    wait_until(lambda: not any(alive(pid) for pid in pids), timeout,
+               what=f"{pids} to end: {[p for p in pids if alive(p)]} alive")

@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import PG_ADMIN_URL, HubProcess, WorkerProcess, db_execute, native_trace
+from tests.support.builders import native_trace
+from tests.support.databases import (
+    PG_ADMIN_URL,
+    create_pg_database,
+    db_execute,
+    drop_pg_database,
+)
+from tests.support.processes import HubProcess, WorkerProcess
+from tests.support.waiting import wait_until
 
 TRACES = 3_000
 BATCH = 25
@@ -23,8 +30,6 @@ pytestmark = pytest.mark.skipif(not PG_ADMIN_URL, reason="needs PostgreSQL")
 
 @pytest.fixture
 def pg_server(tmp_path: Path) -> Any:
-    from tests.conftest import create_pg_database, drop_pg_database
-
     url = create_pg_database()
     yield {"storage_backend": "postgresql", "database_url": url}
     drop_pg_database(url)
@@ -61,20 +66,17 @@ def test_two_hubs_three_workers_one_killed(tmp_path: Path, pg_server: dict[str, 
                    for n in range(4)]
         for t in senders:
             t.start()
-        while len(acked) < TRACES // 3:
-            time.sleep(0.05)
+        wait_until(lambda: len(acked) >= TRACES // 3, 180, what="a third of the traces acked")
         workers[0].kill()  # mid-ingest and mid-stage
         for t in senders:
             t.join()
         assert sorted(acked) == ids
 
-        deadline = time.monotonic() + 180
-        while True:
+        def delivered() -> int:
             [row] = db_execute(pg_server, "SELECT count(*) AS n FROM traces WHERE stage = 'delivered'")
-            if row["n"] == TRACES:
-                break
-            assert time.monotonic() < deadline, f"{row['n']} of {TRACES} delivered"
-            time.sleep(0.5)
+            return int(row["n"])
+
+        wait_until(lambda: delivered() == TRACES, 180, what=f"all {TRACES} delivered", poll=0.5)
     finally:
         for process in [*hubs, *workers]:
             process.kill()

@@ -10,6 +10,8 @@ from app.domain import Outcome, Status, Step, StepType, Trace
 from app.errors import ConfigError
 from app.evaluation.filters import Filters, find_reject_reasons
 from app.evaluation.scoring import MATCH_WINDOW, RewardRules, RuleResult, score
+from tests.support import checks
+from tests.support.builders import action, final, observation, thought, trace
 
 DEFAULT_RULES = {
     "task_success": 20,
@@ -20,58 +22,20 @@ DEFAULT_RULES = {
 }
 
 
-def act(tool: str | None = "bash", arguments: Any = None, call_id: str | None = None) -> Step:
-    return Step(type=StepType.ACTION, tool=tool, arguments=arguments, call_id=call_id)
-
-
-def obs(
-    content: str = "ok",
-    *,
-    error: str | None = None,
-    exit_code: int | None = None,
-    call_id: str | None = None,
-) -> Step:
-    return Step(
-        type=StepType.OBSERVATION,
-        content=content,
-        error=error,
-        exit_code=exit_code,
-        call_id=call_id,
-    )
-
-
-def thought(text: str = "thinking") -> Step:
-    return Step(type=StepType.THOUGHT, content=text)
-
-
-def final(text: str) -> Step:
-    return Step(type=StepType.FINAL, content=text)
-
-
-def trace(*steps: Step, status: Status = Status.UNKNOWN, **fields: Any) -> Trace:
-    code_runs_ok = fields.pop("code_runs_ok", None)
-    outcome = Outcome(status=status, code_runs_ok=code_runs_ok)
-    return Trace(task="t", steps=list(steps), outcome=outcome, **fields)
-
-
 def result(t: Trace, rules: dict[str, Any], name: str | None = None) -> RuleResult:
     breakdown = score(t, RewardRules.from_config(rules)).breakdown
     return breakdown[name or next(iter(rules))]
 
 
 def config_error(rules: Any) -> str:
-    with pytest.raises(ConfigError) as caught:
-        RewardRules.from_config(rules)
-    message = str(caught.value)
-    assert "\n" not in message
-    return message
+    return checks.config_error(RewardRules.from_config, rules)
 
 
 # --- the score --------------------------------------------------------------------------
 
 
 def test_reward_is_the_sum_of_fired_rules_and_breakdown_lists_every_rule() -> None:
-    t = trace(act(arguments="not json"), obs(exit_code=0), status=Status.SUCCESS)
+    t = trace(action(arguments="not json"), observation(exit_code=0), status=Status.SUCCESS)
     s = score(t, RewardRules.from_config(DEFAULT_RULES))
     assert s.reward == 20 + 10 - 5
     assert s.breakdown == {
@@ -146,12 +110,12 @@ def test_timeout_fires_on_timeout_only(status: Status) -> None:
 @pytest.mark.parametrize(
     ("steps", "said", "fired"),
     [
-        ([obs(exit_code=1)], True, True),  # the outcome's word wins
-        ([obs(exit_code=0)], False, False),
-        ([obs(exit_code=1), obs(exit_code=0)], None, True),
-        ([obs(exit_code=0), obs(exit_code=2)], None, False),  # the last exit code decides
-        ([obs(exit_code=0), obs("no code"), thought()], None, True),  # ...of those with one
-        ([obs("no code")], None, False),
+        ([observation(exit_code=1)], True, True),  # the outcome's word wins
+        ([observation(exit_code=0)], False, False),
+        ([observation(exit_code=1), observation(exit_code=0)], None, True),
+        ([observation(exit_code=0), observation(exit_code=2)], None, False),  # the last exit code decides
+        ([observation(exit_code=0), observation("no code"), thought()], None, True),  # ...of those with one
+        ([observation("no code")], None, False),
         ([], None, False),
     ],
 )
@@ -165,18 +129,18 @@ def test_code_runs_ok(steps: list[Step], said: bool | None, fired: bool) -> None
 @pytest.mark.parametrize(
     ("step", "invalid"),
     [
-        (act(arguments={"cmd": "ls"}), False),
-        (act(arguments={}), False),
-        (act(arguments=None), False),  # a call without arguments
-        (act(arguments='{"cmd": "ls"}'), False),  # a string that parses as an object
-        (act(arguments='{"cmd": "ls"'), True),
-        (act(arguments="ls -la"), True),
-        (act(arguments=""), True),
-        (act(arguments="[1, 2]"), True),  # JSON, but not an object
-        (act(arguments=[1, 2]), True),
-        (act(arguments=3), True),
-        (act(tool=None, arguments="x"), False),  # no tool name: empty_action's
-        (act(tool=" ", arguments="x"), False),
+        (action(arguments={"cmd": "ls"}), False),
+        (action(arguments={}), False),
+        (action(arguments=None), False),  # a call without arguments
+        (action(arguments='{"cmd": "ls"}'), False),  # a string that parses as an object
+        (action(arguments='{"cmd": "ls"'), True),
+        (action(arguments="ls -la"), True),
+        (action(arguments=""), True),
+        (action(arguments="[1, 2]"), True),  # JSON, but not an object
+        (action(arguments=[1, 2]), True),
+        (action(arguments=3), True),
+        (action(tool=None, arguments="x"), False),  # no tool name: empty_action's
+        (action(tool=" ", arguments="x"), False),
     ],
 )
 def test_invalid_tool_call_arguments(step: Step, invalid: bool) -> None:
@@ -184,31 +148,31 @@ def test_invalid_tool_call_arguments(step: Step, invalid: bool) -> None:
 
 
 def test_invalid_tool_call_checks_the_declared_tool_list_only_when_there_is_one() -> None:
-    steps = (act("bash", {}), act("browse", {}))
+    steps = (action("bash", {}), action("browse", {}))
     assert result(trace(*steps, tools=["bash"]), {"invalid_tool_call": -5})["count"] == 1
     assert result(trace(*steps, tools=[]), {"invalid_tool_call": -5})["count"] == 2
     assert result(trace(*steps, tools=None), {"invalid_tool_call": -5})["count"] == 0
 
 
 def test_invalid_tool_call_counts_once_per_call_even_when_both_wrong() -> None:
-    t = trace(act("browse", "x"), tools=["bash"])
+    t = trace(action("browse", "x"), tools=["bash"])
     assert result(t, {"invalid_tool_call": -5})["count"] == 1
 
 
 def test_invalid_tool_call_counts_per_occurrence_by_default() -> None:
-    t = trace(act(arguments="a"), obs(), act(arguments="b"), act(arguments={}), act(arguments="c"))
+    t = trace(action(arguments="a"), observation(), action(arguments="b"), action(arguments={}), action(arguments="c"))
     assert result(t, {"invalid_tool_call": -5}) == {"fired": True, "count": 3, "points": -15.0}
 
 
 @pytest.mark.parametrize(("max_count", "points"), [(1, -5.0), (2, -10.0), (3, -15.0), (4, -15.0)])
 def test_max_count_caps_the_points_not_the_count(max_count: int, points: float) -> None:
-    t = trace(act(arguments="a"), act(arguments="b"), act(arguments="c"))
+    t = trace(action(arguments="a"), action(arguments="b"), action(arguments="c"))
     rules = {"invalid_tool_call": {"points": -5, "max_count": max_count}}
     assert result(t, rules) == {"fired": True, "count": 3, "points": points}
 
 
 def test_per_occurrence_can_be_turned_off() -> None:
-    t = trace(act(arguments="a"), act(arguments="b"))
+    t = trace(action(arguments="a"), action(arguments="b"))
     rules = {"invalid_tool_call": {"points": -5, "per_occurrence": False}}
     assert result(t, rules) == {"fired": True, "count": 2, "points": -5.0}
 
@@ -222,7 +186,7 @@ def repeat(n: int, step: Step, *between: Step) -> list[Step]:
 
 @pytest.mark.parametrize(("n", "fired"), [(2, False), (3, True), (46, True)])
 def test_loop_detected_at_the_default_threshold(n: int, fired: bool) -> None:
-    t = trace(*repeat(n, act("go", {"to": "shelf 8"}), obs("Nothing happens.")))
+    t = trace(*repeat(n, action("go", {"to": "shelf 8"}), observation("Nothing happens.")))
     assert result(t, {"loop_detected": -10}) == {
         "fired": fired,
         "count": int(fired),  # one run, however long
@@ -233,41 +197,41 @@ def test_loop_detected_at_the_default_threshold(n: int, fired: bool) -> None:
 @pytest.mark.parametrize(("n", "fired"), [(4, False), (5, True)])
 def test_loop_threshold_parameter(n: int, fired: bool) -> None:
     rules = {"loop_detected": {"points": -10, "loop_threshold": 5}}
-    assert result(trace(*repeat(n, act("go", {"x": 1}))), rules)["fired"] is fired
+    assert result(trace(*repeat(n, action("go", {"x": 1}))), rules)["fired"] is fired
 
 
 def test_thoughts_and_observations_do_not_break_a_run() -> None:
-    t = trace(*repeat(3, act("go", {"x": 1}), thought("hmm"), obs(error="boom"), thought("again")))
+    t = trace(*repeat(3, action("go", {"x": 1}), thought("hmm"), observation(error="boom"), thought("again")))
     assert result(t, {"loop_detected": -10})["fired"]
 
 
 @pytest.mark.parametrize(
     "breaker",
     [
-        act("go", {"x": 2}),
-        act("look", {"x": 1}),
+        action("go", {"x": 2}),
+        action("look", {"x": 1}),
         final("done"),
         Step(type=StepType.MESSAGE, role="user", content="try again"),
     ],
 )
 def test_other_steps_break_a_run(breaker: Step) -> None:
-    same = act("go", {"x": 1})
+    same = action("go", {"x": 1})
     t = trace(same, same, breaker, same, same)
     assert not result(t, {"loop_detected": -10})["fired"]
 
 
 def test_arguments_compare_canonically() -> None:
-    t = trace(act("go", {"a": 1, "b": 2}), act("go", {"b": 2, "a": 1}), act("go", '{"a":1, "b":2}'))
+    t = trace(action("go", {"a": 1, "b": 2}), action("go", {"b": 2, "a": 1}), action("go", '{"a":1, "b":2}'))
     assert result(t, {"loop_detected": -10})["fired"]
 
 
 def test_true_and_one_are_different_arguments() -> None:
-    t = trace(act("go", {"a": 1}), act("go", {"a": True}), act("go", {"a": 1}))
+    t = trace(action("go", {"a": 1}), action("go", {"a": True}), action("go", {"a": 1}))
     assert not result(t, {"loop_detected": -10})["fired"]
 
 
 def test_loop_fires_once_per_trace_unless_per_occurrence() -> None:
-    steps = [*repeat(3, act("go", {"x": 1})), act("look", {}), *repeat(4, act("go", {"x": 2}))]
+    steps = [*repeat(3, action("go", {"x": 1})), action("look", {}), *repeat(4, action("go", {"x": 2}))]
     assert result(trace(*steps), {"loop_detected": -10}) == {
         "fired": True,
         "count": 2,
@@ -282,14 +246,14 @@ def test_loop_fires_once_per_trace_unless_per_occurrence() -> None:
 
 def test_custom_tool_and_observation_counts_matching_calls() -> None:
     t = trace(
-        act("run_tests", {}, "a"),
-        obs("3 passed", call_id="a"),
-        act("run_tests", {}, "b"),
-        obs("1 failed, 2 passed", call_id="b"),
-        act("bash", {}, "c"),
-        obs("5 passed", call_id="c"),  # another tool's output
-        act("run_tests", {}, "d"),
-        obs("collected 0 items", call_id="d"),
+        action("run_tests", {}, "a"),
+        observation("3 passed", call_id="a"),
+        action("run_tests", {}, "b"),
+        observation("1 failed, 2 passed", call_id="b"),
+        action("bash", {}, "c"),
+        observation("5 passed", call_id="c"),  # another tool's output
+        action("run_tests", {}, "d"),
+        observation("collected 0 items", call_id="d"),
     )
     match = {"tool": "run_tests", "observation": r"\d+ passed"}
     assert result(t, {"tests": {"points": 5, "match": match}}) == {
@@ -303,12 +267,12 @@ def test_custom_tool_and_observation_counts_matching_calls() -> None:
 
 def test_observations_pair_with_their_call_by_id_then_in_order() -> None:
     by_id = trace(
-        act("run_tests", {}, "a"),
-        act("bash", {}, "b"),
-        obs("boom", call_id="b"),
-        obs("ok", call_id="a"),
+        action("run_tests", {}, "a"),
+        action("bash", {}, "b"),
+        observation("boom", call_id="b"),
+        observation("ok", call_id="a"),
     )
-    in_order = trace(act("run_tests"), act("bash"), obs("ok"), obs("boom"))
+    in_order = trace(action("run_tests"), action("bash"), observation("ok"), observation("boom"))
     rules = {"r": {"points": 1, "match": {"tool": "run_tests", "observation": "^ok$"}}}
     assert result(by_id, rules)["fired"]
     assert result(in_order, rules)["fired"]
@@ -316,12 +280,12 @@ def test_observations_pair_with_their_call_by_id_then_in_order() -> None:
 
 def test_a_call_without_observation_never_matches_observation_conditions() -> None:
     rules = {"r": {"points": 1, "match": {"tool": "bash", "exit_code": 0}}}
-    assert not result(trace(act("bash"), thought()), rules)["fired"]
-    assert result(trace(act("bash"), obs(exit_code=0)), rules)["fired"]
+    assert not result(trace(action("bash"), thought()), rules)["fired"]
+    assert result(trace(action("bash"), observation(exit_code=0)), rules)["fired"]
 
 
 def test_observation_pattern_without_tool_matches_any_observation() -> None:
-    t = trace(obs("Traceback (most recent call last):"), act("bash"), obs("Traceback again"))
+    t = trace(observation("Traceback (most recent call last):"), action("bash"), observation("Traceback again"))
     rules = {"r": {"points": -1, "per_occurrence": True, "match": {"observation": "^Traceback"}}}
     assert result(t, rules)["count"] == 2
 
@@ -330,13 +294,13 @@ def test_observation_pattern_without_tool_matches_any_observation() -> None:
     ("error", "count"), [(True, 2), (False, 1), ("not found", 1), ("^Error", 1), ("nothing", 0)]
 )
 def test_custom_error_condition(error: Any, count: int) -> None:
-    t = trace(obs(error="Error: seat not found"), obs("fine"), obs(error="timeout"))
+    t = trace(observation(error="Error: seat not found"), observation("fine"), observation(error="timeout"))
     rules = {"r": {"points": 1, "per_occurrence": True, "match": {"error": error}}}
     assert result(t, rules)["count"] == count
 
 
 def test_custom_arguments_pattern_sees_canonical_json() -> None:
-    t = trace(act("bash", {"timeout": 5, "cmd": "pytest -x"}), act("bash", "rm -rf /"))
+    t = trace(action("bash", {"timeout": 5, "cmd": "pytest -x"}), action("bash", "rm -rf /"))
     rules = {
         "r": {"points": 1, "per_occurrence": True, "match": {"arguments": r'^\{"cmd":"pytest'}}
     }
@@ -381,7 +345,7 @@ def test_custom_metadata(metadata: dict[str, Any], fired: bool) -> None:
 
 
 def test_trace_conditions_gate_call_conditions() -> None:
-    t = trace(act("run_tests"), obs("5 passed"), status=Status.FAILURE)
+    t = trace(action("run_tests"), observation("5 passed"), status=Status.FAILURE)
     match: dict[str, Any] = {"tool": "run_tests", "observation": "passed"}
     assert result(t, {"r": {"points": 1, "match": {**match, "status": "failure"}}})["fired"]
     assert not result(t, {"r": {"points": 1, "match": {**match, "status": "success"}}})["fired"]
@@ -390,15 +354,15 @@ def test_trace_conditions_gate_call_conditions() -> None:
 def test_patterns_see_the_head_and_the_tail_of_long_texts() -> None:
     filler = "x" * (2 * MATCH_WINDOW)
     rules = {"r": {"points": 1, "match": {"observation": "NEEDLE"}}}
-    assert result(trace(obs("NEEDLE" + filler)), rules)["fired"]
-    assert result(trace(obs(filler + "NEEDLE")), rules)["fired"]
-    assert not result(trace(obs(filler[:MATCH_WINDOW] + "NEEDLE" + filler)), rules)["fired"]
+    assert result(trace(observation("NEEDLE" + filler)), rules)["fired"]
+    assert result(trace(observation(filler + "NEEDLE")), rules)["fired"]
+    assert not result(trace(observation(filler[:MATCH_WINDOW] + "NEEDLE" + filler)), rules)["fired"]
 
 
 def test_patterns_run_in_linear_time_on_hostile_output() -> None:
     # Python's re needs minutes for this pattern on this text; RE2 microseconds.
     rules = RewardRules.from_config({"r": {"points": 1, "match": {"observation": ".*a.*a.*x"}}})
-    t = trace(obs("a" * 3 * MATCH_WINDOW))
+    t = trace(observation("a" * 3 * MATCH_WINDOW))
     started = time.perf_counter()
     assert not score(t, rules).breakdown["r"]["fired"]
     assert time.perf_counter() - started < 0.1
@@ -528,8 +492,8 @@ def test_scoring_and_filtering_a_typical_trace_is_fast() -> None:
     for i in range(10):
         steps += [
             thought(f"Look at file {i} next."),
-            act("bash", {"cmd": f"cat f{i}.py"}),
-            obs("x" * 500, exit_code=0),
+            action("bash", {"cmd": f"cat f{i}.py"}),
+            observation("x" * 500, exit_code=0),
         ]
     t = trace(*steps, tools=["bash"], status=Status.SUCCESS)
     rules = RewardRules.from_config(DEFAULT_RULES)

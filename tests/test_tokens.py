@@ -9,7 +9,7 @@ from typing import Any
 from app import formats
 from app.compression.ledger import Ledger
 from app.ingest.tokens import count_parts, count_tokens
-from tests.conftest import REAL
+from tests.support import REAL
 
 HERMES_LINE = REAL / "hermes-agent/lucifexia_trajectory_samples.jsonl"
 SCHEMA = {"type": "function", "function": {

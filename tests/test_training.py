@@ -22,9 +22,13 @@ from app.targets.tinker import TinkerTarget
 from app.training import Example, TrainerLog, TrainingFailed, TrainingRun
 from app.training.openai_api import OpenAIFineTuning
 from app.training.tinker_sdk import TinkerSDK
-from tests.conftest import HubProcess, native_trace, run_cli, write_config
-from tests.fakes.model_server import FakeModel
-from tests.pipeline import set_rewards
+from tests.support import ROOT
+from tests.support.builders import native_trace
+from tests.support.fakes.model_server import FakeModel
+from tests.support.hubs import InProcessHub, write_config
+from tests.support.pipeline import set_rewards
+from tests.support.processes import HubProcess, WorkerProcess, run_cli
+from tests.support.waiting import wait_until
 
 KEY = FakeModel.key
 KEY_ENV = "FAKE_TRAINING_KEY"
@@ -78,19 +82,18 @@ async def test_tinker_target_trains_each_batch_and_smoke_tests_the_model(
     config = write_config(tmp_path, trace_server,
                           distributor={"target": "tinker", "batch_size": 2,
                                        "min_reward_threshold": 0})
-    hub = HubProcess(config, "--no-workers").start()
+    hub = InProcessHub(config, "--no-workers", "--tinker",
+                       str(tinker_file(model_root, tmp_path))).start()
     try:
         with hub.client() as client:
             for t in ("m1", "m2"):
                 assert client.post("/v1/traces", json=native_trace(trace_id=t)).status_code == 202
         await set_rewards(trace_server, {"m1": 1.0, "m2": 1.0})
-        done = run_cli("worker", "--config", str(config), "--tinker",
-                       str(tinker_file(model_root, tmp_path)), "--burst", env={KEY_ENV: KEY})
-        assert done.returncode == 0, done.stderr
+        hub.drain()  # the delivery stage trains, as `atropos worker --burst` would
         with hub.client() as client:
             [batch] = client.get("/v1/batches").json()["batches"]
     finally:
-        hub.kill()
+        hub.stop()
 
     assert batch["state"] == "delivered" and batch["target"] == "tinker"
     job = batch["receipt"]["job"]
@@ -110,7 +113,7 @@ async def test_tinker_target_trains_each_batch_and_smoke_tests_the_model(
     assert [r.body["model"] for r in smoke] == [job["model"]]
     log = (tmp_path / "logs" / f"trainer_{batch['batch_id']}.log").read_text()
     assert SMOKE_LINE in log and f"job {job['id']}: validating_files -> running" in log
-    assert SMOKE_LINE in done.stderr
+    assert SMOKE_LINE in hub.log
 
 
 async def test_a_redelivery_resumes_the_job_instead_of_training_twice(
@@ -207,6 +210,10 @@ class FakeTrainingClient:
         self.calls.append(("save_state", name))
         return _Future(SimpleNamespace(path=f"tinker://run/state/{name}"))
 
+    async def load_state_with_optimizer_async(self, path: str) -> _Future:
+        self.calls.append(("load_state_with_optimizer", path))
+        return _Future()
+
     async def save_weights_for_sampler_async(self, name: str) -> _Future:
         self.calls.append(("save_weights_for_sampler", name))
         return _Future(SimpleNamespace(path=f"tinker://run/sampler_weights/{name}"))
@@ -267,7 +274,10 @@ async def test_tinker_sdk_trains_lora_with_adam_then_saves_and_smoke_tests(
     second = steps[1][1][0][0]  # rendered with the tokenizer: assistant turns weigh 1
     weights = second.loss_fn_inputs["weights"]
     assert 0.0 in weights and 1.0 in weights
-    assert calls[-2:] == [("save_state", "b-sdk"), ("save_weights_for_sampler", "b-sdk")]
+    # Each step's state is saved as it is done; the last one is the result.
+    assert [c[1] for c in calls if c[0] == "save_state"] == [f"b-sdk-step-{n}" for n in (1, 2, 3, 4)]
+    assert calls[-1] == ("save_weights_for_sampler", "b-sdk")
+    assert receipts.saved["progress"]["steps_done"] == 4
     model = "tinker://run/sampler_weights/b-sdk"
     assert receipt["job"]["model"] == model and receipt["smoke"]["model"] == model
     assert fake.received[-1].body["model"] == model
@@ -277,8 +287,66 @@ async def test_tinker_sdk_trains_lora_with_adam_then_saves_and_smoke_tests(
     service.client.calls.clear()
     again = Batch("b-sdk", batch.created_at, 2, items, receipts.saved)
     await TinkerTarget(config, http, backend).deliver(again, receipts)
-    assert service.created[-1] == {"state": "tinker://run/state/b-sdk"}
+    assert service.created[-1] == {"state": "tinker://run/state/b-sdk-step-4"}
     assert [c[0] for c in service.client.calls] == ["save_weights_for_sampler"]
+
+
+FAKE_SDK_PACKAGE = Path(__file__).parent / "support" / "fakes" / "tinker_sdk"  # `import tinker` there
+
+
+def test_a_worker_killed_mid_steps_resumes_at_the_next_step(
+    fake: FakeModel, model_root: str, tmp_path: Path
+) -> None:
+    """The tinker SDK backend trained a batch again from the start when its worker was
+    killed mid-steps (issue 17). The steps done are recorded with the batch in the
+    database; the next worker loads the state of the last one and goes on from there,
+    so each step of the batch is trained once."""
+    trace_server = {"storage_backend": "sqlite", "db_path": str(tmp_path / "t.db"),
+                    "flush_interval_seconds": 0.2}
+    config = write_config(tmp_path, trace_server, workers={"lease_seconds": 2},
+                          distributor={"target": "tinker", "batch_size": 3,
+                                       "min_reward_threshold": -1e9})
+    tinker_json = tinker_file(model_root, tmp_path, backend="tinker", batch_size=1, epochs=2)
+    events, hang = tmp_path / "events.jsonl", tmp_path / "hang"
+    env = {KEY_ENV: KEY, "PYTHONPATH": f"{ROOT}:{FAKE_SDK_PACKAGE}", "FAKE_TINKER_EVENTS": str(events),
+           "FAKE_TINKER_HANG": str(hang), "FAKE_TINKER_HANG_AT": "4"}
+    hang.touch()
+
+    def calls() -> list[dict[str, Any]]:
+        text = events.read_text() if events.exists() else ""
+        return [json.loads(line) for line in text.splitlines()]
+
+    hub = HubProcess(config, "--no-workers").start()
+    workers: list[HubProcess] = []
+    try:
+        with hub.client() as client:
+            for i in range(3):  # token ids of their own: no tokenizer needed
+                trace = native_trace(trace_id=f"s{i}", metadata={
+                    "tokens": [10 * i + 1, 10 * i + 2, 10 * i + 3], "masks": [-100, 1, 1]})
+                assert client.post("/v1/traces", json=trace).status_code == 202
+            first = WorkerProcess(config, "--tinker", str(tinker_json), env=env).start()
+            workers.append(first)
+            wait_until(lambda: any(c["call"] == "hang" for c in calls()), timeout=60,
+                       what="the first worker at step 4")
+            first.kill()  # kill -9 during the steps
+            hang.unlink()
+            workers.append(WorkerProcess(config, "--tinker", str(tinker_json), env=env).start())
+            [batch] = wait_until(
+                lambda: [b for b in client.get("/v1/batches").json()["batches"]
+                         if b["state"] == "delivered"], timeout=60, what="the batch delivered")
+    finally:
+        for process in [hub, *workers]:
+            process.kill()
+
+    done = calls()
+    trained = [c["step"] for c in done if c["call"] == "forward_backward"]
+    assert trained == [1, 2, 3, 4, 5, 6], "a step was trained twice"
+    assert [c["path"] for c in done if c["call"] == "load_state_with_optimizer"] == [
+        f"tinker://fake/state/{batch['batch_id']}-step-3?steps=3"]
+    assert batch["receipt"]["progress"]["steps_done"] == 6
+    # The weights served hold six steps: two epochs of three examples, once each.
+    assert batch["receipt"]["job"]["model"].endswith("?steps=6")
+    assert batch["receipt"]["smoke"]["status"] == 200
 
 
 async def test_tinker_sdk_without_token_ids_or_tokenizer_says_what_to_set(

@@ -35,14 +35,18 @@ class Access:
         rate = config.rate_limit_per_second
         self._limiter = RateLimiter(rate, config.rate_limit_burst) if rate else None
 
-    async def authorize(self, presented: str | None, client: str, scope: Scope) -> Principal:
-        """`presented`: the bearer token of the request, if it sent one."""
+    async def authorize(
+        self, presented: str | None, client: str, scopes: tuple[Scope, ...]
+    ) -> Principal:
+        """`presented`: the bearer token of the request, if it sent one; `scopes`: any
+        one of them admits it."""
         principal = Principal(await self._authenticate(presented, client), client)
         self._limit(principal)
-        if principal.key is not None and not principal.key.allows(scope):
+        key = principal.key
+        if key is not None and not any(key.allows(scope) for scope in scopes):
             raise Forbidden(
-                f"API key {principal.key.describe()} has scopes "
-                f"{', '.join(sorted(principal.key.scopes))}; this endpoint needs {scope}",
+                f"API key {key.describe()} has scopes {', '.join(sorted(key.scopes))}; "
+                f"this endpoint needs {' or '.join(scopes)}",
                 code="insufficient_scope",
             )
         return principal

@@ -10,8 +10,9 @@ Against 256 random bits brute force is hopeless at any hash speed, while a slow 
 would cost every request milliseconds of CPU. What matters is that a copy of the
 database (a backup, a `SELECT *`) holds nothing that opens the API.
 
-Scopes: `ingest` (POST traces), `read` (GET /v1/*), `admin` (destructive and
-process-spawning endpoints). `admin` includes the other two.
+Scopes: `ingest` (POST traces; Atropos environments), `read` (GET /v1/*), `train`
+(Atropos trainers: /register, /batch), `admin` (destructive and process-spawning
+endpoints). `admin` includes the others.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ PREFIX = "ath"
 class Scope(StrEnum):
     INGEST = "ingest"
     READ = "read"
+    TRAIN = "train"
     ADMIN = "admin"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -22,15 +23,19 @@ def create_app(
     environment: Environment | None = None,
     engine: AsyncEngine | None = None,
     workers: bool = True,
+    answering: asyncio.Event | None = None,
 ) -> FastAPI:
     """The API. Config errors (rules, filters) raise ConfigError here, before serving;
-    `engine` may be opened (and migrated) by the caller, else the lifespan opens it."""
+    `engine` may be opened (and migrated) by the caller, else the lifespan opens it;
+    `answering`: see `running_hub`."""
     config = settings.config
     environment = environment or Environment.from_config(config.environment)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, object]]:
-        async with running_hub(settings, environment, engine=engine, workers=workers) as hub:
+        async with running_hub(
+            settings, environment, engine=engine, workers=workers, answering=answering
+        ) as hub:
             yield {"hub": hub}
 
     docs = config.auth.docs_enabled
@@ -44,7 +49,7 @@ def create_app(
         redoc_url="/redoc" if docs else None,
     )
     install_error_handlers(app)
-    app.include_router(atropos.router())
+    app.include_router(atropos.router(config.atropos.require_key))
     app.include_router(traces.router(config.trace_server.endpoint))
     app.include_router(batches.router)
     app.include_router(ops.router)

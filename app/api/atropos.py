@@ -2,6 +2,10 @@
 response keys and defaults; plus GET /batch?ack=1 and POST /batch/ack. Each route
 parses, calls one `Atropos` method, and answers. docs/atropos.md has the details.
 
+Keys: /reset_data needs an admin key whenever auth.enabled is on. With
+atropos.require_key the others need one too: an environment's paths `ingest`, a
+trainer's `train`, and the run's read-only figures (which both sides read) any key.
+
 The routes answer the bytes atroposlib's clients expect (a 128-bit uuid, batches joined
 from stored JSON), rendered here; `response_model=` declares them for the document only
 (app/api/schemas.py)."""
@@ -12,14 +16,13 @@ import json
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query, Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import PlainTextResponse, Response
 
 from app.access.keys import Scope
 from app.api.auth import requires
 from app.api.deps import HubDep
-from app.api.gzipped import GzipRoute
+from app.api.gzipped import GzipRoute, wants_gzip
 from app.api.openapi import errors
 from app.api.responses import JSONResponse
 from app.api.schemas import (
@@ -48,18 +51,24 @@ from app.atropos.models import (
     Registration,
     ScoredData,
 )
-from app.errors import BadRequest
+from app.atropos.segments import Segment, gzip_join, plain_join
+from app.errors import BadRequest, Invalid
 from app.ingest.body import read_body
 
 _BODY_ERRORS = errors(400, 413, 415, 422)
 _QUEUE_ERRORS = errors(400, 413, 415, 422, 503)
 _ACK_ERRORS = errors(400, 404, 413, 415, 422, 503)
 M = TypeVar("M", bound=BaseModel)
-_GROUPS = TypeAdapter(list[ScoredData])
 
 
-def router() -> APIRouter:
+def router(require_key: bool = False) -> APIRouter:
     api = APIRouter(tags=["atropos"], route_class=GzipRoute)
+
+    def key(*scopes: Scope) -> list[Any]:
+        return [requires(*scopes)] if require_key else []
+
+    env, trainer = key(Scope.INGEST), key(Scope.TRAIN)
+    anyone = key(Scope.INGEST, Scope.TRAIN, Scope.READ)
 
     @api.get("/", response_model=AtroposRoot)
     async def root() -> JSONResponse:
@@ -67,6 +76,7 @@ def router() -> APIRouter:
 
     @api.post(
         "/register",
+        dependencies=trainer,
         response_model=TrainerRegistered,
         openapi_extra=_body_doc(Registration),
         responses=_BODY_ERRORS,
@@ -78,6 +88,7 @@ def router() -> APIRouter:
 
     @api.post(
         "/register-env",
+        dependencies=env,
         response_model=EnvRegistered | WaitForTrainer,
         openapi_extra=_body_doc(RegisterEnv),
         responses=_BODY_ERRORS,
@@ -88,6 +99,7 @@ def router() -> APIRouter:
 
     @api.post(
         "/disconnect-env",
+        dependencies=env,
         response_model=EnvDisconnected,
         openapi_extra=_body_doc(EnvIdentifier),
         responses=_BODY_ERRORS,
@@ -98,40 +110,43 @@ def router() -> APIRouter:
 
     @api.post(
         "/scored_data",
+        dependencies=env,
         response_model=GroupReceived,
         openapi_extra=_body_doc(ScoredData),
         responses=_QUEUE_ERRORS,
     )
     async def scored_data(request: Request, hub: HubDep) -> JSONResponse:
-        body = _parse(ScoredData, await _body(request, hub))
-        return JSONResponse(await hub.atropos.scored_data(body))
+        # Validated (as ScoredData) where it is deflated: in an ingest process.
+        return JSONResponse(await hub.atropos.scored_data(await _body(request, hub)))
 
     @api.post(
         "/scored_data_list",
+        dependencies=env,
         response_model=GroupsReceived,
         openapi_extra=_body_doc(ScoredData, many=True),
         responses=_QUEUE_ERRORS,
     )
     async def scored_data_list(request: Request, hub: HubDep) -> JSONResponse:
-        try:
-            groups = _GROUPS.validate_json(await _body(request, hub))
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors(include_url=False)) from None
-        return JSONResponse(await hub.atropos.scored_data_list(groups))
+        return JSONResponse(await hub.atropos.scored_data_list(await _body(request, hub)))
 
     @api.get(
-        "/batch", response_model=TrainerBatch | TrainerNotRegistered, responses=errors(422, 503)
+        "/batch",
+        dependencies=trainer,
+        response_model=TrainerBatch | TrainerNotRegistered,
+        responses=errors(422, 503),
     )
     async def batch(
+        request: Request,
         hub: HubDep,
         ack: Annotated[
             bool, Query(description="lease the batch; confirm it with POST /batch/ack")
         ] = False,
     ) -> Response:
-        return _raw_json(await hub.atropos.next_batch(ack=ack))
+        return _segments_json(request, await hub.atropos.next_batch(ack=ack))
 
     @api.post(
         "/batch/ack",
+        dependencies=trainer,
         response_model=BatchAcked,
         openapi_extra=_body_doc(BatchAck),
         responses=_ACK_ERRORS,
@@ -140,16 +155,17 @@ def router() -> APIRouter:
         body = _parse(BatchAck, await _body(request, hub))
         return JSONResponse(await hub.atropos.acknowledge(body.batch_id))
 
-    @api.get("/latest_example", response_model=ScoredData | NoExample)
-    async def latest_example(hub: HubDep) -> Response:
-        return _raw_json(await hub.atropos.latest_example())
+    @api.get("/latest_example", dependencies=trainer, response_model=ScoredData | NoExample)
+    async def latest_example(request: Request, hub: HubDep) -> Response:
+        return _segments_json(request, await hub.atropos.latest_example())
 
-    @api.get("/status", response_model=AtroposStatus)
+    @api.get("/status", dependencies=anyone, response_model=AtroposStatus)
     async def status(hub: HubDep) -> JSONResponse:
         return JSONResponse(await hub.atropos.status())
 
     @api.get(
         "/status-env",
+        dependencies=env,
         response_model=AtroposEnvStatus,
         openapi_extra=_body_doc(EnvIdentifier, required=False),
         responses=errors(400, 404, 413, 415, 422),
@@ -167,11 +183,11 @@ def router() -> APIRouter:
         assert env_id is not None
         return JSONResponse(await hub.atropos.status_env(env_id))
 
-    @api.get("/info", response_model=AtroposInfo)
+    @api.get("/info", dependencies=anyone, response_model=AtroposInfo)
     async def info(hub: HubDep) -> JSONResponse:
         return JSONResponse(await hub.atropos.info())
 
-    @api.get("/wandb_info", response_model=WandbInfo)
+    @api.get("/wandb_info", dependencies=anyone, response_model=WandbInfo)
     async def wandb_info(hub: HubDep) -> JSONResponse:
         return JSONResponse(await hub.atropos.wandb_info())
 
@@ -203,12 +219,20 @@ def _parse(model: type[M], raw: bytes) -> M:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        # Rendered by the one validation handler, like FastAPI's own body errors.
-        raise RequestValidationError(exc.errors(include_url=False)) from None
+        raise Invalid.from_pydantic(exc.errors(include_url=False)) from None
 
 
 def _raw_json(body: bytes) -> Response:
     return Response(body, media_type="application/json")
+
+
+def _segments_json(request: Request, segments: list[Segment]) -> Response:
+    """Stored JSON as a client takes it: the segments spliced into one gzip answer
+    when it accepts gzip (as GzipRoute would send a body of that size), else inflated."""
+    if wants_gzip(request, sum(s.size for s in segments)):
+        headers = {"content-encoding": "gzip", "vary": "Accept-Encoding"}
+        return Response(gzip_join(segments), media_type="application/json", headers=headers)
+    return _raw_json(plain_join(segments))
 
 
 def _body_doc(

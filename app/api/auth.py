@@ -9,13 +9,15 @@ The guard rests on FastAPI's HTTPBearer, so each guarded operation carries its
 `security` requirement (with the scope) in the OpenAPI document; `install_openapi`
 adds the 401/403/429 answers to those operations and, from the same document,
 `create_app` refuses to build an app with a /v1 operation that has no guard (an
-endpoint added later cannot be open by mistake). /healthz, /readyz, /metrics, the
-docs pages and the Atropos API (its clients send no key) live outside /v1, open.
+endpoint added later cannot be open by mistake). /healthz, /readyz, /metrics and the
+docs pages live outside /v1, open; so does the Atropos API (its clients send no key)
+unless atropos.require_key is on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import cache
 from typing import Annotated, Any
 
 from fastapi import Depends, Request, Security
@@ -36,19 +38,18 @@ Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
 Guard = Callable[..., Awaitable[Principal]]
 
 
-def _guard(scope: Scope) -> Guard:
+@cache  # one guard per set of scopes: FastAPI shares what a dependency resolves to
+def _guard(scopes: tuple[Scope, ...]) -> Guard:
     async def guard(request: Request, hub: HubDep, credentials: Credentials) -> Principal:
         client = request.client.host if request.client else "unknown"
         presented = credentials.credentials if credentials else None
-        return await hub.access.authorize(presented, client, scope)
+        return await hub.access.authorize(presented, client, scopes)
 
-    guard.__name__ = f"requires_{scope}"
+    guard.__name__ = "requires_" + "_or_".join(scopes)
     return guard
 
 
-_GUARDS: dict[Scope, Guard] = {scope: _guard(scope) for scope in Scope}
-
-
-def requires(scope: Scope) -> Any:
-    """The dependency that admits a request with a key holding `scope` (or admin)."""
-    return Security(_GUARDS[scope], scopes=[scope.value])
+def requires(*scopes: Scope) -> Any:
+    """The dependency that admits a request with a key holding one of `scopes` (or
+    admin)."""
+    return Security(_guard(scopes), scopes=[scope.value for scope in scopes])

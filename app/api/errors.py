@@ -6,10 +6,13 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from app.api.responses import JSONResponse
-from app.errors import HubError
+from app.db.errors import database_error
+from app.errors import HubError, Invalid
 
 log = logging.getLogger("atropos.api")
 
@@ -25,12 +28,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        loc = [str(part) for part in first.get("loc", ()) if part not in ("query", "body", "path")]
-        field = ".".join(loc) or None
-        message = f"{field}: {first['msg']}" if field else str(first["msg"])
-        body = {"error": {"code": "invalid", "message": message, "field": field}}
-        return JSONResponse(body, status_code=422)
+        invalid = Invalid.from_pydantic(exc.errors())
+        # "field" is always present here, null when the error has no location.
+        body = {"error": {"code": invalid.code, "message": invalid.message, "field": invalid.field}}
+        return JSONResponse(body, status_code=invalid.status)
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
@@ -38,6 +39,20 @@ def install_error_handlers(app: FastAPI) -> None:
         code = codes.get(exc.status_code, "http_error")
         body = {"error": {"code": code, "message": str(exc.detail)}}
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _database(request: Request, exc: SQLAlchemyError) -> JSONResponse:
+        # A lock, a full disk, a lost connection: 503, never a 500 (app/db/errors.py).
+        error = database_error(exc)
+        log.warning("%s %s: %s (%s)", request.method, request.url.path, error.message, exc)
+        return error_response(error)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect) -> JSONResponse:
+        # The client left mid-body, or was timed out (app/api/server.py): nobody is
+        # there to read this.
+        body = {"error": {"code": "client_disconnected", "message": "the client went away"}}
+        return JSONResponse(body, status_code=400)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

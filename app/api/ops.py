@@ -25,7 +25,10 @@ async def healthz() -> Health:
 
 # A probe's answer, not a request's error: the 503 body says why, in its own shape.
 NOT_READY: dict[int | str, dict[str, Any]] = {
-    503: {"model": NotReady, "description": "The database is unreachable or not migrated"}
+    503: {
+        "model": NotReady,
+        "description": "The database is unreachable, not migrated, or not taking writes",
+    }
 }
 
 
@@ -38,6 +41,11 @@ async def readyz(hub: HubDep) -> Ready | JSONResponse:
     head = migrate.head_revision()
     if revision != head:
         return _not_ready(f"schema at {revision}, expected {head}")
+    # Reads may work while writes do not (a full disk, a lock held elsewhere): a load
+    # balancer should stop sending traces until they do again.
+    writes = hub.inserter.readiness(hub.config.limits.max_write_wait_seconds)
+    if writes is not None:
+        return _not_ready(f"not taking writes: {writes}")
     return Ready(status="ready", schema_revision=head)
 
 
@@ -46,8 +54,11 @@ def _not_ready(reason: str) -> JSONResponse:
 
 
 @router.get("/v1/stats", dependencies=[requires(Scope.READ)])
-async def stats(conn: ConnDep) -> TraceStats:
-    return TraceStats.model_validate(await trace_queries.stats(conn))
+async def stats(conn: ConnDep, hub: HubDep) -> TraceStats:
+    figures = await trace_queries.stats(conn)
+    return TraceStats.model_validate(
+        {**figures, "atropos": {"envs": await hub.atropos.env_stats()}}
+    )
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

@@ -185,6 +185,10 @@ class CompressionCounts(BaseModel):
     compressed: int = Field(description="Traces compressed (those that moved on since included)")
     skipped: int = Field(description="Traces that compression left whole")
     failed: int = Field(description="Traces in compression_failed")
+    fallbacks: int = Field(
+        description="Traces compressed with key_decision_extract in place of summarize_middle "
+        "(the model failing, or nothing to summarize: each record's `fallback` says why)"
+    )
     mean_ratio: float | None = Field(description="Mean compressed_tokens / total_tokens")
 
 
@@ -199,6 +203,21 @@ class RewardBucket(BaseModel):
 class EnvRewardStats(BaseModel):
     traces: int = Field(description="Traces that carry the environment's own reward")
     mean: float | None = Field(description="Its mean over them")
+
+
+class AtroposEnvPresence(BaseModel):
+    env_id: int
+    name: str
+    connected: bool
+    counting: bool = Field(
+        description="Counts for weights and minimum allocations: heard from within "
+        "atropos.env_timeout_seconds"
+    )
+    last_seen: Timestamp = Field(description="When the env was last heard from (UTC)")
+
+
+class AtroposStats(BaseModel):
+    envs: list[AtroposEnvPresence]
 
 
 class TraceStats(BaseModel):
@@ -218,6 +237,7 @@ class TraceStats(BaseModel):
     )
     rule_firings: dict[str, int] = Field(description="Traces on which each reward rule fired")
     reward_histogram: list[RewardBucket]
+    atropos: AtroposStats = Field(description="The Atropos API's registered envs")
 
 
 # --- runs --------------------------------------------------------------------------
@@ -358,6 +378,9 @@ class AtroposEnvStatus(BaseModel):
     self_queue_size: int = Field(description="This env's own groups in the queue")
     max_group_size: int
     env_weight: float
+    last_seen: Timestamp | None = Field(
+        None, description="When this env was last heard from (UTC)"
+    )
 
 
 class AtroposInfo(BaseModel):

@@ -15,7 +15,7 @@ from app.api.responses import JSONResponse
 from app.api.schemas import IngestResult, IngestResults, TracePage, TraceRecord
 from app.db.trace_queries import TraceFilter, View, get_trace, list_traces
 from app.domain import Stage, Status
-from app.errors import HubError, PayloadTooLarge
+from app.errors import HubError
 from app.ingest.body import parse_items, read_body
 from app.ingest.inserter import Stored
 
@@ -53,16 +53,12 @@ def router(endpoint: str) -> APIRouter:
     async def ingest(request: Request, hub: HubDep) -> JSONResponse:
         limits = hub.config.limits
         body = await read_body(request, limits.max_body_bytes)
-        parsed = parse_items(body, request.headers.get("content-type", ""))
+        parsed = parse_items(
+            body, request.headers.get("content-type", ""), limits.max_traces_per_request
+        )
         if not parsed.batch:
             stored = await hub.ingestor.ingest(parsed.items[0])
             return JSONResponse(stored.to_json(), status_code=202)
-        if len(parsed.items) > limits.max_traces_per_request:
-            raise PayloadTooLarge(
-                f"{len(parsed.items)} traces in one request; limits.max_traces_per_request "
-                f"is {limits.max_traces_per_request}",
-                field="limits.max_traces_per_request",
-            )
         results = await hub.ingestor.ingest_many(parsed.items, parsed.fmt)
         return JSONResponse(
             {"results": [_result(r) for r in results]}, status_code=207
@@ -93,7 +89,9 @@ def router(endpoint: str) -> APIRouter:
         return TracePage(traces=records, next_cursor=next_cursor)
 
     @api.get(
-        endpoint + "/{trace_id}", dependencies=[requires(Scope.READ)], responses=errors(404)
+        # :path, so that a trace_id holding "/" (raw or as %2F) is read back too.
+        endpoint + "/{trace_id:path}", dependencies=[requires(Scope.READ)],
+        responses=errors(404),
     )
     async def get(trace_id: str, conn: ConnDep, view: View = "canonical") -> TraceRecord:
         return TraceRecord.model_validate(await get_trace(conn, trace_id, view))

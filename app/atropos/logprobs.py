@@ -1,16 +1,19 @@
-"""inference_logprobs for groups sent without them.
+"""inference_logprobs for groups sent without them, served only when
+`atropos.fill_missing_logprobs` is on (off by default: groups are served as sent).
 
 tinker-atropos's trainer reads `inference_logprobs[i]` of every sequence
 unconditionally, and atroposlib's default `collect_trajectories` does not send
-them, so the hub fills them in what it serves (never in what it stores:
-/latest_example shows the group as sent). A filled list is aligned with `tokens`:
+them. The risk of filling: atroposlib's GRPO trainer stops when logprobs are
+missing, but given invented ones it trains with exp(logp_new - 0) = p_new as its
+importance ratio instead of a ratio near 1, a different objective, silently. What
+is stored is never filled: /latest_example shows the group as sent. A filled list
+is aligned with `tokens`:
 
 - 1.0 where the mask is -100 (the prompt): atroposlib's sentinel, which trainers
   already skip (tinker-atropos gives those positions no advantage);
 - 0.0 elsewhere: log(1), "the sampler was certain". An unknown logprob has no true
   value; 0.0 keeps the position trained (it is not the 1.0 sentinel), is a valid
-  log-probability, and keeps an importance ratio exp(new - old) at or below 1, so
-  a missing value can damp an update but never blow one up.
+  log-probability, and keeps an importance ratio exp(new - old) at or below 1.
 """
 
 from __future__ import annotations

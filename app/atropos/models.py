@@ -4,16 +4,23 @@
 Constraints that are ours, each refusing with 422 what atroposlib would crash or
 loop on, or what a database column cannot hold: batch_size and group_size are at
 least 1 (atroposlib loops forever on a batch size of 0 and divides by the group
-size); integers that are stored fit 32 bits; weights and allocations are finite;
-names are text a database can store (no NUL, no unpaired surrogate)."""
+size); integers that are stored fit 32 bits; weights, allocations, scores, advantages
+and logprobs are finite (NaN and Infinity are not JSON: stored, they came back as
+null); names are text a database can store (no NUL, no unpaired surrogate).
+
+A group's lists stop at their first bad entry (`fail_fast`), and a list of groups
+at its first `MAX_ERRORS` errors: a million bad entries would otherwise each build an
+error (3 GB for a million `{}`)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, Field, field_validator
+import orjson
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+MAX_ERRORS = 20
 
 
 def _storable(value: str) -> str:
@@ -30,6 +37,11 @@ Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=1, le=INT32_MAX)]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Text = Annotated[str, AfterValidator(_storable)]
+# Lists that stop at their first error (floats are finite: ScoredData's config).
+Ints = Annotated[list[int], Field(fail_fast=True)]
+Floats = Annotated[list[float], Field(fail_fast=True)]
+IntRows = Annotated[list[Ints], Field(fail_fast=True)]
+FloatRows = Annotated[list[Floats], Field(fail_fast=True)]
 
 
 class Registration(BaseModel):
@@ -64,21 +76,23 @@ class ScoredData(BaseModel):
     """One group: parallel per-sequence lists. Field order is the order of the keys
     in a served group (atroposlib's `_scored_data_to_dict`)."""
 
-    tokens: list[list[int]]
-    masks: list[list[int]]
-    scores: list[float]
-    advantages: list[list[float]] | None = None
-    ref_logprobs: list[list[float]] | None = None
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    tokens: IntRows
+    masks: IntRows
+    scores: Floats
+    advantages: FloatRows | None = None
+    ref_logprobs: FloatRows | None = None
     messages: list[list[dict[str, Any]]] | None = None
     generation_params: dict[str, Any] | None = None
-    inference_logprobs: list[list[float]] | None = None
+    inference_logprobs: FloatRows | None = None
     overrides: list[dict[str, Any]] | None = None
     group_overrides: dict[str, Any] | None = None
     images: Any | None = None
     env_id: Int32 | None = None
     # On-policy distillation: [sequence][position][top_k].
-    distill_token_ids: list[list[list[int]]] | None = None
-    distill_logprobs: list[list[list[float]]] | None = None
+    distill_token_ids: Annotated[list[IntRows], Field(fail_fast=True)] | None = None
+    distill_logprobs: Annotated[list[FloatRows], Field(fail_fast=True)] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -90,3 +104,52 @@ class ScoredData(BaseModel):
                 if "role" not in message or "content" not in message:
                     raise ValueError("Message must have 'role' and 'content' fields")
         return value
+
+
+class InvalidGroups(ValueError):
+    """Why groups were refused: at most MAX_ERRORS pydantic errors, each `loc` opening
+    with the group's index in its list (none for a single group)."""
+
+    def __init__(self, errors: list[Any]) -> None:
+        super().__init__(f"{len(errors)} validation errors")
+        self.errors = errors
+
+
+def parse_group(text: bytes) -> ScoredData:
+    """One group from its JSON text; InvalidGroups says why not."""
+    try:
+        group = ScoredData.model_validate_json(text)
+    except ValidationError as exc:
+        raise InvalidGroups(exc.errors(include_url=False)[:MAX_ERRORS]) from None
+    _refuse_non_json_numbers(text)
+    return group
+
+
+def parse_groups(texts: list[bytes]) -> list[ScoredData]:
+    """Groups from their JSON texts; InvalidGroups holds the first MAX_ERRORS errors,
+    after which the rest is not looked at."""
+    groups: list[ScoredData] = []
+    errors: list[Any] = []
+    for index, text in enumerate(texts):
+        try:
+            groups.append(parse_group(text))
+        except InvalidGroups as exc:
+            errors += [{**error, "loc": (index, *error["loc"])} for error in exc.errors]
+            if len(errors) >= MAX_ERRORS:
+                break
+    if errors:
+        raise InvalidGroups(errors[:MAX_ERRORS])
+    return groups
+
+
+def _refuse_non_json_numbers(text: bytes) -> None:
+    """NaN and Infinity where the model takes any JSON (messages, overrides): pydantic
+    reads them, orjson would store them as null. The substring test keeps the full
+    check for the groups that may hold one."""
+    if b"NaN" not in text and b"Infinity" not in text:
+        return
+    try:
+        orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        message = f"not valid JSON ({exc}); NaN and Infinity are not JSON numbers"
+        raise InvalidGroups([{"type": "json_invalid", "loc": (), "msg": message}]) from None

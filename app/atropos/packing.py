@@ -38,7 +38,8 @@ class Item(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class EnvShare:
-    """A registered env as minimum allocation sees it."""
+    """A registered env as minimum allocation sees it: `connected` is whether it
+    counts (connected and heard from lately, app/atropos/presence.py)."""
 
     env_id: int
     connected: bool

@@ -15,7 +15,7 @@ from app.atropos.tables import (
     ENVS,
     GROUP_STATES,
     GROUPS,
-    PAYLOADS,
+    SEGMENTS,
     STATE,
     AtroposDb,
     AtroposGroupState,
@@ -62,6 +62,7 @@ def _register_env(conn: sa.Connection, env: RegisterEnv) -> dict[str, Any]:
     run = run_state(conn, lock=True)
     if not run.started:
         return dict(WAIT_FOR_TRAINER)
+    now = utcnow()
     names = conn.execute(sa.select(ENVS.c.desired_name)).scalars().all()
     env_id = len(names)
     real_name = f"{env.desired_name}_{sum(1 for n in names if n == env.desired_name)}"
@@ -75,7 +76,8 @@ def _register_env(conn: sa.Connection, env: RegisterEnv) -> dict[str, Any]:
             group_size=env.group_size,
             min_batch_allocation=env.min_batch_allocation,
             connected=True,
-            registered_at=utcnow(),
+            registered_at=now,
+            last_seen_at=now,
         )
     )
     return {
@@ -136,13 +138,13 @@ def _reset(conn: sa.Connection) -> None:
     conn.execute(sa.delete(ENVS))
     conn.execute(sa.delete(ATROPOS_BATCHES))
     latest = conn.execute(
-        sa.select(GROUPS.c.id, GROUPS.c.payload_id)
+        sa.select(GROUPS.c.id, GROUPS.c.segment_id)
         .where(GROUPS.c.state != AtroposGroupState.BUFFERED)
         .order_by(GROUPS.c.id.desc())
         .limit(1)
     ).first()
     conn.execute(sa.delete(GROUPS).where(GROUPS.c.id != (latest.id if latest else -1)))
-    conn.execute(sa.delete(PAYLOADS).where(PAYLOADS.c.id != (latest.payload_id if latest else -1)))
+    conn.execute(sa.delete(SEGMENTS).where(SEGMENTS.c.id != (latest.segment_id if latest else -1)))
     if latest is not None:
         # A wipe, not a step of the pipeline: the group kept is only an example now.
         conn.execute(

@@ -9,11 +9,14 @@ import orjson
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.atropos import lease, queue, registration, status, trainer_batches
-from app.atropos.models import RegisterEnv, Registration, ScoredData
-from app.atropos.queue import GroupWriter, NewGroup, Placed
+from app.atropos.models import RegisterEnv, Registration
+from app.atropos.presence import Presence
+from app.atropos.queue import GroupWriter, Placed, prepare
+from app.atropos.segments import Segment, literal
 from app.atropos.tables import AtroposDb, Contention
 from app.config import AtroposConfig
 from app.errors import Unavailable
+from app.ingest.processes import IngestProcesses
 
 # What atroposlib's /latest_example answers before any group has arrived.
 NO_EXAMPLE: dict[str, list[Any]] = {
@@ -30,10 +33,15 @@ NO_EXAMPLE: dict[str, list[Any]] = {
 
 
 class Atropos:
-    def __init__(self, engine: AsyncEngine, config: AtroposConfig) -> None:
+    def __init__(
+        self, engine: AsyncEngine, config: AtroposConfig, processes: IngestProcesses
+    ) -> None:
+        """`processes`: where groups are validated and deflated, off the event loop."""
         self.config = config
+        self._processes = processes
         self.db = AtroposDb(engine)
-        self._writer = GroupWriter(self.db, config)
+        self._presence = Presence(config.env_timeout_seconds)
+        self._writer = GroupWriter(self.db, config, self._presence)
 
     def start(self) -> None:
         self._writer.start()
@@ -63,40 +71,53 @@ class Atropos:
         return await status.status(self.db)
 
     async def status_env(self, env_id: int) -> dict[str, Any]:
-        return await status.status_env(self.db, env_id)
+        return await status.status_env(self.db, self._presence, env_id)
+
+    async def env_stats(self) -> list[dict[str, Any]]:
+        """The registered envs, for /v1/stats."""
+        return await status.env_stats(self.db, self.config.env_timeout_seconds)
 
     async def reset(self) -> None:
         await registration.reset(self.db)
 
     # --- data in -------------------------------------------------------------------
 
-    async def scored_data(self, group: ScoredData) -> dict[str, Any]:
-        (placed,) = await self._submit([group])
+    async def scored_data(self, body: bytes) -> dict[str, Any]:
+        """POST /scored_data: one group, as JSON."""
+        (placed,) = await self._submit(body, many=False)
         if placed.buffered:
             return {"status": "buffered", "buffer_size": placed.buffer_size}
         return {"status": "received"}
 
-    async def scored_data_list(self, groups: list[ScoredData]) -> dict[str, Any]:
-        placed = await self._submit(groups)
-        reply: dict[str, Any] = {"status": "received", "groups_processed": len(groups)}
+    async def scored_data_list(self, body: bytes) -> dict[str, Any]:
+        """POST /scored_data_list: a JSON list of groups."""
+        placed = await self._submit(body, many=True)
+        reply: dict[str, Any] = {"status": "received", "groups_processed": len(placed)}
         buffered = [p for p in placed if p.buffered]
         if buffered:
             reply["buffered"] = len(buffered)
             reply["last_buffer_size"] = buffered[-1].buffer_size
         return reply
 
-    async def _submit(self, groups: list[ScoredData]) -> list[Placed]:
+    async def _submit(self, body: bytes, *, many: bool) -> list[Placed]:
+        groups = await self._processes.call(
+            prepare, body, many, self.config.max_groups_per_request
+        )
         if not groups:
             return []
-        return await self._writer.submit([NewGroup.from_scored(g) for g in groups])
+        return await self._writer.submit(groups)
 
     # --- data out ------------------------------------------------------------------
 
-    async def next_batch(self, *, ack: bool = False) -> bytes:
-        """JSON body of GET /batch (see trainer_batches.next_batch)."""
+    async def next_batch(self, *, ack: bool = False) -> list[Segment]:
+        """JSON body of GET /batch, in segments (see trainer_batches.next_batch)."""
         try:
             return await trainer_batches.next_batch(
-                self.db, ack=ack, lease_seconds=self.config.ack_timeout_seconds
+                self.db,
+                ack=ack,
+                lease_seconds=self.config.ack_timeout_seconds,
+                env_timeout=self.config.env_timeout_seconds,
+                fill_logprobs=self.config.fill_missing_logprobs,
             )
         except Contention:
             raise Unavailable(
@@ -111,7 +132,7 @@ class Atropos:
                 "another hub is acknowledging this batch; retry", retry_after=1
             ) from None
 
-    async def latest_example(self) -> bytes:
-        """The newest group that entered the queue, as it was sent."""
-        payload = await queue.latest_payload(self.db)
-        return payload.encode() if payload is not None else orjson.dumps(NO_EXAMPLE)
+    async def latest_example(self) -> list[Segment]:
+        """The newest group that entered the queue, as it was sent, in segments."""
+        group = await queue.latest_group(self.db)
+        return [group if group is not None else literal(orjson.dumps(NO_EXAMPLE))]

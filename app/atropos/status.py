@@ -1,16 +1,20 @@
 """GET /status and GET /status-env: the step, the queue, and an env's share.
 
 /status-env computes what atroposlib's does, field for field, from the queue's
-per-env totals (one aggregate query instead of a walk over the queue)."""
+per-env totals (one aggregate query instead of a walk over the queue), counting only
+the envs heard from lately (app/atropos/presence.py); beyond atroposlib's fields it
+answers `last_seen`."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 
+from app.atropos.presence import Presence, counts, record
 from app.atropos.tables import (
     ENVS,
     GROUPS,
@@ -19,6 +23,7 @@ from app.atropos.tables import (
     AtroposRunState,
     run_state,
 )
+from app.db.types import utcnow
 from app.errors import NotFound
 
 # The least env_weight an env is told, so that no env is starved completely.
@@ -28,11 +33,16 @@ MIN_ENV_WEIGHT = 0.01
 @dataclass(frozen=True, slots=True)
 class _Env:
     env_id: int
+    real_name: str
     max_token_length: int
     weight: float
     group_size: int
     min_batch_allocation: float | None
     connected: bool
+    last_seen_at: datetime
+
+    def counts(self, now: datetime, timeout: float) -> bool:
+        return counts(self.connected, self.last_seen_at, now, timeout)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +65,10 @@ async def status(db: AtroposDb) -> dict[str, Any]:
     return await db.read(work)
 
 
-async def status_env(db: AtroposDb, env_id: int) -> dict[str, Any]:
+async def status_env(db: AtroposDb, presence: Presence, env_id: int) -> dict[str, Any]:
+    if presence.due([env_id]):  # the env asking is alive
+        await db.write(lambda conn: record(conn, [env_id], utcnow()))
+
     def work(conn: sa.Connection) -> tuple[AtroposRunState, list[_Env], dict[int | None, _Queued]]:
         return run_state(conn), _envs(conn), _queued_by_env(conn)
 
@@ -64,13 +77,14 @@ async def status_env(db: AtroposDb, env_id: int) -> dict[str, Any]:
     if env is None:
         raise NotFound(f"no env registered with env_id {env_id}", field="env_id")
 
-    connected = [e for e in envs if e.connected]
-    total = sum(e.max_token_length * max(0.0, e.weight) for e in connected)
+    now = utcnow()
+    counting = [e for e in envs if e.counts(now, presence.timeout)]
+    total = sum(e.max_token_length * max(0.0, e.weight) for e in counting)
     share = env.max_token_length * env.weight / total if total else 0.0
     env_weight = max(MIN_ENV_WEIGHT, share)
 
     total_min_allocation = 0.0
-    for e in connected:
+    for e in counting:
         if e.min_batch_allocation is not None:
             total_min_allocation += e.min_batch_allocation
     unallocated_fraction = 1.0 - min(total_min_allocation, 1.0)
@@ -86,7 +100,7 @@ async def status_env(db: AtroposDb, env_id: int) -> dict[str, Any]:
 
     minimums: dict[int | None, int] = {
         e.env_id: int(run.batch_size * e.min_batch_allocation)
-        for e in connected
+        for e in counting
         if e.min_batch_allocation is not None
     }
     available_from_others = 0
@@ -104,18 +118,38 @@ async def status_env(db: AtroposDb, env_id: int) -> dict[str, Any]:
         "self_queue_size": own_sequences // group_size,
         "max_group_size": largest,
         "env_weight": env_weight,
+        "last_seen": env.last_seen_at.isoformat(),
     }
+
+
+async def env_stats(db: AtroposDb, timeout: float) -> list[dict[str, Any]]:
+    """Every registered env, for /v1/stats: whether it counts, and when it was last
+    heard from."""
+    envs = await db.read(_envs)
+    now = utcnow()
+    return [
+        {
+            "env_id": e.env_id,
+            "name": e.real_name,
+            "connected": e.connected,
+            "counting": e.counts(now, timeout),
+            "last_seen": e.last_seen_at.isoformat(),
+        }
+        for e in envs
+    ]
 
 
 def _envs(conn: sa.Connection) -> list[_Env]:
     rows = conn.execute(
         sa.select(
             ENVS.c.env_id,
+            ENVS.c.real_name,
             ENVS.c.max_token_length,
             ENVS.c.weight,
             ENVS.c.group_size,
             ENVS.c.min_batch_allocation,
             ENVS.c.connected,
+            ENVS.c.last_seen_at,
         ).order_by(ENVS.c.env_id)
     )
     return [_Env(**row._mapping) for row in rows]

@@ -24,7 +24,7 @@ from app.db.moves import StateMachine
 STATE = models.ATROPOS_STATE
 ENVS = models.ATROPOS_ENVS
 GROUPS = models.ATROPOS_GROUPS
-PAYLOADS = models.ATROPOS_PAYLOADS
+SEGMENTS = models.ATROPOS_SEGMENTS
 ATROPOS_BATCHES = models.ATROPOS_BATCHES
 
 T = TypeVar("T")
@@ -179,7 +179,7 @@ def move_batch(
 
 
 def drop_served_groups(conn: sa.Connection) -> None:
-    """Delete served groups and their payloads, except the latest example (the
+    """Delete served groups and their segments, except the latest example (the
     newest group that entered the queue), which /latest_example still answers."""
     others = GROUPS.alias("others")  # not correlated with the rows being deleted
     latest = (
@@ -188,7 +188,7 @@ def drop_served_groups(conn: sa.Connection) -> None:
         .scalar_subquery()
     )
     served = conn.execute(
-        sa.select(GROUPS.c.id, GROUPS.c.payload_id).where(
+        sa.select(GROUPS.c.id, GROUPS.c.segment_id).where(
             GROUPS.c.state == AtroposGroupState.SERVED, GROUPS.c.id < latest
         )
     ).all()
@@ -196,9 +196,9 @@ def drop_served_groups(conn: sa.Connection) -> None:
 
 
 def delete_groups(conn: sa.Connection, rows: Iterable[Any]) -> None:
-    """Delete groups (rows with .id and .payload_id), then their payloads."""
+    """Delete groups (rows with .id and .segment_id), then their segments."""
     rows = list(rows)
     for start in range(0, len(rows), _IN_CHUNK):
         chunk = rows[start : start + _IN_CHUNK]
         conn.execute(sa.delete(GROUPS).where(GROUPS.c.id.in_([r.id for r in chunk])))
-        conn.execute(sa.delete(PAYLOADS).where(PAYLOADS.c.id.in_([r.payload_id for r in chunk])))
+        conn.execute(sa.delete(SEGMENTS).where(SEGMENTS.c.id.in_([r.segment_id for r in chunk])))

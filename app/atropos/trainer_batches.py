@@ -6,13 +6,13 @@ call (the last formed first) before forming more. Forming and claiming happen in
 one transaction: several hubs on one PostgreSQL form under the run row's lock and
 claim with SKIP LOCKED, so no batch is formed or served twice.
 
-Groups are stored as the JSON they will be served as; a batch is their texts
-joined, without parsing them again (except to fill missing inference_logprobs).
+Groups are stored as the JSON they will be served as, deflated; a batch is their
+segments joined with the JSON around them (app/atropos/segments.py), without
+parsing them again (except to fill missing inference_logprobs, when asked to).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import datetime
@@ -23,12 +23,14 @@ import sqlalchemy as sa
 from app.atropos import lease
 from app.atropos.logprobs import fill_inference_logprobs
 from app.atropos.packing import EnvShare, Item, form_batches
+from app.atropos.presence import counts
+from app.atropos.segments import Segment, deflate, inflate, literal
 from app.atropos.tables import (
     ATROPOS_BATCH_STATES,
     ATROPOS_BATCHES,
     ENVS,
     GROUPS,
-    PAYLOADS,
+    SEGMENTS,
     STATE,
     AtroposBatchState,
     AtroposDb,
@@ -51,6 +53,7 @@ NOT_REGISTERED = {
     "batch": [],
 }
 NO_BATCH = b'{"batch":null}'
+_OPEN, _COMMA, _CLOSE = b'{"batch":[', b",", b"]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,25 +64,27 @@ class _Claimed:
 
 @dataclass(frozen=True, slots=True)
 class _Stored:
-    payload: str
+    json: Segment
     fill_logprobs: bool
 
 
-async def next_batch(db: AtroposDb, *, ack: bool, lease_seconds: float) -> bytes:
-    """The JSON body of GET /batch: `{"batch": [group, ...]}` (with `"batch_id"`
-    when leased), `{"batch": null}`, or atroposlib's not-registered error."""
-    outcome = await db.write(lambda conn: _next_batch(conn, ack, lease_seconds))
+async def next_batch(
+    db: AtroposDb, *, ack: bool, lease_seconds: float, env_timeout: float, fill_logprobs: bool
+) -> list[Segment]:
+    """The JSON body of GET /batch, in segments: `{"batch": [group, ...]}` (with
+    `"batch_id"` when leased), `{"batch": null}`, or atroposlib's not-registered
+    error."""
+    outcome = await db.write(lambda conn: _next_batch(conn, ack, lease_seconds, env_timeout))
     if outcome is None:
-        return NO_BATCH
+        return [literal(NO_BATCH)]
     if isinstance(outcome, bytes):
-        return outcome
+        return [literal(outcome)]
     stored, lease_id = outcome
-    # Assembled after the commit, off the event loop (gzip and logprobs are CPU).
-    return await asyncio.to_thread(_body, stored, lease_id)
+    return _body(stored, lease_id, fill_logprobs)
 
 
 def _next_batch(
-    conn: sa.Connection, ack: bool, lease_seconds: float
+    conn: sa.Connection, ack: bool, lease_seconds: float, env_timeout: float
 ) -> bytes | tuple[list[_Stored], str | None] | None:
     """One transaction: start the run, re-queue expired leases, claim the next
     formed batch (forming batches first when none is left), and serve or lease it."""
@@ -99,7 +104,7 @@ def _next_batch(
         # Form under the run lock; another hub may have formed while we waited.
         run = run_state(conn, lock=True)
         claimed = _claim(conn)
-        if claimed is None and run.registered and _form(conn, run):
+        if claimed is None and run.registered and _form(conn, run, env_timeout):
             claimed = _claim(conn)
     if claimed is None:
         return None
@@ -121,8 +126,9 @@ def _claim(conn: sa.Connection) -> _Claimed | None:
     return _Claimed(row.id, list(row.group_ids)) if row else None
 
 
-def _form(conn: sa.Connection, run: AtroposRunState) -> int:
-    """Form every batch the queue allows now; returns how many."""
+def _form(conn: sa.Connection, run: AtroposRunState, env_timeout: float) -> int:
+    """Form every batch the queue allows now; returns how many. Only envs heard from
+    within env_timeout count for minimum allocations."""
     queue = [
         Item(*row)
         for row in conn.execute(
@@ -133,12 +139,16 @@ def _form(conn: sa.Connection, run: AtroposRunState) -> int:
     ]
     if not queue:
         return 0
+    now = utcnow()
     envs = [
-        EnvShare(*row)
+        EnvShare(row.env_id, counts(row.connected, row.last_seen_at, now, env_timeout), row.share)
         for row in conn.execute(
-            sa.select(ENVS.c.env_id, ENVS.c.connected, ENVS.c.min_batch_allocation).order_by(
-                ENVS.c.env_id
-            )
+            sa.select(
+                ENVS.c.env_id,
+                ENVS.c.connected,
+                ENVS.c.last_seen_at,
+                ENVS.c.min_batch_allocation.label("share"),
+            ).order_by(ENVS.c.env_id)
         )
     ]
     batches = form_batches(queue, run.batch_size, envs)
@@ -147,7 +157,6 @@ def _form(conn: sa.Connection, run: AtroposRunState) -> int:
     grouped = (item.id for batch in batches for item in batch)
     move_groups(conn, grouped, AtroposGroupState.QUEUED, AtroposGroupState.BATCHED)
     top = conn.scalar(sa.select(sa.func.coalesce(sa.func.max(ATROPOS_BATCHES.c.seq), 0)))
-    now = utcnow()
     conn.execute(
         sa.insert(ATROPOS_BATCHES),
         [
@@ -180,11 +189,20 @@ def _form(conn: sa.Connection, run: AtroposRunState) -> int:
 
 def _stored(conn: sa.Connection, group_ids: list[int]) -> list[_Stored]:
     rows = conn.execute(
-        sa.select(GROUPS.c.id, PAYLOADS.c.payload, GROUPS.c.fill_logprobs)
-        .join(PAYLOADS, PAYLOADS.c.id == GROUPS.c.payload_id)
+        sa.select(
+            GROUPS.c.id,
+            GROUPS.c.bytes,
+            GROUPS.c.fill_logprobs,
+            SEGMENTS.c.deflated,
+            SEGMENTS.c.crc32,
+        )
+        .join(SEGMENTS, SEGMENTS.c.id == GROUPS.c.segment_id)
         .where(GROUPS.c.id.in_(group_ids))
     )
-    by_id = {row.id: _Stored(row.payload, row.fill_logprobs) for row in rows}
+    by_id = {
+        row.id: _Stored(Segment(row.deflated, row.crc32, row.bytes), row.fill_logprobs)
+        for row in rows
+    }
     missing = [gid for gid in group_ids if gid not in by_id]
     if missing:
         raise Contention(f"groups {missing} of a formed batch are gone")
@@ -205,15 +223,19 @@ def _served(conn: sa.Connection, claimed: _Claimed, now: datetime) -> None:
     drop_served_groups(conn)
 
 
-def _body(groups: list[_Stored], lease_id: str | None) -> bytes:
-    parts = [_served_json(group) for group in groups]
-    body = b'{"batch":[' + b",".join(parts) + b"]"
-    if lease_id is not None:
-        body += b',"batch_id":' + orjson.dumps(lease_id)
-    return body + b"}"
+def _body(groups: list[_Stored], lease_id: str | None, fill_logprobs: bool) -> list[Segment]:
+    parts = [literal(_OPEN)]
+    for i, group in enumerate(groups):
+        if i:
+            parts.append(literal(_COMMA))
+        parts.append(_filled(group.json) if fill_logprobs and group.fill_logprobs else group.json)
+    if lease_id is None:
+        parts.append(literal(_CLOSE))
+    else:
+        parts.append(deflate(b'],"batch_id":' + orjson.dumps(lease_id) + b"}"))
+    return parts
 
 
-def _served_json(group: _Stored) -> bytes:
-    if not group.fill_logprobs:
-        return group.payload.encode()
-    return orjson.dumps(fill_inference_logprobs(orjson.loads(group.payload)))
+def _filled(json: Segment) -> Segment:
+    """atropos.fill_missing_logprobs: the group with invented inference_logprobs."""
+    return deflate(orjson.dumps(fill_inference_logprobs(orjson.loads(inflate(json)))))

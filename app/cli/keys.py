@@ -26,7 +26,7 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
         action="append",
         required=True,
         choices=[s.value for s in keys.Scope],
-        help="ingest, read or admin (admin includes both; repeatable)",
+        help="ingest, read, train or admin (admin includes the others; repeatable)",
     )
     create.add_argument("--name", required=True, help="who or what the key is for")
     command(key_commands, "list", _list, help="every key, revoked ones too")

@@ -13,7 +13,9 @@ from contextlib import contextmanager
 import uvicorn
 
 from app.api.app import create_app
+from app.api.server import server_config
 from app.cli.options import Commands, add_hub_files, command, load_settings
+from app.errors import StartupError
 from app.evaluation.environment import Environment
 from app.hub import database, open_database, running_stages
 from app.ingest.tokens import encoding
@@ -36,23 +38,19 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
 async def _serve(args: argparse.Namespace) -> int:
     workers = not args.no_workers
     settings = load_settings(args, delivers=workers)
-    # Rules and tokenizer first, then the database: a mistake costs no migration.
+    # Rules first, then the database: a mistake costs no migration. The tokenizer
+    # loads once the server answers (see running_hub).
     environment = Environment.from_config(settings.config.environment)
-    encoding()
     # Opened here so that a database it cannot reach stops start-up; the app's
     # lifespan owns it from then on.
     engine = await open_database(settings.config)
-    app = create_app(settings, environment=environment, engine=engine, workers=workers)
+    answering = asyncio.Event()
+    app = create_app(
+        settings, environment=environment, engine=engine, workers=workers, answering=answering
+    )
     ts = settings.config.trace_server
     server = _Server(
-        uvicorn.Config(
-            app,
-            host=ts.host,
-            port=ts.port,
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=30,
-        )
+        server_config(app, ts, log_config=None, access_log=False, timeout_graceful_shutdown=30)
     )
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():
@@ -60,8 +58,13 @@ async def _serve(args: argparse.Namespace) -> int:
     if server.started:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         log.info("Trace server listening on %s:%s", host, port)
-        if workers:
-            log.info("Compression pipeline ready")
+        try:
+            await asyncio.to_thread(encoding)
+        except StartupError:
+            server.should_exit = True
+            await serving
+            raise
+        answering.set()
     await serving
     return 0 if server.started else 1
 

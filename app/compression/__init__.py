@@ -6,12 +6,27 @@
 
 Modules: `compress` (entry point and the target rules), `extract`
 (key_decision_extract and its removal order), `summarize` (summarize_middle, Hermes'
-algorithm), `ledger` (per-step token bookkeeping).
+algorithm), `ledger` (per-step token bookkeeping, and the links a removal must not
+break), `invariants` (what every strategy keeps, checked on every result).
 """
 
 from __future__ import annotations
 
-from app.compression.compress import Compressed, Skipped, compress
+from app.compression.compress import (
+    Compressed,
+    Skipped,
+    compress,
+    compression_target,
+    smallest_compressed,
+)
 from app.compression.summarize import ModelSummarizer, Summarizer
 
-__all__ = ["Compressed", "ModelSummarizer", "Skipped", "Summarizer", "compress"]
+__all__ = [
+    "Compressed",
+    "ModelSummarizer",
+    "Skipped",
+    "Summarizer",
+    "compress",
+    "smallest_compressed",
+    "compression_target",
+]

@@ -5,8 +5,11 @@ Rules (DESIGN §6): target = clamp(ratio x total_tokens, min_tokens_after,
 max_tokens_after). A trace with ratio x total_tokens < min_tokens_after is kept whole,
 unless `forced` (compression disabled but the trace is over max_trace_tokens): then it
 is compressed toward min_tokens_after. The result lands within 25% of the target
-unless what is preserved is larger; it is never under min_tokens_after; over
-max_tokens_after it is marked `over_limit`.
+unless what is preserved, or what the conversation needs to stay valid, is larger; it
+is never under min_tokens_after; over max_tokens_after it is marked `over_limit`.
+
+Every result is checked against the invariants (app.compression.invariants) before it
+is returned; one that breaks them is not returned: the trace is kept whole.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from app.compression.extract import key_decision_extract
+from app.compression.invariants import violations
 from app.compression.ledger import Budget, Ledger
 from app.compression.summarize import Summarizer, summarize_middle
 from app.config import CompressionConfig
 from app.domain import Trace
 from app.ingest.tokens import count_parts
+from app.llm import LLMError
 
 # How far a drop may overshoot under the aim; trims are sized to land on it.
 _DROP_OVERSHOOT = 0.15
@@ -37,8 +42,10 @@ class Compressed:
     """A compressed copy of the trace (marked `sft_only`), and how it came about.
 
     `strategy` is the one that produced the trace; `fallback` says why it is not the
-    configured one (summarize_middle fell back to key_decision_extract). `removed`
-    counts the steps affected per kind of removal.
+    configured one (summarize_middle fell back to key_decision_extract), and
+    `model_failed` whether that was because the model failed. `removed` counts the
+    steps affected per kind of removal; `removed_steps` lists them, as indices into
+    the original trace's steps.
     """
 
     trace: Trace
@@ -47,8 +54,10 @@ class Compressed:
     target: int
     strategy: str
     removed: dict[str, int] = field(default_factory=dict)
+    removed_steps: dict[str, list[int]] = field(default_factory=dict)
     over_limit: bool = False
     fallback: str | None = None
+    model_failed: bool = False
 
     @property
     def ratio(self) -> float:
@@ -63,6 +72,7 @@ class Compressed:
             "target": self.target,
             "ratio": self.ratio,
             "removed": self.removed,
+            "removed_steps": self.removed_steps,
             "over_limit": self.over_limit,
             "fallback": self.fallback,
         }
@@ -75,6 +85,7 @@ async def compress(
     *,
     forced: bool = False,
     summarizer: Summarizer | None = None,
+    fall_back: bool = True,
     reward: float | None = None,
     breakdown: dict[str, Any] | None = None,
 ) -> Compressed | Skipped:
@@ -83,17 +94,26 @@ async def compress(
     `forced`: the trace is over max_trace_tokens, so it is compressed even with
     `enabled: false` or a ratio x total under min_tokens_after. `summarizer` writes
     summarize_middle's summary (app.compression.ModelSummarizer in production); without
-    one, that strategy falls back to key_decision_extract. `reward` and `breakdown` are
-    kept in the compressed trace's metadata when reward_signal is preserved.
+    one, that strategy falls back to key_decision_extract. When the summarizer fails
+    (app.llm.LLMError), so does the strategy, unless `fall_back`. `reward` and
+    `breakdown` are kept in the compressed trace's metadata when reward_signal is
+    preserved.
     """
-    target = _target(total_tokens, policy, forced)
+    target = compression_target(total_tokens, policy, forced)
     if isinstance(target, Skipped):
         return target
     budget = _budget(target, policy)
     ledger = Ledger.of(trace)
-    strategy, fallback, summary = policy.strategy, None, []
+    strategy, fallback, summary, model_failed = policy.strategy, None, [], False
     if policy.strategy == "summarize_middle":
-        outcome = await summarize_middle(ledger, policy, budget, summarizer)
+        try:
+            outcome: tuple[Ledger, int] | str = await summarize_middle(
+                ledger, policy, budget, summarizer
+            )
+        except LLMError as exc:
+            if not fall_back:
+                raise
+            outcome, model_failed = f"the summary model failed: {exc}", True
         if isinstance(outcome, str):
             strategy, fallback = "key_decision_extract", outcome
         else:
@@ -115,13 +135,40 @@ async def compress(
         target=target,
         strategy=strategy,
         removed=dict(ledger.removed),
+        removed_steps={kind: sorted(at) for kind, at in ledger.listed.items()},
         over_limit=tokens_after > policy.max_tokens_after,
         fallback=fallback,
+        model_failed=model_failed,
     )
-    return _mark(result, policy, reward, breakdown)
+    result = _mark(result, policy, reward, breakdown)
+    broken = violations(trace, result.trace, policy)
+    if broken:
+        # The strategies are built not to get here; if one does, nothing is lost.
+        return Skipped(f"compression would break the trace ({'; '.join(broken[:3])}); kept whole")
+    return result
 
 
-def _target(total: int, policy: CompressionConfig, forced: bool) -> int | Skipped:
+def smallest_compressed(policy: CompressionConfig, max_trace_tokens: int) -> int | None:
+    """The fewest total_tokens of a trace that `policy` compresses (None: it compresses
+    none). Bigger traces are compressed too, but for rounding near ratio 1: a hint for
+    scheduling, not a rule."""
+    def compressed(total: int) -> bool:
+        return not isinstance(
+            compression_target(total, policy, total > max_trace_tokens), Skipped
+        )
+
+    low, high = 1, 2**40
+    if not compressed(high):
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if compressed(middle) else (middle + 1, high)
+    return low
+
+
+def compression_target(total: int, policy: CompressionConfig, forced: bool) -> int | Skipped:
+    """The tokens a trace of `total` tokens is compressed toward, or why it is kept
+    whole (DESIGN §6)."""
     if not policy.enabled and not forced:
         return Skipped("compression disabled (compression.enabled is false)")
     wanted = policy.ratio * total

@@ -1,15 +1,16 @@
 """key_decision_extract: deterministic, no model calls.
 
-Preserved, by preserve_fields: `user_instruction` (the task and the first user turn),
-`final_action` (the final answer, or the last action with its result), `reward_signal`
-(the outcome, reward and breakdown, which live in the trace's outcome and metadata, and
-a user/environment message after the agent's last step), `error_context` (every tool
-error with the action that caused it and the step that reacted to it). Preserved steps
-are never removed; the instruction and the final answer are never cut either.
+Always kept whole: the system prompt (unless drop_fields names `system_prompt`), the
+task and the first user message, and the final answer (app.compression.invariants).
+Preserved, by preserve_fields: `final_action` (the last action with its result, when
+the run ends without an answer), `reward_signal` (the outcome, reward and breakdown,
+which live in the trace's outcome and metadata, and a user/environment message after
+the agent's last step), `error_context` (every tool error with the action that caused
+it and the step that reacted to it). Preserved steps are never removed.
 
 Everything else goes in this order, least loss first. Each pass stops the moment the
 total reaches the target, so a pass only runs when the ones before were not enough.
-Passes 1-4 are the drop_fields (each runs only if listed); 5-8 are the tighter passes
+Passes 1-4 are the drop_fields (each runs only if listed); 5-7 are the tighter passes
 that reach the target when preserved parts leave room, or max_tokens_after otherwise.
 
 1. repeated_observations  an output equal (or equal but for numbers, ids and spacing)
@@ -27,12 +28,16 @@ that reach the target when preserved parts leave room, or max_tokens_after other
                           result) cut to head and tail (256 tokens): an error's
                           message sits at one end.
 7. exploration_steps      whole actions with their results that nothing preserved
-                          depends on, oldest first, then other unpreserved steps.
-8. system_prompt          system messages cut to head and tail (256 tokens): last,
-                          since they define the tools every step uses.
+                          depends on, oldest first, then other unpreserved steps; a
+                          question goes with its answer.
+8. system_prompt          only when drop_fields names it: system messages cut to head
+                          and tail (256 tokens), last, since they define the tools
+                          every step uses.
 
-Trims are sized to land on the target rather than under it; whole-step drops may not
-overshoot it by more than 15%; nothing takes the trace under min_tokens_after.
+Whole steps go only where the conversation stays valid (Ledger.drop_group): when the
+target cannot be reached that way, the trace stays over it and the record says by how
+much. Trims are sized to land on the target rather than under it; whole-step drops may
+not overshoot it by more than 15%; nothing takes the trace under min_tokens_after.
 """
 
 from __future__ import annotations
@@ -41,9 +46,9 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from app.compression.ledger import Budget, Ledger, is_error
+from app.compression.ledger import Budget, Ledger, Links, answer, is_error, is_system
 from app.config import CompressionConfig
-from app.domain import Step, StepType
+from app.domain import Step, StepType, Trace
 
 SOFT_KEEP = 384
 TIGHT_KEEP = 64
@@ -69,17 +74,25 @@ class Shape:
     results: dict[int, list[int]] = field(default_factory=dict)  # action -> observations
 
 
-def shape(steps: list[Step], policy: CompressionConfig, extra: Iterable[int] = ()) -> Shape:
-    found = Shape(protected=set(extra))
-    _link(steps, found)
+def shape(
+    trace: Trace, policy: CompressionConfig, extra: Iterable[int] = (), links: Links | None = None
+) -> Shape:
+    steps = trace.steps
+    links = links or Links.of(steps)
+    found = Shape(protected=set(extra), owner=links.owner, results=links.results)
     preserve = set(policy.preserve_fields)
-    if "user_instruction" in preserve:
+    # Invariants, whatever preserve_fields says: the first user message (the task,
+    # which is never cut, or else the first user step) and the final answer.
+    if "user_instruction" in preserve or not trace.task:
         found.whole.update(_first_user(steps))
-    if "final_action" in preserve:
-        final = _final(steps, found)
-        found.protected.update(final)
-        # The answer itself stays whole; the last action's result may be cut like any.
-        found.whole.update(i for i in final if steps[i].type is not StepType.OBSERVATION)
+    found.whole.update(answer(steps))
+    if "system_prompt" not in policy.drop_fields:
+        found.whole.update(i for i, s in enumerate(steps) if is_system(s))
+    if "final_action" in preserve and not answer(steps):
+        # The run ends on a call: keep it and its result (which may be cut like any).
+        actions = [i for i, s in enumerate(steps) if s.type is StepType.ACTION]
+        if actions:
+            found.protected.update([actions[-1], *found.results.get(actions[-1], [])])
     if "reward_signal" in preserve:
         found.protected.update(_verdict(steps))
     if "error_context" in preserve:
@@ -92,8 +105,7 @@ def key_decision_extract(
     ledger: Ledger, policy: CompressionConfig, budget: Budget, extra: Iterable[int] = ()
 ) -> None:
     """Cut `ledger` toward `budget.aim` in the order the module docstring gives."""
-    steps = list(ledger.trace.steps)
-    found = shape(steps, policy, extra)
+    found = shape(ledger.trace, policy, extra, ledger.links)
     passes = _passes(policy, found)
     while True:
         for run in passes:
@@ -120,7 +132,7 @@ def _passes(policy: CompressionConfig, found: Shape) -> list[_Pass]:
                 if s is not None
                 and s.type in types
                 and (i in protected) == preserved
-                and not _system(s)
+                and not is_system(s)
                 and i not in found.whole
             ]
             _trim_largest(ledger, picked, keep, kind, budget)
@@ -149,7 +161,8 @@ def _passes(policy: CompressionConfig, found: Shape) -> list[_Pass]:
         )
     )
     passes.append(lambda ledger, budget: _drop_exploration(ledger, found, budget))
-    passes.append(lambda ledger, budget: _trim_system(ledger, budget))
+    if "system_prompt" in drop:
+        passes.append(lambda ledger, budget: _trim_system(ledger, budget))
     return passes
 
 
@@ -214,47 +227,24 @@ def _drop_thoughts(ledger: Ledger, protected: set[int], budget: Budget) -> None:
 
 
 def _drop_exploration(ledger: Ledger, found: Shape, budget: Budget) -> None:
+    """Actions with their results, then thoughts, messages (a question with its answer)
+    and outputs no action asked for; whatever is preserved stays, with what it needs."""
     for i, step in enumerate(ledger.steps):
         if ledger.total <= budget.aim:
             return
-        if step is None or i in found.protected:
+        if step is None or i in found.protected or is_system(step) or i in found.owner:
             continue
-        if step.type is StepType.ACTION:
-            group = [i, *found.results.get(i, [])]
-            if not found.protected.intersection(group):
-                alive = [j for j in group if ledger.steps[j] is not None]
-                ledger.drop_group(alive, "exploration_steps", budget)
-        elif i not in found.owner and not _system(step):
-            # Thoughts, messages, and outputs no action of the trace asked for.
-            ledger.drop(i, "exploration_steps", budget)
+        group = ledger.together(i)
+        if not found.protected.intersection(group):
+            ledger.drop_group(group, "exploration_steps", budget)
 
 
 def _trim_system(ledger: Ledger, budget: Budget) -> None:
-    picked = [i for i, s in enumerate(ledger.steps) if s is not None and _system(s)]
+    picked = [i for i, s in enumerate(ledger.steps) if s is not None and is_system(s)]
     _trim_largest(ledger, picked, SYSTEM_KEEP, "system_prompt", budget)
 
 
-def _system(step: Step) -> bool:
-    return step.type is StepType.MESSAGE and step.role == "system"
-
-
 # --- what is preserved -------------------------------------------------------------
-
-
-def _link(steps: list[Step], found: Shape) -> None:
-    """Pair observations with their actions: by call_id, else the latest action."""
-    by_call: dict[str, int] = {}
-    last_action: int | None = None
-    for i, step in enumerate(steps):
-        if step.type is StepType.ACTION:
-            last_action = i
-            if step.call_id:
-                by_call[step.call_id] = i
-        elif step.type is StepType.OBSERVATION:
-            action = by_call.get(step.call_id, last_action) if step.call_id else last_action
-            if action is not None:
-                found.owner[i] = action
-                found.results.setdefault(action, []).append(i)
 
 
 def _first_user(steps: list[Step]) -> list[int]:
@@ -262,21 +252,6 @@ def _first_user(steps: list[Step]) -> list[int]:
         if step.type is StepType.MESSAGE and step.role == "user":
             return [i]
     return []
-
-
-def _final(steps: list[Step], found: Shape) -> list[int]:
-    finals = [i for i, s in enumerate(steps) if s.type is StepType.FINAL]
-    if finals:
-        return finals
-    actions = [i for i, s in enumerate(steps) if s.type is StepType.ACTION]
-    last_answer = [
-        i
-        for i, s in enumerate(steps)
-        if s.type is StepType.MESSAGE and s.role == "assistant" and (not actions or i > actions[-1])
-    ]
-    if last_answer:
-        return last_answer[-1:]
-    return [actions[-1], *found.results.get(actions[-1], [])] if actions else []
 
 
 def _verdict(steps: list[Step]) -> list[int]:

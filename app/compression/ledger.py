@@ -6,6 +6,13 @@ and become exact when they are trimmed or `settle()`d. Tokenizing every long too
 output in full would cost as much as the rest of compression together, and most of it
 is cut away anyway. Estimates err low on purpose: settling can then only raise the
 total (and the strategy cuts some more), never drop the result under its floor.
+
+The ledger also knows the trace as a conversation (`Links`): which action each result
+answers and which user message answers which assistant question. A removal that
+would leave the conversation invalid (two user turns in a row, a result without its
+call, a question without its answer) is refused, so strategies cut around what the
+invariants (app.compression.invariants) require. Every step removed or changed is
+listed by its index in the original trace (`listed`), for the compression record.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import Literal
 
 from app.domain import Step, StepType, Trace
 from app.ingest.tokens import count_parts, count_tokens
@@ -46,6 +54,75 @@ class Budget:
     lower: int
 
 
+Speaker = Literal["system", "user", "assistant", "tool"]
+
+
+def speaker(step: Step) -> Speaker:
+    """Who says the step in the chat the exports write: a user's, the environment's
+    or a grader's message is the user side; thoughts, calls and answers the assistant's."""
+    if step.type is StepType.OBSERVATION:
+        return "tool"
+    if step.type is StepType.MESSAGE and step.role != "assistant":
+        return "system" if step.role == "system" else "user"
+    return "assistant"
+
+
+@dataclass(frozen=True)
+class Links:
+    """What only makes sense together: `owner` (result -> the action it answers),
+    `results` (action -> its results), `partner` (an assistant question <-> the user
+    message that answers it)."""
+
+    owner: dict[int, int]
+    results: dict[int, list[int]]
+    partner: dict[int, int]
+
+    @classmethod
+    def of(cls, steps: list[Step]) -> Links:
+        owner: dict[int, int] = {}
+        results: dict[int, list[int]] = {}
+        partner: dict[int, int] = {}
+        by_call: dict[str, int] = {}
+        chain: int | None = None  # the action a result without an id answers
+        for i, step in enumerate(steps):
+            if step.type is StepType.ACTION:
+                chain = i
+                if step.call_id:
+                    by_call[step.call_id] = i
+            elif step.type is StepType.OBSERVATION:
+                action = by_call.get(step.call_id, chain) if step.call_id else chain
+                if action is not None:
+                    owner[i] = action
+                    results.setdefault(action, []).append(i)
+            else:
+                # A result after anything but calls and results answers no call.
+                chain = None
+            if i and is_question(steps[i - 1]) and speaker(step) == "user":
+                partner[i - 1], partner[i] = i, i - 1
+        return cls(owner, results, partner)
+
+
+def answer(steps: list[Step]) -> list[int]:
+    """The final answer: the final steps, else the last assistant message after the
+    last call."""
+    finals = [i for i, s in enumerate(steps) if s.type is StepType.FINAL]
+    if finals:
+        return finals
+    for i in range(len(steps) - 1, -1, -1):
+        if steps[i].type is StepType.ACTION:
+            return []
+        if steps[i].type is StepType.MESSAGE and steps[i].role == "assistant":
+            return [i]
+    return []
+
+
+def is_question(step: Step) -> bool:
+    """Assistant text without a call: what a user message right after it answers."""
+    return step.type is StepType.FINAL or (
+        step.type is StepType.MESSAGE and step.role == "assistant"
+    )
+
+
 def step_parts(step: Step) -> list[str]:
     # The trace's own definition of counted text, so step counts add up to total_tokens.
     return step.text_parts()
@@ -56,19 +133,30 @@ class Ledger:
     dropped), its current token count, and the running total."""
 
     def __init__(
-        self, trace: Trace, steps: list[Step | None], tokens: list[int], estimated: list[bool]
+        self,
+        trace: Trace,
+        steps: list[Step | None],
+        tokens: list[int],
+        estimated: list[bool],
+        origin: list[int | None] | None = None,
     ):
         self.trace = trace
         self.steps = steps
         self.tokens = tokens
         self.estimated = estimated
+        # Each step's index in the trace as it arrived (None: a summary written here).
+        self.origin: list[int | None] = list(origin or range(len(steps)))
+        self.links = Links.of(trace.steps)
         # The tool list and the task: counted in total_tokens, never compressed.
         context = trace.context_parts()
         self.fixed = count_parts(context) + 1 if context else 0
         self.total = self.fixed + sum(tokens)
-        # Steps affected, per kind of removal (a step trimmed twice counts once).
+        # Steps affected, per kind of removal (a step trimmed twice counts once), and
+        # their indices in the original trace.
         self.removed: Counter[str] = Counter()
+        self.listed: dict[str, list[int]] = {}
         self._touched: set[tuple[str, int]] = set()
+        self._crossed: list[bool] | None = None  # per boundary, for can_replace
 
     @classmethod
     def of(cls, trace: Trace) -> Ledger:
@@ -79,39 +167,134 @@ class Ledger:
             estimated.append(guess)
         return cls(trace, list(trace.steps), tokens, estimated)
 
-    def with_span_replaced(self, start: int, end: int, step: Step) -> Ledger:
+    def with_span_replaced(self, start: int, end: int, step: Step, kind: str) -> Ledger:
         """A new ledger over the trace with steps[start:end] replaced by `step` (the
-        summary), keeping every other count."""
+        summary), keeping every other count; the span is noted as `kind`."""
         assert all(s is not None for s in self.steps), "replace spans before dropping steps"
+        assert self.origin == list(range(len(self.steps))), "replace spans of the original"
         steps = [*self.trace.steps[:start], step, *self.trace.steps[end:]]
         count, guess = _count(step)
-        return Ledger(
+        replaced = Ledger(
             self.trace.model_copy(update={"steps": steps}),
             list(steps),
             [*self.tokens[:start], count, *self.tokens[end:]],
             [*self.estimated[:start], guess, *self.estimated[end:]],
+            [*range(start), None, *range(end, len(self.steps))],
         )
+        replaced.removed[kind] = end - start
+        replaced.listed[kind] = list(range(start, end))
+        return replaced
+
+    def can_replace(self, start: int, end: int) -> bool:
+        """Whether steps[start:end] may become one user message (a summary): a span
+        no link crosses (a call and its result, a question and its answer), after
+        which the summary meets neither a user turn nor a result. Both ends are
+        independent, so a search can test each once (`opens_span`, `closes_span`)."""
+        return start < end and self.opens_span(start) and self.closes_span(end)
+
+    def opens_span(self, start: int) -> bool:
+        return self._uncut(start) and _may_follow(self._said_before(start, set()), "user")
+
+    def closes_span(self, end: int) -> bool:
+        return self._uncut(end) and _may_follow("user", self._said_after(end - 1, set()))
+
+    def _uncut(self, boundary: int) -> bool:
+        """No link joins a step before `boundary` to one at or after it (spans are cut
+        from the trace as it arrived, before any drop)."""
+        if self._crossed is None:
+            depth = [0] * (len(self.steps) + 2)
+            links = self.links
+            pairs = [*links.owner.items(), *links.partner.items()]
+            for i, j in pairs:
+                low, high = min(i, j), max(i, j)
+                depth[low + 1] += 1
+                depth[high + 1] -= 1
+            running, self._crossed = 0, []
+            for d in depth[: len(self.steps) + 1]:
+                running += d
+                self._crossed.append(running > 0)
+        return not self._crossed[boundary]
 
     def excess(self, budget: Budget) -> int:
         return self.total - budget.aim
 
     def drop(self, i: int, kind: str, budget: Budget) -> bool:
-        """Remove step i, unless that lands under `budget.lower`."""
-        if self.steps[i] is None or self.total - self.tokens[i] < budget.lower:
-            return False
-        self._set(i, None, 0)
-        self._note(kind, i)
-        return True
+        """Remove step i, unless that lands under `budget.lower` or breaks the
+        conversation."""
+        return self.drop_group([i], kind, budget)
 
     def drop_group(self, indices: list[int], kind: str, budget: Budget) -> bool:
-        """Remove steps that only make sense together (an action and its results)."""
-        saving = sum(self.tokens[i] for i in indices)
-        if self.total - saving < budget.lower:
+        """Remove steps that only make sense together (an action and its results, a
+        question and its answer), unless that lands under `budget.lower` or leaves
+        the conversation invalid."""
+        alive = [i for i in indices if self.steps[i] is not None]
+        saving = sum(self.tokens[i] for i in alive)
+        if not alive or self.total - saving < budget.lower or not self.can_drop(alive):
             return False
-        for i in indices:
+        for i in alive:
             self._set(i, None, 0)
             self._note(kind, i)
         return True
+
+    def can_drop(self, indices: list[int]) -> bool:
+        """Whether removing these steps leaves the conversation valid."""
+        return self._keeps_conversation({i for i in indices if self.steps[i] is not None})
+
+    def together(self, i: int) -> list[int]:
+        """Step i and what must go with it: an action's results, a question's answer
+        (and the reverse)."""
+        links = self.links
+        group = {i, *links.results.get(i, [])}
+        if i in links.owner:
+            group |= {links.owner[i], *links.results[links.owner[i]]}
+        for j in list(group):
+            if j in links.partner:
+                group.add(links.partner[j])
+        return sorted(group)
+
+    def _keeps_conversation(self, group: set[int]) -> bool:
+        """Whether removing `group` leaves a valid chat: nothing it needs left behind,
+        and no bad seam."""
+        links = self.links
+        for i in group:
+            needed = [links.partner.get(i), links.owner.get(i), *links.results.get(i, [])]
+            if any(j is not None and j not in group and self.steps[j] is not None
+                   for j in needed):
+                return False
+        # The seams: the steps that would meet where each run of removed steps was.
+        seams: list[tuple[int, int]] = []
+        for i in sorted(group):
+            if seams and all(self.steps[j] is None for j in range(seams[-1][1] + 1, i)):
+                seams[-1] = (seams[-1][0], i)
+            else:
+                seams.append((i, i))
+        return all(
+            _may_follow(self._said_before(first, group), self._said_after(last, group))
+            for first, last in seams
+        )
+
+    def _said_before(self, i: int, group: set[int]) -> str | None:
+        """Who speaks last before step i once `group` is gone ("action" for a call);
+        the task is the user turn before the first step that is not a system message."""
+        j = i - 1
+        while j >= 0 and (self.steps[j] is None or j in group):
+            j -= 1
+        k = j
+        while k >= 0 and (self.steps[k] is None or k in group or is_system(self.steps[k])):
+            k -= 1
+        if k < 0 and self.trace.task:
+            return "user"
+        step = self.steps[j] if j >= 0 else None
+        if step is None:
+            return None
+        return "action" if step.type is StepType.ACTION else speaker(step)
+
+    def _said_after(self, i: int, group: set[int]) -> str | None:
+        j = i + 1
+        while j < len(self.steps) and (self.steps[j] is None or j in group):
+            j += 1
+        step = self.steps[j] if j < len(self.steps) else None
+        return None if step is None else speaker(step)
 
     def replace_content(self, i: int, content: str, kind: str, budget: Budget) -> bool:
         """Give step i new content (e.g. a 'same output as step k' marker)."""
@@ -158,12 +341,27 @@ class Ledger:
         if (kind, i) not in self._touched:
             self._touched.add((kind, i))
             self.removed[kind] += 1
+            origin = self.origin[i]
+            if origin is not None:
+                self.listed.setdefault(kind, []).append(origin)
 
     def _set(self, i: int, step: Step | None, count: int) -> None:
         self.total += count - self.tokens[i]
         self.steps[i] = step
         self.tokens[i] = count
         self.estimated[i] = False
+
+
+def _may_follow(before: str | None, after: str | None) -> bool:
+    """Two steps may meet: no two user turns in a row; a result only after a call or
+    another result."""
+    if before == "user" and after == "user":
+        return False
+    return after != "tool" or before in ("action", "tool")
+
+
+def is_system(step: Step | None) -> bool:
+    return step is not None and step.type is StepType.MESSAGE and step.role == "system"
 
 
 def _count(step: Step) -> tuple[int, bool]:

@@ -8,7 +8,9 @@ taken until replacing them with one summary saves enough to reach the target, an
 become one user message starting "[CONTEXT SUMMARY]:". As in Hermes' newer version
 (`_snap_boundary`), a region boundary never falls between a gpt turn and the tool
 turn that answers it: it moves forward past the tool turn, or back before the call.
-Canonical observations answer the actions just before them, so turn order is enough.
+Beyond Hermes, the summary (a user turn) never meets another user turn and never
+separates a question from its answer (Ledger.can_replace): the end moves the same
+way, then the start moves forward, until the span keeps the conversation valid.
 
 Hermes also appends a notice to the system turn; it is left out here, so the system
 prompt of a compressed trace stays the one the agent ran with.
@@ -21,10 +23,10 @@ from typing import Protocol
 
 import httpx
 
-from app.compression.ledger import Budget, Ledger, step_parts
+from app.compression.ledger import Budget, Ledger, speaker, step_parts
 from app.config import CompressionConfig, TinkerConfig
 from app.domain import Step, StepType
-from app.llm import LLMError, chat
+from app.llm import chat
 
 PREFIX = "[CONTEXT SUMMARY]:"
 # Hermes sends each turn whole up to this size, else its head and tail.
@@ -82,46 +84,40 @@ async def summarize_middle(
     ledger: Ledger, policy: CompressionConfig, budget: Budget, summarizer: Summarizer | None
 ) -> tuple[Ledger, int] | str:
     """The ledger with a middle span summarized, and the summary's step index; or why
-    it could not be done (the caller then falls back to key_decision_extract)."""
+    it could not be done (the caller then falls back to key_decision_extract). Raises
+    LLMError when the model fails: whether to retry or fall back is the caller's."""
     if summarizer is None:
         return "no summarizer: summarize_middle needs the model endpoint from tinker.json"
     steps = ledger.trace.steps
     turns = _turns(steps)
-    span = _span(
-        turns, ledger.tokens, ledger.total - budget.aim + policy.summary_target_tokens, policy
-    )
+    span = _span(turns, ledger, ledger.total - budget.aim + policy.summary_target_tokens, policy)
     if span is None:
         return "nothing to summarize between the protected head and tail turns"
     start, end = span
     prompt = _PROMPT.format(
         tokens=policy.summary_target_tokens, turns=_render(steps, turns, start, end)
     )
-    try:
-        text = (await summarizer(prompt, max_tokens=2 * policy.summary_target_tokens)).strip()
-    except LLMError as exc:
-        return f"the summary model failed: {exc}"
+    text = (await summarizer(prompt, max_tokens=2 * policy.summary_target_tokens)).strip()
     if not text:
         return "the summary model returned an empty summary"
     if not text.startswith(PREFIX):
         text = f"{PREFIX} {text}"
     summary = Step(type=StepType.MESSAGE, role="user", content=text)
-    summarized = ledger.with_span_replaced(start, end, summary)
+    summarized = ledger.with_span_replaced(start, end, summary, "summarized_steps")
     if summarized.total < budget.floor:
         return (
             f"the summary left {summarized.total} tokens, under min_tokens_after "
             f"{policy.min_tokens_after}"
         )
-    summarized.removed["summarized_steps"] = end - start
     return summarized, start
 
 
+# Hermes' names for who speaks a turn.
+_HERMES = {"system": "system", "user": "human", "assistant": "gpt", "tool": "tool"}
+
+
 def _role(step: Step) -> str:
-    if step.type is StepType.OBSERVATION:
-        return "tool"
-    if step.type is StepType.MESSAGE and step.role != "assistant":
-        # A user's, the environment's or a grader's word is the "human" side.
-        return "system" if step.role == "system" else "human"
-    return "gpt"
+    return _HERMES[speaker(step)]
 
 
 def _turns(steps: list[Step]) -> list[_Turn]:
@@ -136,10 +132,11 @@ def _turns(steps: list[Step]) -> list[_Turn]:
 
 
 def _span(
-    turns: list[_Turn], tokens: list[int], need: int, policy: CompressionConfig
+    turns: list[_Turn], ledger: Ledger, need: int, policy: CompressionConfig
 ) -> tuple[int, int] | None:
     """Step indices [start, end) of the fewest middle turns that save `need` tokens
-    (all of the middle when it saves less)."""
+    (all of the middle when it saves less), on boundaries that keep the conversation
+    valid."""
     n = len(turns)
     firsts = {
         next((t for t, turn in enumerate(turns) if turn.role == role), None)
@@ -150,43 +147,21 @@ def _span(
     head = [t for t in protected if t < n // 2]
     tail = [t for t in protected if t >= n // 2]
     lo, hi = (max(head) + 1 if head else 0), (min(tail) if tail else n)
-    lo = _snap_start(turns, lo, hi)
-    if lo >= hi:
-        return None
-    taken, end = 0, lo
-    while end < hi and taken < need:
-        turn = turns[end]
-        taken += sum(tokens[turn.start : turn.end])
-        end += 1
-    end = _snap_end(turns, end, lo, hi)
-    if end <= lo:
-        return None
-    return turns[lo].start, turns[end - 1].end
-
-
-def _clean(turns: list[_Turn], at: int) -> bool:
-    """A boundary at turn `at` separates no call from its tool results."""
-    return at >= len(turns) or turns[at].role != "tool"
-
-
-def _snap_start(turns: list[_Turn], at: int, hi: int) -> int:
-    # The head keeps the call, so its results stay in the head too.
-    while at < hi and not _clean(turns, at):
-        at += 1
-    return at
-
-
-def _snap_end(turns: list[_Turn], at: int, lo: int, hi: int) -> int:
-    """Forward past the tool turn (it goes with its call), or, when the results run
-    into the protected tail, back before the call."""
-    forward = at
-    while forward < hi and not _clean(turns, forward):
-        forward += 1
-    if _clean(turns, forward):
-        return forward
-    while at > lo and not _clean(turns, at):
-        at -= 1
-    return at
+    closes = [t for t in range(lo + 1, hi + 1) if ledger.closes_span(turns[t - 1].end)]
+    for start in range(lo, hi):
+        if not ledger.opens_span(turns[start].start):
+            continue
+        taken, end = 0, start
+        while end < hi and taken < need:
+            turn = turns[end]
+            taken += sum(ledger.tokens[turn.start : turn.end])
+            end += 1
+        # The nearest valid end: forward first (a call's results go with it), then back.
+        ahead = [t for t in closes if t >= end]
+        behind = [t for t in closes if start < t < end]
+        for stop in ahead[:1] or behind[-1:]:
+            return turns[start].start, turns[stop - 1].end
+    return None
 
 
 def _render(steps: list[Step], turns: list[_Turn], start: int, end: int) -> str:

@@ -12,9 +12,10 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
+from app import files
 from app.config import TraceServerConfig
 from app.db.types import json_text
-from app.errors import ConfigError, StartupError
+from app.errors import ConfigError
 
 
 def database_url(cfg: TraceServerConfig) -> str:
@@ -44,61 +45,6 @@ def database_url(cfg: TraceServerConfig) -> str:
     return url.render_as_string(hide_password=False)
 
 
-def unusable_database(cfg: TraceServerConfig, exc: BaseException) -> StartupError | None:
-    """One line saying why the database of `cfg` cannot be opened and what to do, when
-    `exc` is the database (or its file, or its server) failing; None for anything
-    else (a bug, to be shown with its traceback). The password is never in it."""
-    reason = _reason(exc)
-    if reason is None:
-        return None
-    if cfg.storage_backend == "sqlite":
-        return StartupError(
-            f"cannot open the SQLite database {cfg.db_path} ({reason}): "
-            "check trace_server.db_path names a file in a writable directory"
-        )
-    url = make_url(database_url(cfg))
-    where = f"{url.host or 'localhost'}:{url.port or 5432}"
-    return StartupError(
-        f"cannot reach PostgreSQL at {where} ({reason}): is it running? "
-        "check trace_server.database_url"
-    )
-
-
-def _reason(exc: BaseException) -> str | None:
-    """What went wrong, in a few words, without the statement or the URL."""
-    if isinstance(exc, sa_exc.DBAPIError):
-        exc = exc.orig if isinstance(exc.orig, BaseException) else exc
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, (TimeoutError, sa_exc.TimeoutError)):
-        return "timed out"
-    if isinstance(exc, OSError):
-        return exc.strerror or type(exc).__name__
-    if isinstance(exc, sa_exc.SQLAlchemyError) or _is_driver_error(exc):
-        # asyncpg and sqlite3 messages name the role or file, never the password.
-        return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-    return None
-
-
-def _is_driver_error(exc: BaseException) -> bool:
-    """asyncpg's and sqlite3's own errors (raised before SQLAlchemy wraps them)."""
-    module = type(exc).__module__
-    return module.startswith(("asyncpg", "sqlite3", "aiosqlite"))
-
-
-def database_refusal(exc: BaseException) -> str | None:
-    """What the database said, in one line, when `exc` is the database refusing or
-    failing a statement (locked, disk full, connection lost, no connection free): an
-    expected condition, logged so. None for anything else: a bug, to be logged with
-    its traceback."""
-    if isinstance(exc, sa_exc.DBAPIError):
-        # Not str(exc): that carries the statement and its parameters (trace contents).
-        return f"{type(exc.orig).__name__}: {exc.orig}"
-    if isinstance(exc, (sa_exc.TimeoutError, OSError)):
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
 def redacted(url: str) -> str:
     """The URL as it may appear in a log line: never with its password."""
     return make_url(url).render_as_string(hide_password=True)
@@ -119,7 +65,10 @@ def create_engine(cfg: TraceServerConfig) -> AsyncEngine:
                 f"config.json: trace_server.db_path: {cfg.db_path} is a directory; "
                 f"name a file in it, e.g. {cfg.db_path}/atropos.db"
             )
-        Path(cfg.db_path).parent.mkdir(parents=True, exist_ok=True)
+        # Created here, private, so that SQLite (which gives its WAL and SHM files the
+        # database file's mode) never makes a world-readable one.
+        files.make_dir(Path(cfg.db_path).parent)
+        files.create_missing(cfg.db_path)
         engine = create_async_engine(url, pool_size=8, max_overflow=8, **_JSON)
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine

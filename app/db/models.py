@@ -212,18 +212,23 @@ class AtroposEnvRow(Base):
     min_batch_allocation: Mapped[float | None] = mapped_column(sa.Float)
     connected: Mapped[bool] = mapped_column(sa.Boolean)
     registered_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    # When the env was last heard from (registration, /scored_data, /scored_data_list,
+    # /status-env): an env silent for atropos.env_timeout_seconds stops counting.
+    last_seen_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
 
 
-class AtroposPayloadRow(Base):
-    """A group's JSON as the env sent it (normalised as atroposlib does), served byte
-    for byte. Written once, never updated: a group's state changes on its small row
-    in atropos_groups (SQLite rewrites a whole row, overflow pages and all, on any
+class AtroposSegmentRow(Base):
+    """A group's JSON as the env sent it (normalised as atroposlib does), raw-deflated
+    (app/atropos/segments.py): served as stored, inflated or spliced into a gzip
+    answer. Written once, never updated: a group's state changes on its small row in
+    atropos_groups (SQLite rewrites a whole row, overflow pages and all, on any
     UPDATE)."""
 
-    __tablename__ = "atropos_payloads"
+    __tablename__ = "atropos_segments"
 
     id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
-    payload: Mapped[str] = mapped_column(sa.Text)
+    deflated: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    crc32: Mapped[int] = mapped_column(sa.BigInteger)  # of the JSON, for the gzip trailer
 
 
 class AtroposGroupRow(Base):
@@ -232,7 +237,7 @@ class AtroposGroupRow(Base):
     state: buffered (an odd-size group waiting for others of its env) -> queued ->
     batched (in a formed batch) -> served. The id order is the queue order (a group
     released from a buffer gets a new row); a served group is deleted, with its
-    payload, unless it is the latest example.
+    segment, unless it is the latest example.
     """
 
     __tablename__ = "atropos_groups"
@@ -241,18 +246,19 @@ class AtroposGroupRow(Base):
     state: Mapped[str] = mapped_column(sa.String(16))
     env_id: Mapped[int | None] = mapped_column(sa.Integer)
     size: Mapped[int] = mapped_column(sa.Integer)  # sequences in the group
-    bytes: Mapped[int] = mapped_column(sa.Integer)  # length of the payload
-    # The env sent no inference_logprobs: the hub fills them when serving.
+    bytes: Mapped[int] = mapped_column(sa.Integer)  # length of the JSON
+    # The env sent no inference_logprobs: filled when serving only if
+    # atropos.fill_missing_logprobs is on.
     fill_logprobs: Mapped[bool] = mapped_column(sa.Boolean)
-    payload_id: Mapped[int] = mapped_column(_BIG_ID, sa.ForeignKey("atropos_payloads.id"))
+    segment_id: Mapped[int] = mapped_column(_BIG_ID, sa.ForeignKey("atropos_segments.id"))
     created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
 
     __table_args__ = (
         # Covers the queue scans (formation, /status, /status-env, the bound).
         sa.Index("ix_atropos_groups_state_id", "state", "id", "env_id", "size", "bytes"),
         sa.Index("ix_atropos_groups_state_env_id", "state", "env_id"),
-        # Deleting a payload checks that no group still refers to it.
-        sa.Index("ix_atropos_groups_payload_id", "payload_id"),
+        # Deleting a segment checks that no group still refers to it.
+        sa.Index("ix_atropos_groups_segment_id", "segment_id"),
     )
 
 
@@ -283,7 +289,7 @@ class AtroposBatchRow(Base):
 ATROPOS_STATE: sa.Table = AtroposStateRow.__table__  # type: ignore[assignment]
 ATROPOS_ENVS: sa.Table = AtroposEnvRow.__table__  # type: ignore[assignment]
 ATROPOS_GROUPS: sa.Table = AtroposGroupRow.__table__  # type: ignore[assignment]
-ATROPOS_PAYLOADS: sa.Table = AtroposPayloadRow.__table__  # type: ignore[assignment]
+ATROPOS_SEGMENTS: sa.Table = AtroposSegmentRow.__table__  # type: ignore[assignment]
 ATROPOS_BATCHES: sa.Table = AtroposBatchRow.__table__  # type: ignore[assignment]
 
 

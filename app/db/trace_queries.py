@@ -178,7 +178,7 @@ async def _name_counts(
     conn: AsyncConnection, query: Callable[[Dialect], sa.TextClause]
 ) -> dict[str, int]:
     rows = await conn.execute(query(dialect_of(conn)))
-    return {name: n for name, n in rows.tuples()}
+    return {name: n for name, n in rows}
 
 
 async def _reward_histogram(conn: AsyncConnection) -> list[dict[str, Any]]:
@@ -190,7 +190,7 @@ async def _reward_histogram(conn: AsyncConnection) -> list[dict[str, Any]]:
         .group_by(TRACES.c.reward)
     )
     buckets: Counter[float] = Counter()
-    for reward, n in rows.tuples():
+    for reward, n in rows:
         buckets[math.floor(reward / HISTOGRAM_BUCKET) * HISTOGRAM_BUCKET] += n
     return [
         {"from": low, "to": low + HISTOGRAM_BUCKET, "traces": buckets[low]}
@@ -212,6 +212,7 @@ async def _compression_stats(conn: AsyncConnection, by_stage: dict[str, int]) ->
                 sa.func.avg(sa.cast(c.compressed_tokens, sa.Float) / c.total_tokens).filter(
                     compressed, c.total_tokens > 0
                 ),
+                sa.func.count().filter(c.compression["fallback"].as_string().is_not(None)),
             )
         )
     ).one()
@@ -219,6 +220,7 @@ async def _compression_stats(conn: AsyncConnection, by_stage: dict[str, int]) ->
         "compressed": row[0],
         "skipped": row[1],
         "failed": by_stage.get(Stage.COMPRESSION_FAILED.value, 0),
+        "fallbacks": row[3],
         "mean_ratio": round(float(row[2]), 4) if row[2] is not None else None,
     }
 
@@ -232,7 +234,7 @@ async def batch_counts(conn: AsyncConnection) -> dict[str, int]:
 
 async def _count_by(conn: AsyncConnection, column: sa.Column[Any]) -> dict[str, int]:
     rows = await conn.execute(sa.select(column, sa.func.count()).group_by(column))
-    return {key: count for key, count in rows.tuples()}
+    return {key: count for key, count in rows}
 
 
 def _summary(row: Any) -> dict[str, Any]:

@@ -15,7 +15,9 @@ A format is one module that declares a `FORMAT` record (app/formats/spec.py), pl
 its line in REGISTERED below.
 
 Every failure is an `app.errors.HubError`: `Invalid` (422) with the JSON path in
-`field`, or `UnknownFormat` (400).
+`field`, or `UnknownFormat` (400); `export` raises `Unexportable` for a trace the
+format cannot hold (an OpenAI training record needs an assistant turn). The training
+datasets built on these exports (parquet, DPO pairs) are in `dataset`.
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ STATUSES = ", ".join(s.value for s in Status)
 StepDict = dict[str, Any]  # a step on its way to `Step`; see the module docstring
 # Exit codes live in a 64-bit column downstream; anything wider is not an exit code.
 _EXIT_CODE_LIMIT = 2**63
-_THINK = re.compile(r"<think>(.*?)(?:</think>|\Z)", re.DOTALL)
 _ERROR_PREFIX = re.compile(r"\s*error:", re.IGNORECASE)
 _TEXT_PARTS = ("text", "input_text", "output_text")
 
@@ -206,11 +205,43 @@ def error_from_text(content: str | None) -> str | None:
 
 def split_think(text: str) -> tuple[list[str], str]:
     """(non-empty <think> blocks, the rest). Hermes pads every gpt turn with an empty
-    think block, so an empty one says nothing and is dropped."""
+    think block, so an empty one says nothing and is dropped. A block left open runs
+    to the end of the text (the model was cut off while thinking)."""
     if "<think>" not in text:
         return [], text
-    thoughts = [m.strip() for m in _THINK.findall(text)]
-    return [t for t in thoughts if t], _THINK.sub("", text)
+    blocks, rest = tag_blocks(text, "<think>", "</think>", open_to_end=True)
+    thoughts = [block.strip() for block in blocks]
+    return [t for t in thoughts if t], rest
+
+
+def tag_blocks(
+    text: str, open_tag: str, close_tag: str, *, open_to_end: bool = False
+) -> tuple[list[str], str]:
+    """The text inside each `open_tag`...`close_tag` block, in order, and the text
+    with the blocks taken out. A block ends at the first `close_tag` after it opens;
+    one never closed runs to the end of the text when `open_to_end`, else it is left
+    in the text as written.
+
+    str.find, in linear time: the lazy regex it replaces was retried from every
+    opening tag to the end of the text, quadratic on a turn of many unclosed tags
+    (144 KB of "<tool_call> " took 49 s)."""
+    inside: list[str] = []
+    outside: list[str] = []
+    position = 0
+    while (start := text.find(open_tag, position)) != -1:
+        body = start + len(open_tag)
+        end = text.find(close_tag, body)
+        if end == -1:
+            if open_to_end:
+                inside.append(text[body:])
+                outside.append(text[position:start])
+                position = len(text)
+            break  # no later block can close either
+        inside.append(text[body:end])
+        outside.append(text[position:start])
+        position = end + len(close_tag)
+    outside.append(text[position:])
+    return inside, "".join(outside)
 
 
 def tools(value: Any, where: str) -> tuple[list[str], list[dict[str, Any]]]:
@@ -248,17 +279,52 @@ def tool_schemas(trace: Trace) -> dict[str, dict[str, Any]]:
 
 
 def openai_tools(trace: Trace) -> list[dict[str, Any]]:
-    """The trace's tools as OpenAI schemas; a tool known only by name gets an empty
-    parameter object, which is valid and claims nothing."""
+    """The trace's tools as OpenAI schemas: those it carried; for a tool known only by
+    name, or when the trace declared no tools at all, the schema its calls imply (the
+    name, and each argument key with its JSON type when every call agrees on one). A
+    tool never called and never described gets an empty parameter object, which is
+    valid and claims nothing."""
     known = tool_schemas(trace)
+    implied = _implied_schemas(trace)
+    names = trace.tools if trace.tools is not None else list(implied)
+    empty = {"type": "object", "properties": {}}
     return [
         {
             "type": "function",
-            "function": known.get(name)
-            or {"name": name, "parameters": {"type": "object", "properties": {}}},
+            "function": known.get(name) or implied.get(name) or {"name": name, "parameters": empty},
         }
-        for name in trace.tools or []
+        for name in names
     ]
+
+
+_JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+               (list, "array"), (dict, "object"))
+
+
+def _implied_schemas(trace: Trace) -> dict[str, dict[str, Any]]:
+    """name -> the schema the trace's calls imply, in the order tools were first called."""
+    seen: dict[str, dict[str, set[str]]] = {}
+    for step in trace.steps:
+        if step.type is not StepType.ACTION or not step.tool:
+            continue
+        keys = seen.setdefault(step.tool, {})
+        if isinstance(step.arguments, dict):
+            for key, value in step.arguments.items():
+                json_type = next((t for kind, t in _JSON_TYPES if isinstance(value, kind)), None)
+                keys.setdefault(key, set()).add(json_type or "null")
+    return {
+        name: {
+            "name": name,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    key: {"type": types.pop()} if len(types) == 1 and "null" not in types else {}
+                    for key, types in keys.items()
+                },
+            },
+        }
+        for name, keys in seen.items()
+    }
 
 
 def status(value: Any, where: str) -> Status:
@@ -501,6 +567,53 @@ def turns(trace: Trace) -> list[Turn]:
         out.append(Turn("user", trace.task))
     _link_ids(out)
     return out
+
+
+def chat(trace: Trace) -> list[Turn]:
+    """`turns()` as a chat template or a trainer accepts it, for the training exports:
+    - one system turn, first: the leading system messages joined; a system message
+      later in the run is the environment speaking, so a user turn;
+    - a tool result that answers no call of its assistant turn (smolagents' and
+      OpenHands' reply to output that made no valid call) is a user turn after it;
+    - an assistant turn with nothing in it (no text, reasoning or call) is left out;
+    - user turns that end up next to each other are joined into one."""
+    out: list[Turn] = []
+    for turn in turns(trace):
+        if turn.role == "assistant":
+            answered = [i for i, r in enumerate(turn.result_ids) if r in turn.call_ids]
+            stray = [obs for i, obs in enumerate(turn.observations) if i not in answered]
+            turn.observations = [turn.observations[i] for i in answered]
+            turn.result_ids = [turn.result_ids[i] for i in answered]
+            said = has_text(turn.thought) or has_text(turn.text) or bool(turn.actions)
+            if said:
+                out.append(turn)
+            if stray:
+                _add_user(out, "\n\n".join(result_text(obs) for obs in stray))
+        elif turn.role == "system" and all(t.role == "system" for t in out):
+            if out:
+                out[0].text = f"{out[0].text}\n\n{turn.text or ''}"
+            else:
+                out.append(Turn("system", turn.text or ""))
+        else:
+            _add_user(out, turn.text or "")
+    return out
+
+
+def _add_user(out: list[Turn], text: str) -> None:
+    if out and out[-1].role == "user":
+        out[-1].text = f"{out[-1].text}\n\n{text}"
+    else:
+        out.append(Turn("user", text))
+
+
+def result_text(obs: Step) -> str:
+    """A tool result as the model reads it. Chat formats have no error flag: the error
+    is said in the content, the way agents write it ("Error: ..."), so the model still
+    sees that the call failed."""
+    content = obs.content or ""
+    if obs.error is None or error_from_text(content) or obs.error == content:
+        return content
+    return f"Error: {obs.error}" + (f"\n{content}" if content else "")
 
 
 def _opens_turn(turn: Turn, step: Step) -> bool:

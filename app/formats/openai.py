@@ -17,11 +17,16 @@ Parsing:
   reward as `outcome.reward` or a top-level `reward`. A reward never makes a status:
   without one it is unknown (see `_common.reported_outcome`).
 
-Export is one fine-tuning record `{"messages", "tools"?}`: assistant `tool_calls`
-with `arguments` as a JSON string, `tool` messages with `tool_call_id`. Reasoning goes
-in `reasoning_content` (the key vLLM, DeepSeek and Atropos' Hermes environments use)
-so that thoughts survive the trip; a validator that allows only OpenAI's own message
-keys needs that key dropped.
+Export is one fine-tuning record `{"messages", "tools"?}` that trainers load as it
+is: the chat of `_common.chat()` (one system message first; every `tool` message
+answers a call of the assistant message before it, by `tool_call_id`), assistant
+`tool_calls` with `arguments` as a JSON string. The record ends on an assistant
+message: what follows the model's last turn (its last results, the user's thanks)
+is trimmed; a trace with no assistant turn at all cannot be a training record
+(`Unexportable`). `tools` are the schemas the trace carried, or those its calls imply
+(`_common.openai_tools`). Reasoning goes in `reasoning_content` (the key vLLM,
+DeepSeek and Atropos' Hermes environments use) so that thoughts survive the trip; a
+validator that allows only OpenAI's own message keys needs that key dropped.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.domain import Step, Trace
+from app.errors import Unexportable
 from app.formats import _common as c
 from app.formats.spec import Export, Format
 
@@ -59,19 +65,24 @@ def parse(item: dict[str, Any]) -> Trace:
 
 def export(trace: Trace) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
-    for turn in c.turns(trace):
+    for turn in c.chat(trace):
         if turn.role != "assistant":
             messages.append({"role": turn.role, "content": turn.text or ""})
             continue
-        if turn.thought is not None or turn.text is not None or turn.actions:
-            messages.append(_assistant(turn))
-        for obs, call_id in zip(turn.observations, turn.result_ids):
-            messages.append(
-                {"role": "tool", "tool_call_id": call_id or "", "content": _result_text(obs)}
-            )
+        messages.append(_assistant(turn))
+        messages += [
+            {"role": "tool", "tool_call_id": call_id, "content": c.result_text(obs)}
+            for obs, call_id in zip(turn.observations, turn.result_ids)
+        ]
+    # A record ends on the model's last turn: nothing after it is trained on.
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    if not messages:
+        raise Unexportable("no assistant turn: nothing in the trace for a model to learn")
     record: dict[str, Any] = {"messages": messages}
-    if trace.tools:
-        record["tools"] = c.openai_tools(trace)
+    tools = c.openai_tools(trace)
+    if tools:
+        record["tools"] = tools
     return record
 
 
@@ -167,15 +178,6 @@ def _arguments_text(action: Step) -> str:
     if isinstance(action.arguments, str):
         return action.arguments
     return c.dumps({} if action.arguments is None else action.arguments)
-
-
-def _result_text(obs: Step) -> str:
-    """OpenAI has no error flag: the error is said in the content, the way agents
-    write it ("Error: ..."), so the model still sees that the call failed."""
-    content = obs.content or ""
-    if obs.error is None or c.error_from_text(content) or obs.error == content:
-        return content
-    return f"Error: {obs.error}" + (f"\n{content}" if content else "")
 
 
 FORMAT = Format(

@@ -9,8 +9,9 @@ Parsing:
 - `from` is system, human/user, gpt/assistant or tool/function/observation.
 - A system turn holding a `<tools>[...]</tools>` list is Hermes' synthetic
   function-calling prompt, not something the agent was told: it gives the tool names
-  (and schemas, kept in `metadata["tool_schemas"]`) and is not a step. Other system
-  turns are message steps.
+  (and schemas, kept in `metadata["tool_schemas"]`) and is not a step; text after
+  the prompt's closing example is the agent's own system prompt (as `export_hermes`
+  writes it), a message step. Other system turns are message steps.
 - The first human turn is the task; later ones are message steps.
 - gpt turns: each non-empty `<think>` block is a thought (Hermes pads every turn with
   an empty one); each `<tool_call>{json}</tool_call>` an action (bad JSON: an action
@@ -27,17 +28,22 @@ Parsing:
   top-level `reward` (or `outcome.reward`) is the environment's reward; it never sets
   the status.
 
-Exports: `export_hermes` writes what Hermes Agent writes (synthetic system turn with
-`<tools>`, every gpt turn opening with a think block, merged tool turns, `completed`);
-`export` writes plain ShareGPT with the same tags but none of Hermes' envelope. Both
-carry the environment's reward, when there is one, as a top-level `reward`.
+Exports, of the chat `_common.chat()` makes (one system turn, every tool turn right
+after the gpt turn whose calls it answers): `export_hermes` writes what Hermes Agent
+writes (one system turn: the synthetic prompt, whose `<tools>` lists the schemas the
+trace carried or, when it carried none, those its calls imply, then the trace's own
+system prompt; every gpt turn opening with a think block; merged tool turns;
+`completed`); `export` writes plain ShareGPT with the same tags but none of Hermes'
+envelope. Both carry the environment's reward, when there is one, as a
+top-level `reward`.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
+
+import re2  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
 from app.domain import Status, Trace
 from app.errors import Invalid
@@ -55,9 +61,8 @@ _ROLES = {
     "function": "tool",
     "observation": "tool",
 }
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_TOOL_RESPONSE = re.compile(r"<tool_response>\s*(.*?)\s*</tool_response>", re.DOTALL)
-_NAME = re.compile(r"""["']name["']\s*:\s*["']([^"']+)["']""")
+# RE2, not re: it searches what the model wrote, in time linear in its length.
+_NAME = re2.compile(r"""["']name["']\s*:\s*["']([^"']+)["']""")
 # batch_runner's per-run statistics, kept as metadata.
 _RUN_KEYS = (
     "timestamp",
@@ -83,6 +88,8 @@ _HERMES_PROMPT = (
     "Each function call should be enclosed within <tool_call> </tool_call> XML tags.\n"
     "Example:\n<tool_call>\n{{'name': <function-name>,'arguments': <args-dict>}}\n</tool_call>"
 )
+# Where the synthetic prompt ends: after it, export_hermes writes the agent's own.
+_HERMES_END = "<args-dict>}\n</tool_call>"
 
 
 def looks_like(item: dict[str, Any]) -> bool:
@@ -112,8 +119,13 @@ def export(trace: Trace) -> dict[str, Any]:
 
 def export_hermes(trace: Trace) -> dict[str, Any]:
     """One line of a Hermes Agent trajectory file."""
-    system = {"from": "system", "value": _HERMES_PROMPT.format(tools=_hermes_tools(trace))}
-    body: dict[str, Any] = {"conversations": [system, *_conversations(trace, hermes=True)]}
+    prompt = _HERMES_PROMPT.format(tools=_hermes_tools(trace))
+    conversations = _conversations(trace, hermes=True)
+    if conversations and conversations[0]["from"] == "system":
+        # One system turn: how to call the tools, then what the agent was told.
+        prompt = f"{prompt}\n\n{conversations.pop(0)['value']}"
+    system = {"from": "system", "value": prompt}
+    body: dict[str, Any] = {"conversations": [system, *conversations]}
     if isinstance(trace.metadata.get("timestamp"), str):
         body["timestamp"] = trace.metadata["timestamp"]
     if trace.agent.model:
@@ -160,6 +172,10 @@ def _turns(
             names, schemas = found
             if schemas:
                 metadata["tool_schemas"] = schemas
+            end = value.find(_HERMES_END)
+            own = value[end + len(_HERMES_END) :].strip() if end >= 0 else ""
+            if own:
+                steps.append(c.message("system", own))
         elif role == "system":
             steps.append(c.message("system", value))
         elif role == "user" and task is None:
@@ -216,8 +232,9 @@ def _tools_block(value: str) -> str:
 def _gpt(value: str, where: str) -> tuple[list[c.StepDict], list[c.StepDict]]:
     thoughts, rest = c.split_think(value)
     steps = [c.thought(t) for t in thoughts]
-    actions = [_call(raw, where) for raw in _TOOL_CALL.findall(rest)]
-    text = _TOOL_CALL.sub("", rest).strip()
+    calls, text = c.tag_blocks(rest, "<tool_call>", "</tool_call>")
+    actions = [_call(raw.strip(), where) for raw in calls]
+    text = text.strip()
     if actions and text:
         actions[0]["content"] = text
     elif text:
@@ -243,7 +260,7 @@ def _call(raw: str, where: str) -> c.StepDict:
 
 
 def _results(value: str, pending: list[c.StepDict], where: str) -> list[c.StepDict]:
-    blocks = _TOOL_RESPONSE.findall(value)
+    blocks = [b.strip() for b in c.tag_blocks(value, "<tool_response>", "</tool_response>")[0]]
     if not blocks:
         call_id = pending[0]["call_id"] if len(pending) == 1 else None
         return [c.observation(call_id, value, c.error_from_text(value))]
@@ -300,7 +317,7 @@ def _exit_code(details: dict[str, Any], block: dict[str, Any]) -> int | None:
 
 def _conversations(trace: Trace, *, hermes: bool) -> list[dict[str, str]]:
     out: list[dict[str, str]] = []
-    for turn in c.turns(trace):
+    for turn in c.chat(trace):
         if turn.role != "assistant":
             out.append(
                 {"from": "human" if turn.role == "user" else turn.role, "value": turn.text or ""}

@@ -16,13 +16,13 @@ can see it. Token ids and masks are not kept: the messages carry the trajectory.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
 import orjson
 
 from app.domain import Outcome, Step, Trace
+from app.formats._common import tag_blocks
 from app.import_sources._common import (
     CallIds,
     Unusable,
@@ -37,9 +37,6 @@ from app.import_sources._common import (
 
 NAME = "atropos_group"
 
-_THINK = re.compile(r"<think>(.*?)(?:</think>|$)", re.DOTALL)
-_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-_TOOLS = re.compile(r"<tools>(.*?)</tools>", re.DOTALL)
 _AGENT = frozenset({"agent", "assistant", "gpt"})
 
 
@@ -94,11 +91,12 @@ def _rollout(
 
 
 def _agent_turn(text: str, ids: CallIds) -> list[Step]:
-    steps = [thought(t.strip()) for t in _THINK.findall(text) if t.strip()]
-    said = _CALL.sub("", _THINK.sub("", text)).strip()
+    thoughts, unthought = tag_blocks(text, "<think>", "</think>", open_to_end=True)
+    steps = [thought(t.strip()) for t in thoughts if t.strip()]
+    said = tag_blocks(unthought, "<tool_call>", "</tool_call>", open_to_end=True)[1].strip()
     if said:
         steps.append(message("assistant", said))
-    for raw in _CALL.findall(text):
+    for raw in tag_blocks(text, "<tool_call>", "</tool_call>", open_to_end=True)[0]:
         call = parse_arguments(raw.strip())
         if isinstance(call, dict):
             steps.append(action(call.get("name"), call.get("arguments"), ids.new()))
@@ -108,11 +106,11 @@ def _agent_turn(text: str, ids: CallIds) -> list[Step]:
 
 
 def _declared_tools(system: str) -> list[str] | None:
-    found = _TOOLS.search(system)
-    if found is None:
+    found = tag_blocks(system, "<tools>", "</tools>")[0]
+    if not found:
         return None
     try:
-        tools = orjson.loads(found.group(1))
+        tools = orjson.loads(found[0])
     except orjson.JSONDecodeError:
         return None
     names = [(t.get("function") or t).get("name") for t in tools if isinstance(t, dict)]

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from app.domain import Agent, Outcome, Status, Step, Trace
+from app.formats._common import tag_blocks
 from app.import_sources._common import (
     CallIds,
     action,
@@ -38,7 +39,7 @@ _MAX_STEPS = "Reached max steps."
 _CALLS = re.compile(r"^\s*Calling tools:\s*(\[.*\])\s*$", re.DOTALL)
 # The ToolCallingAgent's assistant text only restates the call that follows.
 _CALL_ECHO = re.compile(r"^Tool call [^:]*: calling '")
-_TOOL_LIST = re.compile(r"You only have access to these tools:\n(.*?)\n\n", re.DOTALL)
+_TOOL_LIST = "You only have access to these tools:\n"
 _TOOL_NAME = re.compile(r"^- (\w+):", re.MULTILINE)
 _NO_PUNCTUATION = str.maketrans("", "", string.punctuation + string.whitespace)
 
@@ -138,8 +139,8 @@ def _calls(msg: dict[str, Any], text: str) -> Iterator[tuple[str | None, Any, st
 
 def _declared_tools(memory: list[dict[str, Any]]) -> list[str] | None:
     system = next((m for m in memory if m.get("role") == "system"), None)
-    found = _TOOL_LIST.search(text_of(system.get("content"))) if system else None
-    return (_TOOL_NAME.findall(found.group(1)) or None) if found else None
+    found = tag_blocks(text_of(system.get("content")), _TOOL_LIST, "\n\n")[0] if system else []
+    return (_TOOL_NAME.findall(found[0]) or None) if found else None
 
 
 def _quasi_exact(answer: str, truth: str) -> bool:

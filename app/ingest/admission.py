@@ -5,7 +5,9 @@ Two signals, both from config.json's `limits`: the traces admitted but not yet
 committed (parsing, scoring or waiting for the group commit) past
 `max_queued_traces`; and the write transaction in progress having waited longer than
 `max_write_wait_seconds` (another process holds the database lock, or the disk is
-stalled), when anything queued now would only wait behind it.
+stalled), when anything queued now would only wait behind it. An admitted trace's
+own wait for its commit is bounded by the same limit in the inserter
+(app/ingest/inserter.py).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from app.config import HubConfig, LimitsConfig
 from app.db.moves import TRACE_STAGES
 from app.db.types import EncodedJSON, utcnow
 from app.domain import Stage, Trace
-from app.errors import HubError, Invalid
+from app.errors import BadRequest, HubError, Invalid
 from app.evaluation.environment import Environment
 from app.ingest.admission import Admission
 from app.ingest.inserter import Stored, TraceInserter
@@ -34,6 +34,9 @@ from app.ingest.processes import IngestProcesses
 from app.ingest.tokens import count_parts
 
 MAX_TRACE_ID_LENGTH = 200
+# env, agent.model, agent.name, policy_version: String(200) columns, which PostgreSQL
+# holds to their length and SQLite does not; checked here, so both answer the same.
+MAX_LABEL_LENGTH = 200
 # The items of a batch go to the ingest processes in chunks of this many: one round
 # trip each, and a large batch still spreads over every process.
 CHUNK = 32
@@ -50,10 +53,14 @@ class Preparer:
     def row(self, item: Any, fmt: str | None = None) -> dict[str, Any]:
         # The limits are checked first, so that a trace over one costs no parsing.
         check_item(item, self.limits)
-        digest = content_hash(item)  # also: refuses what the `original` column cannot hold
+        canonical = canonical_json(item)  # refuses what the `original` column cannot hold
+        digest = hashlib.sha256(canonical).hexdigest()
+        if b"\\u0000" in canonical:  # how orjson writes NUL (or the text \\u0000)
+            item = _without_nul(item)
         trace = formats.parse(item, fmt)
         check_trace(trace, self.limits)
         trace_id = _trace_id(trace)
+        _fits_columns(trace)
         evaluation = self.environment.evaluate(trace)
         now = utcnow()
         return {
@@ -87,16 +94,13 @@ class Preparer:
             "attempts": 0,
         }
 
-    def rows(self, items: list[Any], fmt: str | None) -> list[dict[str, Any] | HubError]:
-        """Each item's row, or the HubError that refuses it. An item may come as its
+    def prepare(self, item: Any, fmt: str | None) -> dict[str, Any] | HubError:
+        """The item's row, or the HubError that refuses it. An item may come as its
         JSON text (bytes), which is cheaper to send to a process than the parsed value."""
-        out: list[dict[str, Any] | HubError] = []
-        for item in items:
-            try:
-                out.append(self.row(orjson.loads(item) if isinstance(item, bytes) else item, fmt))
-            except HubError as exc:
-                out.append(exc)
-        return out
+        try:
+            return self.row(_decoded(item) if isinstance(item, bytes) else item, fmt)
+        except HubError as exc:
+            return exc
 
 
 class Ingestor:
@@ -117,6 +121,11 @@ class Ingestor:
         self._processes = IngestProcesses(
             Preparer(environment, limits or LimitsConfig()), processes or min(_cpus(), 8)
         )
+
+    @property
+    def processes(self) -> IngestProcesses:
+        """Shared with the Atropos API, whose groups are validated there too."""
+        return self._processes
 
     def start(self) -> None:
         self._processes.start()
@@ -171,17 +180,25 @@ async def running_ingest(
     *,
     admitted: bool,
     on_commit: Callable[[], None] | None = None,
+    start: bool = True,
 ) -> AsyncIterator[IngestPath]:
     """The ingest path of one process, running: the ingest processes that prepare rows
     and the inserter that commits them (`atropos serve` and `atropos import` alike).
 
     `admitted`: the work in flight is bounded by config.limits, past which new traces
-    get 503 (the HTTP API); without it (`atropos import`) the callers wait for each
-    chunk and are their own back-pressure. On exit what is queued is committed first,
-    then the processes end."""
+    get 503 (the HTTP API), as is a trace not committed within
+    limits.max_write_wait_seconds; without it (`atropos import`) the callers wait for
+    each chunk and are their own back-pressure. `start`: start the ingest processes now;
+    else the caller does (`ingestor.start()`), and items wait for them. On exit what is
+    queued is committed first, then the processes end."""
     if admitted:
+        limits = config.limits
         inserter = TraceInserter(
-            engine, max_queue=config.limits.max_queued_traces, on_commit=on_commit
+            engine,
+            max_queue=limits.max_queued_traces,
+            max_wait=limits.max_write_wait_seconds,
+            retry_after=limits.retry_after_seconds,
+            on_commit=on_commit,
         )
         admission: Admission | None = Admission(config.limits, inserter.write_wait)
     else:
@@ -194,7 +211,8 @@ async def running_ingest(
         processes=config.trace_server.ingest_processes,
     )
     inserter.start()
-    ingestor.start()
+    if start:
+        ingestor.start()
     try:
         yield IngestPath(inserter, ingestor)
     finally:
@@ -216,22 +234,68 @@ async def _result(waiting: asyncio.Future[Stored]) -> Stored | HubError:
         return exc
 
 
-def content_hash(item: Any) -> str:
-    """The same content hashes the same whatever the key order or whitespace. Raises
-    Invalid for what cannot be stored as JSON: lone surrogates and integers past 64
-    bits, which JSON read by the standard library (`atropos import`) can hold."""
+def _decoded(text: bytes) -> Any:
     try:
-        encoded = orjson.dumps(item, option=orjson.OPT_SORT_KEYS)
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the trace is not valid JSON: {exc}", code="malformed_json") from None
+
+
+def canonical_json(item: Any) -> bytes:
+    """The JSON whose sha256 is the `content_hash` column: the same content encodes the
+    same whatever the key order or whitespace (the item as received, NUL included).
+    Raises Invalid for what cannot be stored as JSON: lone surrogates and integers past
+    64 bits, which JSON read by the standard library (`atropos import`) can hold."""
+    try:
+        return orjson.dumps(item, option=orjson.OPT_SORT_KEYS)
     except (orjson.JSONEncodeError, TypeError) as exc:
         raise Invalid(f"the trace cannot be stored as JSON: {exc}") from None
-    return hashlib.sha256(encoded).hexdigest()
+
+
+# What a NUL character is stored as: PostgreSQL's text and jsonb cannot hold one
+# (SQLite can), and agents do write them (a tool that printed a binary file), so the
+# same trace is stored the same on both, with U+FFFD, Unicode's "replacement character".
+NUL_STORED_AS = "\ufffd"
+
+
+def _without_nul(value: Any) -> Any:
+    """`value` with every NUL in its strings and keys replaced by NUL_STORED_AS (its
+    nesting is bounded by limits.max_json_depth, checked before)."""
+    if isinstance(value, str):
+        return value.replace("\x00", NUL_STORED_AS)
+    if isinstance(value, dict):
+        return {_without_nul(key): _without_nul(child) for key, child in value.items()}
+    if isinstance(value, list):
+        return [_without_nul(child) for child in value]
+    return value
+
+
+def _fits_columns(trace: Trace) -> None:
+    labels = (
+        ("env", trace.env),
+        ("agent.model", trace.agent.model),
+        ("agent.name", trace.agent.name),
+        ("policy_version", trace.policy_version),
+    )
+    for field, value in labels:
+        if value is not None and len(value) > MAX_LABEL_LENGTH:
+            raise Invalid(f"{field} must be at most {MAX_LABEL_LENGTH} characters", field=field)
 
 
 def _trace_id(trace: Trace) -> str:
+    """The id the trace gave, or a new one. Any printable text up to the length bound,
+    "/" included (GET /v1/traces/{trace_id} takes it, raw or as %2F); no control, line
+    separator or invisible format characters, which ids carry into log lines."""
     if trace.trace_id is None:
         return uuid.uuid4().hex
     if not trace.trace_id or len(trace.trace_id) > MAX_TRACE_ID_LENGTH:
         raise Invalid(
             f"trace_id must be 1 to {MAX_TRACE_ID_LENGTH} characters", field="trace_id"
+        )
+    if not trace.trace_id.isprintable():
+        raise Invalid(
+            "trace_id must be printable text: no control characters, line separators or "
+            "invisible format characters",
+            field="trace_id",
         )
     return trace.trace_id

@@ -5,6 +5,22 @@ Requests hand their row to `TraceInserter.insert` and wait. One task drains what
 is queued (up to `max_batch` rows), inserts it with ON CONFLICT DO NOTHING, looks up
 the trace_ids that already existed, commits, and only then resolves the waiters. The
 queue holds only unacknowledged work: a crash loses nothing that was answered.
+
+`max_wait` (limits.max_write_wait_seconds) bounds every request's wait for its commit:
+past it the request is answered 503 and its row withdrawn, never written later. A
+row's transaction, once it is committing, is past withdrawing (the commit's answer is
+a moment away); a row withdrawn while its transaction still runs (waiting on a lock)
+makes that transaction roll back, and the batch is written again without it.
+
+The inserter also says whether the write path is ready (`readiness`, for /readyz):
+not while a write has run longer than `max_wait`, nor after a write failed until a
+write succeeds again; with no traffic to prove it, a probe write does.
+
+When the database refuses a row of the batch (app/db/errors.py), the transaction is
+rolled back (on PostgreSQL nothing more can be done in it) and the batch written again
+with a savepoint per row, so that the refused row sinks alone. When the write fails
+for any other reason (a lock, a full disk, a lost connection), every row of the batch
+is answered 503: none was written.
 """
 
 from __future__ import annotations
@@ -13,17 +29,19 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.dialect import dialect_of, insert_ignoring_conflicts
-from app.db.engine import database_refusal
+from app.db.errors import database_error, database_refusal, refuses_row
 from app.db.models import TRACES
-from app.errors import Conflict, Invalid, Unavailable
+from app.errors import Conflict, Unavailable
+from app.stages.schedule import claim_if_due
 
 log = logging.getLogger("atropos.ingest")
 
@@ -74,6 +92,15 @@ class Stored:
 class _Pending:
     row: dict[str, Any]
     done: asyncio.Future[Stored]
+    # In a transaction that is committing: too late to withdraw.
+    sealed: bool = False
+    # Answered 503 at its deadline: must not be written.
+    withdrawn: bool = False
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class _Withdrawn(Exception):
+    """A row of the transaction was withdrawn before its commit: roll back."""
 
 
 class TraceInserter:
@@ -83,20 +110,52 @@ class TraceInserter:
         *,
         max_batch: int = 256,
         max_queue: int = 10_000,
+        max_wait: float | None = None,
+        retry_after: int = 2,
         on_commit: Callable[[], None] | None = None,
     ) -> None:
+        """`max_wait`: the longest a row waits for its commit before it is withdrawn
+        and its request answered 503 with `retry_after` (None: no bound, as for
+        `atropos import`, whose callers wait for each chunk)."""
         self._engine = engine
         self._max_batch = max_batch
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=max_queue)
+        self._max_wait = max_wait
+        self._retry_after = retry_after
         self._on_commit = on_commit
         self._task: asyncio.Task[None] | None = None
         self._writing_since: float | None = None
+        # Why the last write failed; None once one has succeeded.
+        self._failure: str | None = None
+        self._probe: asyncio.Task[None] | None = None
 
     def write_wait(self) -> float:
         """How long the write in progress has run (0.0 when idle): long means the
         database is locked by another process or the disk is stalled."""
         since = self._writing_since
         return 0.0 if since is None else time.monotonic() - since
+
+    def readiness(self, max_wait: float) -> str | None:
+        """Why the write path is not ready now (for /readyz), or None. After a failed
+        write, a probe write (at most one at a time) finds out when it recovers."""
+        waited = self.write_wait()
+        if waited > max_wait:
+            return (f"no write has finished for {waited:.1f} s "
+                    f"(limits.max_write_wait_seconds is {max_wait:g})")
+        if self._failure is None:
+            return None
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probe_write(), name="write-probe")
+        return f"the last write failed: {self._failure}"
+
+    async def _probe_write(self) -> None:
+        """One small write of the hub's own: the `write_probe` row of scheduled_tasks."""
+        try:
+            await claim_if_due(self._engine, "write_probe", timedelta(0))
+        except Exception as exc:
+            self._failure = database_refusal(exc) or type(exc).__name__
+        else:
+            self._failure = None
 
     async def insert(self, row: dict[str, Any]) -> Stored:
         """Store one trace row; returns once it is committed (or found already stored).
@@ -108,14 +167,30 @@ class TraceInserter:
         future that resolves once it is committed."""
         if self._task is None or self._task.done():
             raise Unavailable("the trace writer is not running", retry_after=1)
-        pending = _Pending(row, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        pending = _Pending(row, loop.create_future())
         try:
             self._queue.put_nowait(pending)
         except asyncio.QueueFull:
             raise Unavailable(
                 "ingest queue is full; retry shortly", retry_after=1, code="overloaded"
             ) from None
+        if self._max_wait is not None:
+            pending.timer = loop.call_later(self._max_wait, self._withdraw, pending)
         return pending.done
+
+    def _withdraw(self, pending: _Pending) -> None:
+        """Its deadline: answer 503 unless it is committed or being committed."""
+        if pending.done.done() or pending.sealed:
+            return
+        pending.withdrawn = True
+        pending.done.set_exception(Unavailable(
+            f"the database did not commit this trace within {self._max_wait:g} s "
+            "(limits.max_write_wait_seconds); it was not stored: send it again",
+            retry_after=self._retry_after,
+            code="overloaded",
+            field="limits.max_write_wait_seconds",
+        ))
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="trace-inserter")
@@ -139,9 +214,10 @@ class TraceInserter:
                 batch.append(self._queue.get_nowait())
             self._writing_since = time.monotonic()
             try:
-                await self._write(batch)
+                await self._write_all(batch)
             except Exception as exc:  # the batch failed as a whole: nobody was acknowledged
                 said = database_refusal(exc)
+                self._failure = said or type(exc).__name__
                 if said is None:
                     log.exception("storing %d traces failed", len(batch))
                 else:
@@ -151,10 +227,33 @@ class TraceInserter:
                         p.done.set_exception(
                             Unavailable("the database did not accept the write; retry")
                         )
+            else:
+                self._failure = None
             finally:
                 self._writing_since = None
-                for _ in batch:
+                for p in batch:
+                    if p.timer is not None:
+                        p.timer.cancel()
                     self._queue.task_done()
+
+    async def _write_all(self, batch: list[_Pending]) -> None:
+        """Write what was not withdrawn; again without what is withdrawn meanwhile."""
+        # Rows answered already (refused by the database) are not written again.
+        while todo := [p for p in batch if not (p.withdrawn or p.done.done())]:
+            try:
+                await self._write(todo)
+                return
+            except _Withdrawn:
+                log.info("traces withdrawn (past limits.max_write_wait_seconds) while their "
+                         "transaction waited; writing the others again without them")
+
+    def _seal(self, batch: list[_Pending]) -> None:
+        """Called last in the transaction, just before its commit: roll back if a row
+        was withdrawn meanwhile; else none may be any more."""
+        if any(p.withdrawn for p in batch):
+            raise _Withdrawn
+        for p in batch:
+            p.sealed = True
 
     async def _write(self, batch: list[_Pending]) -> None:
         # The first occurrence of each trace_id is inserted; later ones in the same
@@ -162,12 +261,18 @@ class TraceInserter:
         first: dict[str, _Pending] = {}
         for p in batch:
             first.setdefault(p.row["trace_id"], p)
-        async with self._engine.begin() as conn:
-            try:
+        try:
+            async with self._engine.begin() as conn:
                 new_ids = await _insert(conn, [p.row for p in first.values()])
-            except SQLAlchemyError:
+                known = await _lookup(conn, [tid for tid in first if tid not in new_ids])
+                self._seal(batch)
+        except SQLAlchemyError as exc:
+            if not refuses_row(exc):
+                raise
+            async with self._engine.begin() as conn:
                 new_ids = await _insert_one_by_one(conn, first.values())
-            known = await _lookup(conn, [tid for tid in first if tid not in new_ids])
+                known = await _lookup(conn, [tid for tid in first if tid not in new_ids])
+                self._seal(batch)
         if self._on_commit is not None:
             self._on_commit()
         for p in batch:
@@ -199,15 +304,19 @@ async def _insert(conn: AsyncConnection, rows: list[dict[str, Any]]) -> set[str]
 
 
 async def _insert_one_by_one(conn: AsyncConnection, pending: Any) -> set[str]:
-    """A row the database refused sinks only itself: one savepoint per row."""
+    """A row the database refused sinks only itself: one savepoint per row, the first
+    included. Any other failure ends the transaction (503 for all)."""
     new_ids: set[str] = set()
     for p in pending:
         try:
             async with conn.begin_nested():
                 new_ids |= await _insert(conn, [p.row])
-        except DBAPIError as exc:
-            log.warning("trace %s refused by the database: %s", p.row["trace_id"], exc.orig)
-            p.done.set_exception(Invalid(f"the database refused this trace: {exc.orig}"))
+        except SQLAlchemyError as exc:
+            if not refuses_row(exc):
+                raise
+            refusal = database_error(exc)
+            log.warning("trace %r refused by the database: %s", p.row["trace_id"], refusal)
+            p.done.set_exception(refusal)
     return new_ids
 
 

@@ -1,5 +1,6 @@
-"""The ingest processes: where parsing, scoring and tokenizing run, beside the event
-loop rather than contending with it for the GIL.
+"""The ingest processes: where parsing, scoring and tokenizing of traces run, and the
+validation and deflating of Atropos groups, beside the event loop rather than
+contending with it for the GIL.
 
 Each process is fed over a socket pair straight from the event loop (length-prefixed
 pickles; replies come back in the order sent), without the two helper threads of a
@@ -7,6 +8,12 @@ pickles; replies come back in the order sent), without the two helper threads of
 as long as the requests did (bench/ingest.py, 5 KB traces: ~650/s with it, ~870/s
 without). A process that dies fails only the items it held (503, never acknowledged)
 and is replaced on the next call.
+
+No item (a trace, or a call such as one Atropos submission) may hold a process longer
+than `limits.max_item_seconds`, so that no parser bug, present or future, can stall
+ingestion: each process notes in shared memory which item it is on and since when, a
+watchdog kills a process past the limit, that item is answered 422 naming the limit,
+and the other items it held go to the other processes.
 """
 
 from __future__ import annotations
@@ -18,12 +25,14 @@ import pickle
 import signal
 import socket
 import struct
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from app.errors import HubError, Unavailable
+from app.errors import HubError, Invalid, Unavailable
 from app.ingest.tokens import encoding
 
 if TYPE_CHECKING:
@@ -31,6 +40,7 @@ if TYPE_CHECKING:
 
 Row = dict[str, Any]
 Reply = list[Row | HubError]
+R = TypeVar("R")
 
 log = logging.getLogger("atropos.ingest")
 _HEAD = struct.Struct("!I")  # frame length; bodies are bounded by limits.max_body_bytes
@@ -39,7 +49,24 @@ _HEAD = struct.Struct("!I")  # frame length; bodies are bounded by limits.max_bo
 # hub's code and loaded the tokenizer once, not as forks of a process that runs an
 # event loop and threads.
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["app.ingest.ingestor", "app.ingest.preload"])
+_CONTEXT.set_forkserver_preload(["app.ingest.ingestor", "app.atropos.queue", "app.ingest.preload"])
+
+
+# What a process is doing, in shared memory: the number of the frame it is on (frames
+# are answered in order), the item of that frame, and when it started on that item
+# (time.monotonic(), one clock for every process; 0.0 between items).
+_FRAME, _ITEM, _SINCE = range(3)
+
+
+@dataclass(slots=True)
+class _Frame:
+    """A call sent to a process, kept until answered: it goes to another process if this
+    one is stopped for taking too long. `weight`: the items it holds."""
+
+    work: Callable[..., Any]
+    args: tuple[Any, ...]
+    weight: int
+    done: asyncio.Future[Any]
 
 
 @dataclass(eq=False)
@@ -47,9 +74,12 @@ class _Process:
     process: BaseProcess
     reader: asyncio.StreamReader
     writer: asyncio.StreamWriter
-    waiting: deque[tuple[int, asyncio.Future[Reply]]] = field(default_factory=deque)
+    progress: Any  # a shared array of 3 doubles: _FRAME, _ITEM, _SINCE
+    waiting: deque[_Frame] = field(default_factory=deque)
     items: int = 0  # items sent and not yet answered: the next call goes to the fewest
+    answered: int = 0  # frames answered so far: the number of the one in progress
     task: asyncio.Task[None] | None = None  # reads the replies
+    too_slow: tuple[int, int] | None = None  # (frame, item) it was stopped on
 
 
 class IngestProcesses:
@@ -59,6 +89,9 @@ class IngestProcesses:
         self._processes: list[_Process] = []
         self._starting = asyncio.Lock()
         self._started: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._resent: set[asyncio.Task[None]] = set()
+        self._closing = False
 
     @property
     def pids(self) -> list[int | None]:
@@ -79,35 +112,48 @@ class IngestProcesses:
 
     async def rows(self, items: list[Any], fmt: str | None) -> Reply:
         """Each item's row or the HubError that refuses it, in order."""
+        return await self.call(_rows, items, fmt, weight=len(items))
+
+    async def call(self, work: Callable[..., R], *args: Any, weight: int = 1) -> R:
+        """work(*args) in an ingest process: `work` is a module-level function (sent
+        by name), args and result are pickled. What it raises is raised here."""
         proc = await self._least_busy()
-        done: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        frame = pickle.dumps((items, fmt), protocol=pickle.HIGHEST_PROTOCOL)
-        proc.writer.write(_HEAD.pack(len(frame)) + frame)
-        proc.waiting.append((len(items), done))
-        proc.items += len(items)
+        done: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        data = pickle.dumps((work, args), protocol=pickle.HIGHEST_PROTOCOL)
+        proc.writer.write(_HEAD.pack(len(data)) + data)
+        proc.waiting.append(_Frame(work, args, weight, done))
+        proc.items += weight
         return await done
 
     async def _least_busy(self) -> _Process:
+        if self._closing:
+            raise Unavailable("the hub is stopping; retry shortly", retry_after=1)
         if len(self._processes) < self._size:
             await self._fill()  # not started yet, or one died
         return min(self._processes, key=lambda p: p.items)
 
     async def _fill(self) -> None:
+        if self._watchdog is None:
+            self._watchdog = asyncio.create_task(self._watch(), name="ingest-watchdog")
         async with self._starting:
             while len(self._processes) < self._size:
                 self._processes.append(await self._start())
 
     async def _start(self) -> _Process:
         ours, theirs = socket.socketpair()
+        progress = _CONTEXT.RawArray("d", 3)
         process = _CONTEXT.Process(
-            target=_serve, args=(theirs, self._preparer), name="atropos-ingest", daemon=True
+            target=_serve,
+            args=(theirs, self._preparer, progress),
+            name="atropos-ingest",
+            daemon=True,
         )
         # The first start also starts the fork server (an interpreter importing the
         # hub): off the event loop.
         await asyncio.to_thread(process.start)
         theirs.close()
         reader, writer = await asyncio.open_connection(sock=ours)
-        proc = _Process(process, reader, writer)
+        proc = _Process(process, reader, writer, progress)
         proc.task = asyncio.create_task(self._read_replies(proc), name="ingest-replies")
         return proc
 
@@ -116,33 +162,101 @@ class IngestProcesses:
             while True:
                 (length,) = _HEAD.unpack(await proc.reader.readexactly(_HEAD.size))
                 reply = pickle.loads(await proc.reader.readexactly(length))
-                count, done = proc.waiting.popleft()
-                proc.items -= count
-                if done.done():
+                frame = proc.waiting.popleft()
+                proc.items -= frame.weight
+                proc.answered += 1
+                if frame.done.done():
                     continue
-                if isinstance(reply, BaseException):
-                    done.set_exception(reply)  # a bug in preparing: a 500, as in-process
+                if isinstance(reply, _Raised):
+                    # A HubError refuses the input; anything else is a bug: a 500, as
+                    # in-process.
+                    frame.done.set_exception(reply.exception)
                 else:
-                    done.set_result(reply)
+                    frame.done.set_result(reply)
         except (asyncio.IncompleteReadError, ConnectionError):
             await self._lost(proc)
 
     async def _lost(self, proc: _Process) -> None:
-        """The process died (killed, out of memory): what it held was never acknowledged."""
+        """The process died (killed, out of memory): what it held was never acknowledged.
+        Stopped by the watchdog, it held one item too slow and others that were not:
+        those are prepared again by the other processes."""
         if proc in self._processes:
             self._processes.remove(proc)
             await asyncio.to_thread(proc.process.join, 5)
-            log.error(
-                "an ingest process stopped (exit code %s); another starts on the next trace",
-                proc.process.exitcode,
-            )
-        while proc.waiting:
-            _, done = proc.waiting.popleft()
-            if not done.done():
-                done.set_exception(
+            if proc.too_slow is None:
+                log.error(
+                    "an ingest process stopped (exit code %s); another starts on the next "
+                    "trace",
+                    proc.process.exitcode,
+                )
+        for number, frame in enumerate(proc.waiting, start=proc.answered):
+            if frame.done.done():
+                continue
+            if proc.too_slow is None or self._closing:
+                frame.done.set_exception(
                     Unavailable("an ingest process stopped while preparing this trace; retry")
                 )
+                continue
+            slow_frame, slow_item = proc.too_slow
+            task = asyncio.create_task(
+                self._resend(frame, slow_item if number == slow_frame else -1)
+            )
+            self._resent.add(task)
+            task.add_done_callback(self._resent.discard)
+        proc.waiting.clear()
         proc.writer.close()
+
+    async def _resend(self, frame: _Frame, too_slow: int) -> None:
+        """`frame` again, on another process, but for its item `too_slow` (-1: none),
+        which is answered 422: in the rows of a `rows` call, or as the call's answer."""
+        try:
+            if frame.work is _rows:
+                items, fmt = frame.args
+                others = [item for i, item in enumerate(items) if i != too_slow]
+                result: Any = await self.rows(others, fmt) if others else []
+                if 0 <= too_slow:
+                    result.insert(too_slow, self._too_slow())
+            elif 0 <= too_slow:
+                raise self._too_slow()
+            else:
+                result = await self.call(frame.work, *frame.args, weight=frame.weight)
+        except Exception as exc:
+            if not frame.done.done():
+                frame.done.set_exception(exc)
+            return
+        if not frame.done.done():
+            frame.done.set_result(result)
+
+    def _too_slow(self) -> Invalid:
+        limit = self._preparer.limits.max_item_seconds
+        return Invalid(
+            f"preparing this took longer than limits.max_item_seconds ({limit:g} s); "
+            "it was stopped",
+            field="limits.max_item_seconds",
+            code="too_slow",
+        )
+
+    async def _watch(self) -> None:
+        """Stops a process that has spent longer than limits.max_item_seconds on one
+        item: killed, it is replaced like any process that dies."""
+        limit = self._preparer.limits.max_item_seconds
+        every = min(1.0, limit / 4)
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for proc in self._processes:
+                progress = proc.progress
+                since = progress[_SINCE]
+                if not proc.waiting or proc.too_slow is not None or since == 0.0:
+                    continue
+                if now - since > limit and int(progress[_FRAME]) == proc.answered:
+                    proc.too_slow = (proc.answered, int(progress[_ITEM]))
+                    log.warning(
+                        "an ingest process spent over %g s on one trace "
+                        "(limits.max_item_seconds); it is stopped and replaced",
+                        limit,
+                    )
+                    proc.process.kill()
 
     async def close(self, timeout: float = 10) -> None:
         """Ends each process once it has answered what it was sent (by then, normally
@@ -150,6 +264,9 @@ class IngestProcesses:
         seconds is killed."""
         if self._started is not None:
             await self._started  # a process being started is then closed with the rest
+        self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         processes, self._processes = self._processes, []
         for proc in processes:
             proc.writer.write_eof()
@@ -164,26 +281,61 @@ class IngestProcesses:
             proc.writer.close()
 
 
-def _serve(sock: socket.socket, preparer: Preparer) -> None:
-    """An ingest process: reads (items, fmt), answers their rows, until EOF (the serving
-    process closed its end or died)."""
+@dataclass(frozen=True, slots=True)
+class _Raised:
+    """What a call raised (a reply may itself be an exception, as `rows` answers)."""
+
+    exception: BaseException
+
+
+# In an ingest process: the preparer it was started with, and its shared progress.
+_preparer: Preparer | None = None
+_progress: Any = None
+
+
+def _item_started(index: int) -> None:
+    _progress[_SINCE] = 0.0  # so that the item and its start are read together
+    _progress[_ITEM] = index
+    _progress[_SINCE] = time.monotonic()
+
+
+def _rows(items: list[Any], fmt: str | None) -> Reply:
+    assert _preparer is not None
+    rows: Reply = []
+    for index, item in enumerate(items):
+        _item_started(index)
+        rows.append(_preparer.prepare(item, fmt))
+    return rows
+
+
+def _serve(sock: socket.socket, preparer: Preparer, progress: Any) -> None:
+    """An ingest process: reads (work, args), answers work(*args), until EOF (the
+    serving process closed its end or died). Notes in `progress` which item it is on
+    (a call that is not `rows` is one item)."""
+    global _preparer, _progress
+    _preparer, _progress = preparer, progress
     # A terminal's Ctrl-C and systemd's stop signal every process of the job: the
     # serving process decides when its ingest processes stop (EOF), once it has answered
     # what it accepted.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     encoding()  # loaded by the fork server already (app/ingest/preload.py); if not, now
+    frames = 0
     with sock, sock.makefile("rb") as stream:
         while head := stream.read(_HEAD.size):
             (length,) = _HEAD.unpack(head)
-            items, fmt = pickle.loads(stream.read(length))
-            reply: Reply | BaseException
+            work, args = pickle.loads(stream.read(length))
+            progress[_FRAME] = frames
+            _item_started(0)
+            reply: Any
             try:
-                reply = preparer.rows(items, fmt)
+                reply = work(*args)
             except Exception as exc:
-                reply = exc
+                reply = _Raised(exc)
+            progress[_SINCE] = 0.0
+            frames += 1
             try:
                 frame = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:  # an exception that does not pickle
-                frame = pickle.dumps(RuntimeError(f"{type(reply).__name__}: {exc}"))
+                frame = pickle.dumps(_Raised(RuntimeError(f"{type(reply).__name__}: {exc}")))
             sock.sendall(_HEAD.pack(len(frame)) + frame)

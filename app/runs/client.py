@@ -26,6 +26,7 @@ import httpx
 
 from app.access.keys import bearer_from_env
 from app.runs.process import describe_exit
+from app.waits import event_set_within
 
 FINISHED = {"completed", "failed", "stopped"}
 # Exit codes: the run completed, failed (or was stopped by someone else), was stopped
@@ -196,10 +197,7 @@ class _Follower:
                         return _INTERRUPTED
                     return _CODES[run["status"]]
                 self.woken.clear()
-                try:
-                    await asyncio.wait_for(self.woken.wait(), self.interval)
-                except TimeoutError:
-                    pass
+                await event_set_within(self.woken, self.interval)
         finally:
             loop.remove_signal_handler(signal.SIGINT)
 

@@ -18,6 +18,7 @@ import httpx
 
 from app.runs.process import RunProcess
 from app.runs.spec import HealthCheck
+from app.waits import event_set_within
 
 # How often a check is tried while waiting: often enough that the next process starts
 # soon after this one is up, rarely enough to cost nothing.
@@ -71,10 +72,7 @@ async def wait_until_healthy(
             return Healthy()
         if time.monotonic() >= deadline:
             return TimedOut(f"not healthy after {timeout:g} s: {check.describe()}")
-        try:
-            await asyncio.wait_for(stop.wait(), PROBE_INTERVAL)
-        except TimeoutError:
-            pass
+        await event_set_within(stop, PROBE_INTERVAL)
 
 
 async def _probe(

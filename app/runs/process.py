@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from app import files
+
 log = logging.getLogger("atropos.runs")
 
 LAUNCHER = Path(__file__).with_name("launcher.py")
@@ -105,13 +107,17 @@ class RunProcess:
         cwd: str,
         env: dict[str, str],
         log_path: Path,
+        user: str | None = None,
     ) -> RunProcess:
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        """`command` under the launcher, which runs it as `user` (runs.user) when given;
+        the launcher itself stays the hub's, so that it can write the exit file."""
+        files.make_dir(log_path.parent)
         exit_path = _exit_path(log_path)
         exit_path.unlink(missing_ok=True)
-        with open(log_path, "ab") as out:
+        with files.open_new(log_path, "ab") as out:
             popen = subprocess.Popen(
-                [sys.executable, "-I", str(LAUNCHER), str(exit_path), "--", *command],
+                [sys.executable, "-I", str(LAUNCHER), str(exit_path),
+                 *(["--user", user] if user else []), "--", *command],
                 cwd=cwd,
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -229,7 +229,7 @@ async def unwatched_runs(conn: AsyncConnection, host: str, me: str) -> list[tupl
         )
         .order_by(RUNS.c.created_at)
     )
-    return [(run_id, supervisor) for run_id, supervisor in rows.tuples()]
+    return [(run_id, supervisor) for run_id, supervisor in rows]
 
 
 async def claim(conn: AsyncConnection, run_id: str, previous: str | None, me: str) -> bool:

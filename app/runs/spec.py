@@ -14,11 +14,21 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # The variables the hub injects into the trainer (app/runs/channel.py). A spec may not
 # set them: the model channel has one source, tinker.json and the hub's environment.
 INJECTED = frozenset({"OPENAI_BASE_URL", "OPENAI_API_KEY", "TINKER_API_KEY", "ATROPOS_HUB_URL"})
+
+
+def _no_nul(value: str) -> str:
+    # Neither exec() nor the database (PostgreSQL's jsonb) takes a NUL character.
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
+Text = Annotated[str, AfterValidator(_no_nul)]
 
 
 class _Spec(BaseModel):
@@ -26,8 +36,8 @@ class _Spec(BaseModel):
 
 
 class HealthCheck(_Spec):
-    http: Annotated[str, Field(pattern=r"^https?://")] | None = None
-    log: Annotated[str, Field(min_length=1)] | None = None
+    http: Annotated[Text, Field(pattern=r"^https?://")] | None = None
+    log: Annotated[Text, Field(min_length=1)] | None = None
     alive_seconds: Annotated[float, Field(ge=0)] | None = None
 
     @model_validator(mode="after")
@@ -51,7 +61,9 @@ class HealthCheck(_Spec):
 
 
 class ProcessSpec(_Spec):
-    command: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+    command: Annotated[
+        list[Annotated[str, Field(min_length=1), AfterValidator(_no_nul)]], Field(min_length=1)
+    ]
     health: HealthCheck | None = None
     # How long the health check may take before the run fails.
     start_timeout: Annotated[float, Field(gt=0)] = 120
@@ -72,10 +84,10 @@ class RunSpec(_Spec):
     environments: list[ProcessSpec] = Field(default_factory=list)
     # The processes' working directory on the hub's machine; default and relative
     # paths are the hub's (resolved and checked when the run is created).
-    cwd: str | None = None
+    cwd: Text | None = None
     # Added to the environment the processes inherit from the hub. Stored with the run
     # and shown by GET: secrets belong in the hub's environment, not here.
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[Text, Text] = Field(default_factory=dict)
     poll_interval: Annotated[float, Field(gt=0)] = 30
     stop_timeout: Annotated[float, Field(ge=0)] = 10
 

@@ -35,6 +35,7 @@ from app.runs.logs import log_path, tail
 from app.runs.process import RunProcess, describe_exit, is_running, start_ticks
 from app.runs.records import RunRecord, RunStatus
 from app.runs.spec import RunSpec
+from app.waits import event_set_within
 
 log = logging.getLogger("atropos.runs")
 
@@ -93,8 +94,12 @@ class RunSupervisor:
 
     async def create(self, spec: RunSpec, hub_url: str) -> RunRecord:
         """Record a pending run and start launching it; answers at once."""
-        cwd = Path(spec.cwd or os.getcwd()).expanduser().resolve()
-        if not cwd.is_dir():
+        try:
+            cwd = Path(spec.cwd or os.getcwd()).expanduser().resolve()
+            found = cwd.is_dir()
+        except OSError as exc:  # a name too long, a directory we may not enter
+            raise Invalid(f"cwd: {exc.strerror}", field="cwd") from None
+        if not found:
             raise Invalid(f"cwd: {spec.cwd} is not a directory on the hub's machine", field="cwd")
         spec = spec.model_copy(update={"cwd": str(cwd)})
         run_id = uuid.uuid4().hex[:12]
@@ -262,7 +267,8 @@ class _Run:
             )
             try:
                 proc = RunProcess.spawn(
-                    self.run_id, role, spec.command, cwd=self.spec.cwd, env=env, log_path=path
+                    self.run_id, role, spec.command, cwd=self.spec.cwd, env=env,
+                    log_path=path, user=self.supervisor._config.user,
                 )
             except OSError as exc:
                 return RunStatus.FAILED, f"{_label(role)} could not be started: {exc}"
@@ -303,10 +309,7 @@ class _Run:
             outcome = await self._check()
             if outcome is not None:
                 return outcome
-            try:
-                await asyncio.wait_for(self.stop_requested.wait(), self.spec.poll_interval)
-            except TimeoutError:
-                pass
+            await event_set_within(self.stop_requested, self.spec.poll_interval)
 
     async def _check(self) -> Outcome | None:
         """What has become of the run since the last look, if it is over."""

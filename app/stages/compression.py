@@ -3,27 +3,51 @@ beside the original, and move each to `compressed` or `compression_skipped`.
 
 A claim is a lease (app/stages/leases.py): a worker killed mid-trace leaves a lease that
 expires, and the next worker compresses the trace; the final move checks the lease,
-so a trace is compressed (stored) at most once.
+so a trace is compressed (stored) at most once. A heartbeat renews the leases of the
+traces being worked on, so that a slow model does not lose a trace to a second worker
+(which would summarize it again).
+
+summarize_middle waits on the model, so its calls run concurrently, at most
+`compression.max_concurrent_calls` at a time, each written when it is done; traces
+that need no call (skips) are claimed apart and written at once, so a hanging model
+holds up no trace that does not need it. key_decision_extract is CPU work: a batch of
+traces at a time, off the event loop.
+
+While the model fails, a trace is retried by `compression.retry`; after its last
+attempt it is `compression_failed`, or compressed with key_decision_extract when
+`compression.on_model_failure` is `fallback`. An outage is logged at WARNING once,
+when it begins, and once more (INFO) when the model answers again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from app.compression import Compressed, Skipped, Summarizer, compress
+from app.compression import (
+    Compressed,
+    Skipped,
+    Summarizer,
+    compress,
+    compression_target,
+    smallest_compressed,
+)
 from app.config import CompressionConfig
 from app.db.models import TRACES
 from app.db.moves import TRACE_STAGES
 from app.domain import Stage, Trace
 from app.llm import LLMError
-from app.stages.leases import RELEASED, Lease, claim, held_by, retry_later
+from app.stages.leases import RELEASED, Heartbeat, Lease, claim, held_by, retry_later
 
 log = logging.getLogger("atropos.compression")
+
+Outcome = Compressed | Skipped | Exception
 
 
 class CompressionStage:
@@ -45,22 +69,74 @@ class CompressionStage:
         self._max_trace_tokens = max_trace_tokens
         self._lease = lease
         self._summarizer = summarizer
-        # summarize_middle waits on the model for each trace: a small claim, committed
-        # trace by trace, stays well inside the lease. key_decision_extract takes a few
-        # ms a trace: a larger claim, committed in one transaction, so that the fsync
-        # per commit does not cap the stage below the ingest rate.
-        self._model_bound = policy.strategy == "summarize_middle"
-        self._batch = batch or (8 if self._model_bound else 32)
+        # A claim of key_decision_extract's (or of skips) is committed in one
+        # transaction, so that the fsync per commit does not cap the stage below the
+        # ingest rate.
+        self._batch = batch or 32
         self._on_advance = on_advance
+        self._heartbeat = Heartbeat(
+            engine, TRACES, lease,
+            lost="trace %s: lease lost while compressing it; left to its new owner",
+        )
+        self._model_bound = policy.strategy == "summarize_middle"
+        # Traces this small need no model call: claimed apart from those that do.
+        self._calls_from = smallest_compressed(policy, max_trace_tokens)
+        self._calls: set[asyncio.Task[None]] = set()
+        self._call_slots = asyncio.Semaphore(policy.max_concurrent_calls)
+        self._model = _ModelHealth(policy)
 
     async def run_once(self) -> int:
+        if not self._model_bound:
+            rows = await self._claim(self._batch)
+            # key_decision_extract is pure CPU (tens of ms for a long trace): run the
+            # group off the event loop so the API keeps answering. It makes no I/O, so a
+            # private loop in the worker thread is enough.
+            with self._heartbeat.holding(row.trace_id for row in rows):
+                outcomes = await asyncio.to_thread(asyncio.run, self._outcomes(rows))
+                await self._write(list(zip(rows, outcomes)))
+            self._advanced(len(rows))
+            return len(rows)
+        calls_from = self._calls_from
+        light = await self._claim(
+            self._batch, None if calls_from is None else TRACES.c.total_tokens < calls_from
+        )
+        at_once = [row for row in light if not self._calls_model(row)]
+        with self._heartbeat.holding(row.trace_id for row in at_once):
+            await self._write([(row, await self._outcome(row)) for row in at_once])
+        self._advanced(len(at_once))
+        free = self._policy.max_concurrent_calls - len(self._calls)
+        heavy = []
+        if calls_from is not None and free > 0:
+            heavy = await self._claim(free, TRACES.c.total_tokens >= calls_from)
+        # A light trace that needs the model after all (the size is only a hint) goes
+        # with the heavy ones; the semaphore bounds the calls either way.
+        for row in [*heavy, *(row for row in light if self._calls_model(row))]:
+            task = asyncio.create_task(self._call(row), name=f"compress-{row.trace_id}")
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+        return len(light) + len(heavy)
+
+    async def settle(self) -> None:
+        """Wait for the model calls in flight."""
+        while self._calls:
+            await asyncio.gather(*self._calls, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Abandon the calls in flight: their leases run out and another worker (or
+        this one, restarted) compresses those traces."""
+        for task in self._calls:
+            task.cancel()
+        await asyncio.gather(*self._calls, return_exceptions=True)
+
+    async def _claim(self, limit: int, where: sa.ColumnElement[bool] | None = None) -> list[Any]:
+        condition = TRACES.c.stage == Stage.ACCEPTED.value
         async with self._engine.begin() as conn:
-            rows = await claim(
+            return await claim(
                 conn,
                 TRACES,
-                where=TRACES.c.stage == Stage.ACCEPTED.value,
+                where=condition if where is None else sa.and_(condition, where),
                 order_by=TRACES.c.created_at,
-                limit=self._batch,
+                limit=limit,
                 lease=self._lease,
                 returning=[
                     TRACES.c.trace_id,
@@ -71,30 +147,55 @@ class CompressionStage:
                     TRACES.c.attempts,
                 ],
             )
-        if self._model_bound:
-            # Mostly waiting on the model: stays on the event loop with its HTTP client.
-            for row in rows:
-                await self._write([(row, await self._outcome(row))])
-        else:
-            # key_decision_extract is pure CPU (tens of ms for a long trace): run the
-            # group off the event loop so the API keeps answering. It makes no I/O, so a
-            # private loop in the worker thread is enough.
-            outcomes = await asyncio.to_thread(asyncio.run, self._outcomes(rows))
-            await self._write(list(zip(rows, outcomes)))
-        if rows and self._on_advance is not None:
-            self._on_advance()
-        return len(rows)
 
-    async def _outcomes(self, rows: list[Any]) -> list[Compressed | Skipped | Exception]:
+    async def _call(self, row: Any) -> None:
+        try:
+            with self._heartbeat.holding([row.trace_id]):
+                async with self._call_slots:
+                    outcome = await self._outcome(row)
+                await self._write([(row, outcome)])
+        except Exception:  # the database, most likely: the trace stays leased until then
+            log.exception("trace %s: storing its compression failed; its lease runs out and "
+                          "it is compressed again", row.trace_id)
+            return
+        self._advanced(1)
+
+    def _advanced(self, traces: int) -> None:
+        if traces and self._on_advance is not None:
+            self._on_advance()
+
+    def _calls_model(self, row: Any) -> bool:
+        forced = row.total_tokens > self._max_trace_tokens
+        return not isinstance(compression_target(row.total_tokens, self._policy, forced), Skipped)
+
+    async def _outcomes(self, rows: list[Any]) -> list[Outcome]:
         return [await self._outcome(row) for row in rows]
 
-    async def _outcome(self, row: Any) -> Compressed | Skipped | Exception:
+    async def _outcome(self, row: Any) -> Outcome:
         try:
             return await self._compress(row)
         except Exception as exc:  # a strategy or model failure sinks only this trace
             return exc
 
-    async def _write(self, outcomes: list[tuple[Any, Compressed | Skipped | Exception]]) -> None:
+    async def _compress(self, row: Any) -> Compressed | Skipped:
+        policy = self._policy
+        last = row.attempts >= policy.retry.max_attempts
+        return await compress(
+            Trace.model_validate(row.trace),
+            row.total_tokens,
+            policy,
+            # The summarizer's HTTP client lives on the event loop; only summarize_middle,
+            # which runs there, may use it.
+            summarizer=self._summarizer if self._model_bound else None,
+            fall_back=last and policy.on_model_failure == "fallback",
+            forced=row.total_tokens > self._max_trace_tokens,
+            reward=row.reward,
+            breakdown=row.reward_breakdown,
+        )
+
+    async def _write(self, outcomes: list[tuple[Any, Outcome]]) -> None:
+        if not outcomes:
+            return
         async with self._engine.begin() as conn:
             for row, result in outcomes:
                 if isinstance(result, Exception):
@@ -106,6 +207,7 @@ class CompressionStage:
                     await self._move(conn, row.trace_id, Stage.COMPRESSION_SKIPPED,
                                      compression={"skipped": result.reason})
                 else:
+                    self._model.compressed(row.trace_id, result)
                     await self._move(
                         conn,
                         row.trace_id,
@@ -114,19 +216,6 @@ class CompressionStage:
                         compressed_tokens=result.tokens_after,
                         compression=result.record(),
                     )
-
-    async def _compress(self, row: Any) -> Compressed | Skipped:
-        return await compress(
-            Trace.model_validate(row.trace),
-            row.total_tokens,
-            self._policy,
-            # The summarizer's HTTP client lives on the event loop; only summarize_middle,
-            # which runs there, may use it.
-            summarizer=self._summarizer if self._model_bound else None,
-            forced=row.total_tokens > self._max_trace_tokens,
-            reward=row.reward,
-            breakdown=row.reward_breakdown,
-        )
 
     async def _move(
         self, conn: AsyncConnection, trace_id: str, target: Stage, **values: Any
@@ -150,13 +239,59 @@ class CompressionStage:
             give_up=TRACE_STAGES.move(Stage.COMPRESSION_FAILED, expected=[Stage.ACCEPTED]),
             wake=self._on_advance, stage_error=error,
         )
-        # The model's failures are said in one line; anything else is a bug in a
-        # strategy, logged with its traceback.
-        trace = None if isinstance(exc, LLMError) else exc
-        if delay is None:
+        if isinstance(exc, LLMError):
+            # Said once per outage (_ModelHealth); each trace's turn in one line.
+            self._model.failed(error)
+            if delay is None:
+                log.info("trace %s: the summary model failed %d times, giving up "
+                         "(compression_failed): %s", row.trace_id, row.attempts, error)
+            else:
+                log.info("trace %s: the summary model failed (attempt %d of %d), retrying "
+                         "in %.1f s", row.trace_id, row.attempts, policy.max_attempts, delay)
+        elif delay is None:
+            # Anything else is a bug in a strategy, logged with its traceback.
             log.error("trace %s: compression failed %d times, giving up: %s",
-                      row.trace_id, row.attempts, error, exc_info=trace)
+                      row.trace_id, row.attempts, error, exc_info=exc)
         else:
             log.warning("trace %s: compression failed (attempt %d of %d), retrying in "
                         "%.1f s: %s", row.trace_id, row.attempts, policy.max_attempts,
-                        delay, error, exc_info=trace)
+                        delay, error, exc_info=exc)
+
+
+class _ModelHealth:
+    """Whether the summary model is failing, so that an outage is said once: a WARNING
+    when the first call fails, an INFO line when a call succeeds again."""
+
+    def __init__(self, policy: CompressionConfig) -> None:
+        self._policy = policy
+        self._since: float | None = None
+        self._failures = 0
+        self._fallbacks = 0
+
+    def failed(self, error: str) -> None:
+        self._failures += 1
+        if self._since is not None:
+            return
+        self._since = time.monotonic()
+        policy = self._policy
+        then = (
+            "compressed with key_decision_extract (compression.on_model_failure: fallback)"
+            if policy.on_model_failure == "fallback"
+            else "left compression_failed (compression.on_model_failure: retry)"
+        )
+        log.warning("the summary model is failing (%s): traces that need it are retried "
+                    "(compression.retry: %d attempts), then %s; said once until it answers "
+                    "again", error, policy.retry.max_attempts, then)
+
+    def compressed(self, trace_id: str, result: Compressed) -> None:
+        if result.model_failed:
+            assert result.fallback is not None
+            self.failed(result.fallback)
+            self._fallbacks += 1
+            log.info("trace %s: compressed with key_decision_extract: %s",
+                     trace_id, result.fallback)
+        elif result.strategy == "summarize_middle" and self._since is not None:
+            log.info("the summary model answers again after %.0f s (%d failed calls, %d "
+                     "traces fell back to key_decision_extract)",
+                     time.monotonic() - self._since, self._failures, self._fallbacks)
+            self._since, self._failures, self._fallbacks = None, 0, 0

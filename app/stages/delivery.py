@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +27,7 @@ from app.db.moves import BATCH_STATES, TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import BatchState, Stage, Trace
 from app.llm import LLMError
-from app.stages.leases import RELEASED, Lease, claim, held_by, renew, retry_later
+from app.stages.leases import RELEASED, Heartbeat, Lease, claim, held_by, retry_later
 from app.targets import Batch, BatchItem, DeliveryError, Target
 from app.training import TrainingFailed
 from app.training.openai_api import TrainingTimeout
@@ -58,6 +57,11 @@ class DeliveryStage:
         self._config = config
         self._lease = lease
         self._on_advance = on_advance
+        self._heartbeat = Heartbeat(
+            engine, BATCHES, lease,
+            lost="batch %s: lease lost while delivering; another worker may deliver it "
+                 "too (same batch_id)",
+        )
 
     async def run_once(self) -> int:
         """Deliver one batch (attempt it, at least); 0 when none is due."""
@@ -75,16 +79,15 @@ class DeliveryStage:
         if not rows:
             return 0
         row = rows[0]
-        heartbeat = asyncio.create_task(self._keep_lease(row.batch_id))
         try:
-            batch = await self._load(row)
-            receipt = await self._target.deliver(batch, lambda r: self._save(batch.batch_id, r))
+            with self._heartbeat.holding([row.batch_id]):
+                batch = await self._load(row)
+                receipt = await self._target.deliver(
+                    batch, lambda r: self._save(batch.batch_id, r)
+                )
         except Exception as exc:  # any failure sinks this attempt only; it is on the row
             await self._failed(row.batch_id, row.attempts, exc)
             return 1
-        finally:
-            heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)
         if await self._acknowledge(batch, receipt) and self._on_advance is not None:
             self._on_advance()
         return 1
@@ -105,15 +108,6 @@ class DeliveryStage:
             payload = m.compressed if compressed else m.trace
             items.append(BatchItem(m.trace_id, m.reward, Trace.model_validate(payload), compressed))
         return Batch(row.batch_id, row.created_at, row.attempts, items, row.receipt or {})
-
-    async def _keep_lease(self, batch_id: str) -> None:
-        while True:
-            await asyncio.sleep(self._lease.seconds / 3)
-            async with self._engine.begin() as conn:
-                if not await renew(conn, BATCHES, batch_id, self._lease):
-                    log.warning("batch %s: lease lost while delivering; another worker may "
-                                "deliver it too (same batch_id)", batch_id)
-                    return
 
     async def _save(self, batch_id: str, receipt: dict[str, Any]) -> None:
         async with self._engine.begin() as conn:

@@ -7,6 +7,11 @@ single writer and, with SKIP LOCKED, free of waiting on PostgreSQL. The final mo
 of a claimed row checks `lease_owner` so that a worker whose lease expired cannot
 overwrite its successor.
 
+Work that may outlast a lease (a model call, a training job) keeps it with a
+`Heartbeat`, which renews the leases of the rows being worked on every third of the
+lease: without it a slow call lost its trace to a second worker, and the work (and its
+cost) was done twice.
+
 A failed attempt is retried through the lease too (`retry_later`): the row stays
 leased until its backoff has passed, then any worker may claim it again. The claim
 counts the attempts; `retry_later` alone compares them with the policy's limit.
@@ -15,20 +20,26 @@ counts the attempts; `retry_later` alone compares them with the policy's limit.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import RetryPolicy
 from app.db.dialect import dialect_of, picked_once
 from app.db.types import utcnow
+from app.waits import event_set_within
+
+log = logging.getLogger("atropos.worker")
 
 
 def worker_id() -> str:
@@ -78,16 +89,69 @@ def held_by(table: sa.Table, lease: Lease) -> sa.ColumnElement[bool]:
     return table.c.lease_owner == lease.owner
 
 
-async def renew(conn: AsyncConnection, table: sa.Table, key_value: Any, lease: Lease) -> bool:
-    """Extend a held lease by its full length (work that outlasts one lease, such as a
-    training job, renews it as it goes). False when the lease was lost to another worker."""
+async def renew(
+    conn: AsyncConnection, table: sa.Table, keys: Collection[Any], lease: Lease
+) -> set[Any]:
+    """Extend the held leases of the rows `keys` by their full length; returns the keys
+    renewed (the others were lost to another worker)."""
     key = next(iter(table.primary_key.columns))
     result = await conn.execute(
         sa.update(table)
-        .where(key == key_value, held_by(table, lease))
+        .where(key.in_(list(keys)), held_by(table, lease))
         .values(lease_expires_at=utcnow() + timedelta(seconds=lease.seconds))
+        .returning(key)
     )
-    return result.rowcount == 1
+    return set(result.scalars())
+
+
+class Heartbeat:
+    """Keeps the leases of the rows a worker is working on: one task renews all of
+    them (one UPDATE) every third of the lease, for as long as any is held. `lost` is
+    the warning for a row whose lease another worker took meanwhile (%s: its key)."""
+
+    def __init__(self, engine: AsyncEngine, table: sa.Table, lease: Lease, *, lost: str) -> None:
+        self._engine = engine
+        self._table = table
+        self._lease = lease
+        self._lost = lost
+        self._held: set[Any] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._idle = asyncio.Event()  # set when nothing is held: the task ends at once
+
+    @contextmanager
+    def holding(self, keys: Iterable[Any]) -> Iterator[None]:
+        """The leases of `keys` are kept for the duration of the block."""
+        keys = set(keys)
+        self._held |= keys
+        if keys:
+            self._idle.clear()
+            if self._task is None or self._task.done():
+                self._task = asyncio.create_task(
+                    self._beat(), name=f"heartbeat-{self._table.name}"
+                )
+        try:
+            yield
+        finally:
+            self._held -= keys
+            if not self._held:
+                self._idle.set()
+
+    async def _beat(self) -> None:
+        while self._held:
+            if await event_set_within(self._idle, self._lease.seconds / 3):
+                continue  # all released (unless more was taken since): look again
+            held = set(self._held)
+            try:
+                async with self._engine.begin() as conn:
+                    renewed = await renew(conn, self._table, held, self._lease)
+            except (SQLAlchemyError, OSError) as exc:
+                # The next beat tries again; the lease has two more thirds to run.
+                log.warning("renewing %d %s leases failed: %s", len(held), self._table.name, exc)
+                continue
+            for key in held - renewed:
+                if key in self._held:
+                    log.warning(self._lost, key)
+                    self._held.discard(key)
 
 
 RELEASED = {"lease_owner": None, "lease_expires_at": None}

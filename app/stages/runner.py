@@ -1,9 +1,12 @@
-"""The background stages (compression, distribution, delivery) and the loops that
-run them: claim -> work -> advance, until there is nothing left, then sleep until
-woken or until flush_interval_seconds has passed (the longest a missed wake-up can
-delay a trace). The stages take turns in one loop, except those added `apart`
-(delivery: a training job polls for minutes), which get a loop of their own so that
-they never hold up compression or batching.
+"""The background stages (compression, distribution, delivery, retention) and the
+loops that run them: claim -> work -> advance, until there is nothing left, then sleep
+until woken or until flush_interval_seconds has passed (the longest a missed wake-up
+can delay a trace). Each stage runs in a loop of its own, so that none waits for
+another: batches form while summaries are being written, and a training job that
+polls for minutes holds up nothing.
+
+A stage may keep work in flight past `run_once` (compression's model calls); it is
+then `Concurrent`, and `drain` (`--burst`) waits for that work too.
 
 Every stage keeps its state in the database, so any process may die at any moment
 and the next one picks the work up.
@@ -13,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Protocol
+from typing import Protocol, runtime_checkable
+
+from app.waits import event_set_within
 
 log = logging.getLogger("atropos.worker")
 
@@ -26,19 +31,29 @@ class PipelineStage(Protocol):
         ...
 
 
+@runtime_checkable
+class Concurrent(Protocol):
+    """A stage with work in flight beyond run_once."""
+
+    async def settle(self) -> None:
+        """Wait until the work in flight is done."""
+        ...
+
+    async def close(self) -> None:
+        """Abandon the work in flight (its leases run out for the next worker)."""
+        ...
+
+
 class StageRunner:
     def __init__(self, flush_interval: float) -> None:
         self.stages: list[PipelineStage] = []
-        self._apart: list[PipelineStage] = []
         self._flush_interval = flush_interval
         self._wakes: list[asyncio.Event] = []
         self._tasks: list[asyncio.Task[None]] = []
 
-    def add(self, *stages: PipelineStage, apart: bool = False) -> None:
-        """Stages in pipeline order; `apart`: in a loop of its own when started."""
+    def add(self, *stages: PipelineStage) -> None:
+        """Stages in pipeline order."""
         self.stages.extend(stages)
-        if apart:
-            self._apart.extend(stages)
 
     def wake(self) -> None:
         """Called after each ingest commit and stage move: the next stage starts now."""
@@ -46,18 +61,25 @@ class StageRunner:
             event.set()
 
     async def drain(self) -> int:
-        """Run every stage until none has work left (`--burst`). Returns items advanced."""
-        return await self._drain(self.stages)
+        """Run every stage until none has work left, in flight included (`--burst`).
+        Returns items advanced."""
+        total = 0
+        while True:
+            advanced = 0
+            for stage in self.stages:
+                advanced += await self._run_stage(stage)
+                if isinstance(stage, Concurrent):
+                    await stage.settle()
+            total += advanced
+            if advanced == 0:
+                return total
 
     def start(self) -> None:
-        together = [stage for stage in self.stages if stage not in self._apart]
-        for group in [together, *([stage] for stage in self._apart)]:
-            if not group:
-                continue
+        for stage in self.stages:
             event = asyncio.Event()
             self._wakes.append(event)
-            name = "stages-" + "-".join(stage.name for stage in group)
-            self._tasks.append(asyncio.create_task(self._loop(group, event), name=name))
+            self._tasks.append(asyncio.create_task(self._loop(stage, event),
+                                                   name=f"stage-{stage.name}"))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -65,25 +87,16 @@ class StageRunner:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
         self._wakes.clear()
+        for stage in self.stages:
+            if isinstance(stage, Concurrent):
+                await stage.close()
 
-    async def _drain(self, stages: list[PipelineStage]) -> int:
-        total = 0
-        while True:
-            advanced = 0
-            for stage in stages:
-                advanced += await self._run_stage(stage)
-            total += advanced
-            if advanced == 0:
-                return total
-
-    async def _loop(self, stages: list[PipelineStage], wake: asyncio.Event) -> None:
+    async def _loop(self, stage: PipelineStage, wake: asyncio.Event) -> None:
         while True:
             wake.clear()
-            await self._drain(stages)
-            try:
-                await asyncio.wait_for(wake.wait(), self._flush_interval)
-            except TimeoutError:
+            while await self._run_stage(stage):
                 pass
+            await event_set_within(wake, self._flush_interval)
 
     async def _run_stage(self, stage: PipelineStage) -> int:
         try:

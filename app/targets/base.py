@@ -4,6 +4,7 @@ app/targets/__init__.py."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -14,6 +15,9 @@ import httpx
 from app import formats
 from app.config import DistributorConfig, TinkerConfig
 from app.domain import Trace
+from app.errors import Unexportable
+
+log = logging.getLogger("atropos.delivery")
 
 SaveReceipt = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -47,6 +51,18 @@ class Batch:
     items: list[BatchItem]
     # What earlier attempts recorded (a training job under way); {} on the first.
     receipt: dict[str, Any]
+
+    def records(self, fmt: str) -> list[tuple[BatchItem, dict[str, Any]]]:
+        """Each item's record in `fmt`, less those the format cannot hold (an OpenAI
+        record needs an assistant turn): a trainer gets nothing it cannot load."""
+        out = []
+        for item in self.items:
+            try:
+                out.append((item, item.record(fmt)))
+            except Unexportable as exc:
+                log.warning("batch %s: trace %s left out of the %s file: %s",
+                            self.batch_id, item.trace_id, fmt, exc.message)
+        return out
 
 
 class Target(Protocol):

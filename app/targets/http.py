@@ -46,12 +46,12 @@ class HttpTarget:
             "format": self._fmt,
             "traces": [
                 {
-                    **item.record(self._fmt),
+                    **record,
                     "trace_id": item.trace_id,
                     "reward": item.reward,
                     "env_reward": item.env_reward,
                 }
-                for item in batch.items
+                for item, record in batch.records(self._fmt)
             ],
         }
         try:

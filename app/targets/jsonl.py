@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import uuid
 from pathlib import Path
 from typing import Any, Literal
 
 import orjson
 
+from app import files
 from app.config import DistributorConfig, HomePath
 from app.db.types import utcnow
 from app.targets.base import Batch, Resources, SaveReceipt, TargetSpec
@@ -44,13 +44,14 @@ class JsonlTarget:
         return await asyncio.to_thread(self._write, batch)
 
     def _write(self, batch: Batch) -> dict[str, Any]:
-        self._dir.mkdir(parents=True, exist_ok=True)
+        files.make_dir(self._dir)
         path = self._dir / f"{batch.batch_id}.jsonl"
-        body = b"".join(orjson.dumps(item.record(self._fmt)) + b"\n" for item in batch.items)
+        records = batch.records(self._fmt)
+        body = b"".join(orjson.dumps(record) + b"\n" for _, record in records)
         existed = path.exists()
         # A name of its own: a worker whose lease expired may still be writing the same batch.
-        tmp = self._dir / f".{batch.batch_id}.{uuid.uuid4().hex[:8]}.tmp"
-        with open(tmp, "wb") as f:
+        tmp, f = files.temporary(self._dir, batch.batch_id)
+        with f:
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
@@ -60,16 +61,16 @@ class JsonlTarget:
             "batch_id": batch.batch_id,
             "file": path.name,
             "format": self._fmt,
-            "size": len(batch.items),
+            "size": len(records),
             "bytes": len(body),
             "sha256": hashlib.sha256(body).hexdigest(),
             "created_at": batch.created_at.isoformat(),
             "written_at": utcnow().isoformat(),
-            "trace_ids": [item.trace_id for item in batch.items],
+            "trace_ids": [item.trace_id for item, _ in records],
             # Aligned with trace_ids: the hub's reward and the environment's own (null
             # when it sent none).
-            "rewards": [item.reward for item in batch.items],
-            "env_rewards": [item.env_reward for item in batch.items],
+            "rewards": [item.reward for item, _ in records],
+            "env_rewards": [item.env_reward for item, _ in records],
         }
         manifest = self._dir / MANIFEST
         if not (existed and _listed(manifest, batch.batch_id)):
@@ -89,7 +90,7 @@ def _listed(manifest: Path, batch_id: str) -> bool:
 
 def _append(path: Path, line: bytes) -> None:
     # O_APPEND with one write(): concurrent writers (several workers) never interleave.
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = files.create(path, os.O_WRONLY | os.O_APPEND)
     try:
         os.write(fd, line)
         os.fsync(fd)

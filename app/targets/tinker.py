@@ -33,21 +33,21 @@ class TinkerTarget:
         self._backend = backend or backend_for(tinker, http)
 
     async def deliver(self, batch: Batch, save: SaveReceipt) -> dict[str, Any]:
-        examples = [_example(item) for item in batch.items]
+        examples = [_example(item, record) for item, record in batch.records("openai")]
         with TrainerLog(self._tinker.logs_dir, batch.batch_id) as log:
             job = TrainingRun(examples, batch.batch_id, dict(batch.receipt), save, log)
             return await run(self._backend, job, http=self._http, tinker=self._tinker)
 
 
-def _example(item: BatchItem) -> Example:
+def _example(item: BatchItem, record: dict[str, Any]) -> Example:
     meta = item.trace.metadata
     tokens = meta.get("tokens")
     if item.compressed or not _ints(tokens):
-        return Example(item.record("openai"))
+        return Example(record)
     masks = meta.get("masks")
     if not (_ints(masks) and len(masks) == len(tokens)):
         masks = None
-    return Example(item.record("openai"), tokens=tokens, masks=masks)
+    return Example(record, tokens=tokens, masks=masks)
 
 
 def _ints(value: Any) -> TypeGuard[list[int]]:

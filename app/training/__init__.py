@@ -30,6 +30,7 @@ from typing import IO, Any, Protocol
 
 import httpx
 
+from app import files
 from app.config import TinkerConfig
 from app.llm import chat
 
@@ -71,8 +72,8 @@ class TrainerLog:
 
     def __init__(self, directory: str | Path, run_id: str) -> None:
         self.path = Path(directory).expanduser() / f"trainer_{run_id}.log"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] = self.path.open("a", encoding="utf-8")
+        files.make_dir(self.path.parent)
+        self._file: IO[str] = files.open_new(self.path, "a", encoding="utf-8")
 
     def line(self, text: str, level: int = logging.INFO) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import orjson
 
-from app import formats
+from app import files, formats
 from app.config import TinkerConfig
 from app.errors import ConfigError, HubError
 from app.training import Example, TrainerLog, TrainingRun, backend_for, hyperparameters, run
@@ -56,7 +56,7 @@ def _record(line: bytes, path: Path, number: int) -> dict[str, Any]:
 async def train_dataset(tinker: TinkerConfig, dataset: Path, output: Path) -> dict[str, Any]:
     """Run (or resume) the job; returns the job record written to DIR/job.json."""
     examples = read_examples(dataset)
-    output.mkdir(parents=True, exist_ok=True)
+    files.make_dir(output)
     job_file = output / JOB_FILE
     state: dict[str, Any] = json.loads(job_file.read_text()) if job_file.exists() else {}
     run_id = state.get("run_id") or uuid.uuid4().hex[:8]
@@ -79,6 +79,7 @@ async def train_dataset(tinker: TinkerConfig, dataset: Path, output: Path) -> di
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    tmp, f = files.temporary(path.parent, path.name)
+    with f:
+        f.write((json.dumps(value, indent=2) + "\n").encode())
     os.replace(tmp, path)

@@ -13,11 +13,16 @@ the tokenizer tinker.tokenizer names (Hugging Face), training on assistant turns
 Each batch trains a fresh adapter on the base model, as each fine-tuning job of the
 openai backend does.
 
-Idempotency: the SDK has no job to look up, so after the last optim_step the training
-state is saved under the key and its path recorded in the receipt; a redelivery after
-that loads the state and only saves the weights again (under the same name). A worker
-killed during the steps trains that batch again: the one window where a batch can be
-trained twice, and only with this backend.
+Idempotency: the SDK has no job to look up, so the receipt (stored with the batch in
+the database, or in `atropos train`'s job.json) records the progress. After each
+step (forward_backward + optim_step) the training state, weights and optimizer, is
+saved as `<key>-step-<n>` and the receipt's `progress` says `{"steps_done": n,
+"steps": N, "state_path": ...}`. A worker killed mid-steps is followed by one that
+loads the last recorded state (with its optimizer) into a fresh training client and
+goes on with step n+1: the steps after the record are redone from the recorded state,
+which does not hold them, so each step of a batch counts once. After the last step
+the receipt's `state_path` is that state: a redelivery only saves the weights for
+sampling again (under the same name).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from app.config import TinkerConfig
-from app.training import Example, TrainerLog, TrainingFailed, TrainingRun
+from app.training import Example, TrainingFailed, TrainingRun
 
 EXTRA_HINT = "pip install 'atropos-hub[tinker]'"
 
@@ -64,8 +69,7 @@ class TinkerSDK:
             client = await service.create_lora_training_client_async(
                 base_model=t.model_id, rank=t.lora_rank
             )
-            await self._steps(sdk, client, run.examples, log)
-            state = await _result_path(await client.save_state_async(name=key))
+            state = await self._steps(sdk, client, run)
             run.receipt["state_path"] = state
             await run.save()
         path = await _result_path(await client.save_weights_for_sampler_async(name=key))
@@ -73,22 +77,37 @@ class TinkerSDK:
         return {"id": key, "state": "succeeded", "model": path, "base_model": t.model_id,
                 "state_path": state, "error": None}
 
-    async def _steps(self, sdk: Any, client: Any, examples: list[Example], log: TrainerLog) -> None:
-        t = self._tinker
-        datums = [self._datum(sdk, e) for e in examples]
+    async def _steps(self, sdk: Any, client: Any, run: TrainingRun) -> str:
+        """Every step not recorded as done in `run.receipt`, each recorded once its
+        state is saved; returns the path of the state after the last step."""
+        t, log = self._tinker, run.log
+        datums = [self._datum(sdk, e) for e in run.examples]
+        chunks = [datums[start : start + t.batch_size]
+                  for start in range(0, len(datums), t.batch_size)]
+        steps = [(epoch, chunk) for epoch in range(t.epochs) for chunk in chunks]
+        progress = run.receipt.get("progress") or {"steps_done": 0, "state_path": None}
+        done = progress["steps_done"]
+        if done:
+            log.line(f"resuming after step {done} of {len(steps)}, from the state saved "
+                     f"then: {progress['state_path']}")
+            loaded = await client.load_state_with_optimizer_async(progress["state_path"])
+            await loaded.result_async()
         adam = sdk.types.AdamParams(learning_rate=t.learning_rate)
-        step = 0
-        for epoch in range(t.epochs):
-            for start in range(0, len(datums), t.batch_size):
-                chunk = datums[start : start + t.batch_size]
-                # Submitted together, awaited together: one clock cycle of the service.
-                backward = await client.forward_backward_async(chunk, "cross_entropy")
-                optim = await client.optim_step_async(adam)
-                result = await backward.result_async()
-                await optim.result_async()
-                step += 1
-                log.line(f"epoch {epoch + 1} step {step}: {len(chunk)} examples, "
-                         f"metrics {getattr(result, 'metrics', {})}")
+        for step, (epoch, chunk) in enumerate(steps[done:], start=done + 1):
+            # Submitted together, awaited together: one clock cycle of the service.
+            backward = await client.forward_backward_async(chunk, "cross_entropy")
+            optim = await client.optim_step_async(adam)
+            result = await backward.result_async()
+            await optim.result_async()
+            saved = await client.save_state_async(name=f"{run.key}-step-{step}")
+            run.receipt["progress"] = {
+                "steps_done": step, "steps": len(steps), "state_path": await _result_path(saved)
+            }
+            await run.save()
+            log.line(f"epoch {epoch + 1} step {step} of {len(steps)}: {len(chunk)} examples, "
+                     f"metrics {getattr(result, 'metrics', {})}")
+        path: str = run.receipt["progress"]["state_path"]
+        return path
 
     def _load_sdk(self) -> Any:
         if self._sdk is None:

@@ -1,6 +1,6 @@
 """What the training-run tests share: a hub with runs enabled and model keys in its
-environment, the stand-in process (runs_scripts/child.py) and its event log, waiting
-for a status, and a dump of the run tables to search for secrets."""
+environment, the stand-in process (runs_child.py) and its event log, waiting for a
+status, and a dump of the run tables to search for secrets."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import os
 import signal
 import sqlite3
 import sys
-import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +18,11 @@ import asyncpg
 import httpx
 import pytest
 
-from tests.conftest import HubProcess, write_config
+from tests.support.hubs import InProcessHub, write_config
+from tests.support.processes import HubProcess
+from tests.support.waiting import wait_until
 
-CHILD = Path(__file__).with_name("runs_scripts") / "child.py"
+CHILD = Path(__file__).with_name("runs_child.py")
 KEY_ENV = "RUNS_TEST_MODEL_KEY"
 FINISHED = {"completed", "failed", "stopped"}
 
@@ -33,9 +33,10 @@ class RunsEnv:
 
     tmp: Path
     trace_server: dict[str, Any]
+    monkeypatch: pytest.MonkeyPatch
     model_key: str = field(default_factory=lambda: f"sk-model-{uuid.uuid4().hex}")
     tinker_key: str = field(default_factory=lambda: f"tk-tinker-{uuid.uuid4().hex}")
-    hubs: list[HubProcess] = field(default_factory=list)
+    hubs: list[InProcessHub | HubProcess] = field(default_factory=list)
 
     @property
     def logs_dir(self) -> Path:
@@ -45,8 +46,24 @@ class RunsEnv:
     def events_path(self) -> Path:
         return self.tmp / "events.jsonl"
 
-    def hub(self, *, enabled: bool = True, **runs: Any) -> HubProcess:
-        """A started `atropos serve` with runs enabled and the model keys set."""
+    def hub(self, *, enabled: bool = True, listen: bool = False, **runs: Any) -> InProcessHub:
+        """A started in-process hub with runs enabled and the model keys set."""
+        for name, value in self._env().items():
+            self.monkeypatch.setenv(name, value)
+        hub = InProcessHub(*self._serve_args(enabled, runs), listen=listen).start()
+        self.hubs.append(hub)
+        return hub
+
+    def hub_process(self, **runs: Any) -> HubProcess:
+        """A started `atropos serve` process with runs enabled and the model keys set."""
+        hub = HubProcess(*self._serve_args(True, runs), env=self._env()).start()
+        self.hubs.append(hub)
+        return hub
+
+    def _env(self) -> dict[str, str]:
+        return {KEY_ENV: self.model_key, "TINKER_API_KEY": self.tinker_key}
+
+    def _serve_args(self, enabled: bool, runs: dict[str, Any]) -> tuple[Path, str, str]:
         tinker = self.tmp / "tinker.json"
         tinker.write_text(
             json.dumps({"tinker": {"base_url": "http://127.0.0.1:9/api", "api_key_env": KEY_ENV}})
@@ -56,10 +73,7 @@ class RunsEnv:
             self.trace_server,
             runs={"enabled": enabled, "logs_dir": str(self.logs_dir), **runs},
         )
-        env = {KEY_ENV: self.model_key, "TINKER_API_KEY": self.tinker_key}
-        hub = HubProcess(config, "--tinker", str(tinker), env=env).start()
-        self.hubs.append(hub)
-        return hub
+        return config, "--tinker", str(tinker)
 
     def child(self, name: str, *args: Any) -> list[str]:
         """The command of a stand-in process that records its events."""
@@ -79,19 +93,15 @@ class RunsEnv:
     def kill_everything(self) -> None:
         """Whatever a failing test left running: every group a stand-in ran in."""
         for hub in self.hubs:
-            hub.kill()
+            if isinstance(hub, HubProcess):
+                hub.kill()
+            else:
+                hub.stop()
         for pgid in {e["pgid"] for e in self.events()}:
             try:
                 os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-@pytest.fixture
-def runs_env(tmp_path: Path, trace_server: dict[str, Any]) -> Iterator[RunsEnv]:
-    env = RunsEnv(tmp_path, trace_server)
-    yield env
-    env.kill_everything()
 
 
 def spec(trainer: list[str], *environments: list[str], **options: Any) -> dict[str, Any]:
@@ -130,14 +140,15 @@ def wait_status(
     client: httpx.Client, run_id: str, statuses: set[str] | str, timeout: float = 20
 ) -> dict[str, Any]:
     wanted = {statuses} if isinstance(statuses, str) else statuses
-    deadline = time.monotonic() + timeout
-    while True:
-        run: dict[str, Any] = client.get(f"/v1/runs/{run_id}").json()
-        if run["status"] in wanted:
-            return run
-        if time.monotonic() > deadline:
-            raise AssertionError(f"run {run_id} not {wanted} after {timeout} s: {run}")
-        time.sleep(0.1)
+    run: dict[str, Any] = {}
+
+    def reached() -> bool:
+        nonlocal run
+        run = client.get(f"/v1/runs/{run_id}").json()
+        return run["status"] in wanted
+
+    wait_until(reached, timeout, what=f"run {run_id} {wanted}")
+    return run
 
 
 def free_port() -> int:

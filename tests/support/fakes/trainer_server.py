@@ -1,5 +1,5 @@
 """A fake HTTP trainer for the `http` target, served like the fake model (use
-`tests.fakes.model_server.serve`): `POST /batches` with a gzip JSON body and an
+`tests.support.fakes.model_server.serve`): `POST /batches` with a gzip JSON body and an
 `Idempotency-Key` header, answered as a real idempotent receiver would.
 
     trainer = FakeTrainer(failures=2)   # the first two requests get 503

@@ -8,6 +8,9 @@ over `job_polls` GETs; an `Idempotency-Key` already seen answers the job it crea
 Faults are scripted per request (`fake.faults.extend([...])`, consumed in order):
 "401", "403", "404", "500", "502", "no_choices", "echo_key" (a 400 whose body
 repeats the key, as some providers do), ("429", retry_after) and ("slow", seconds). With no fault left, it answers with `fake.reply(request_json)`.
+An outage is `fake.down = fault`: every chat request meets that fault until it is set
+back to None (("slow", 3600): the model hangs). `fake.delay` seconds pass before each
+answer that succeeds (a slow model).
 
     fake = FakeModel(key="sk-test")
     with serve(fake) as base_url:   # http://127.0.0.1:PORT
@@ -33,6 +36,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tests.support.waiting import wait_until
+
 Fault = str | tuple[str, float]
 
 
@@ -54,7 +59,12 @@ class FakeModel:
     model: str = "fake-model"
     reply: Callable[[dict[str, Any]], str] = _summary
     faults: list[Fault] = field(default_factory=list)
+    down: Fault | None = None
+    delay: float = 0
     received: list[Received] = field(default_factory=list)
+    # Chat requests being answered now, and the most there ever were at once.
+    in_flight: int = 0
+    most_in_flight: int = 0
     # Fine-tuning: uploaded files (id -> bytes), jobs (id -> job object), and how jobs end.
     files: dict[str, bytes] = field(default_factory=dict)
     jobs: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -69,8 +79,9 @@ class FakeModel:
     def reset(self) -> None:
         """Back to a fresh server's state (one server serves a whole test module)."""
         fresh = FakeModel(key=self.key)
-        for name in ("prefix", "faults", "received", "files", "jobs", "job_polls",
-                     "job_outcome", "_polls", "_keys"):
+        for name in ("prefix", "faults", "down", "delay", "received", "in_flight",
+                     "most_in_flight", "files", "jobs", "job_polls", "job_outcome", "_polls",
+                     "_keys"):
             setattr(self, name, getattr(fresh, name))
 
     async def _handle(self, request: Request) -> Response:
@@ -91,11 +102,26 @@ class FakeModel:
             return _error(401, "invalid_api_key", "Incorrect API key provided")
         if route != "chat/completions":
             return self._fine_tuning(request, route, body)
-        fault = self.faults.pop(0) if self.faults else None
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        counted = self.received  # a reset() since (the next test) starts a new count
+        try:
+            return await self._chat(body)
+        finally:
+            if self.received is counted:
+                self.in_flight -= 1
+
+    def chats(self) -> list[Received]:
+        return [r for r in self.received if r.path.endswith("/chat/completions")]
+
+    async def _chat(self, body: dict[str, Any]) -> Response:
+        fault = self.faults.pop(0) if self.faults else self.down
         if fault == "echo_key":
             return _error(400, "invalid_request", f"bad request for key {self.key}")
         if fault is not None:
             return await _fault(fault)
+        if self.delay:
+            await asyncio.sleep(self.delay)
         return JSONResponse(
             {
                 "id": "chatcmpl-fake",
@@ -199,10 +225,9 @@ def serve(fake: FakeModel) -> Iterator[str]:
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        while not server.started:
-            if not thread.is_alive():
-                raise RuntimeError("fake model server did not start")
-            threading.Event().wait(0.01)
+        wait_until(lambda: server.started or not thread.is_alive(), 30, what="the fake server")
+        if not server.started:
+            raise RuntimeError("fake model server did not start")
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True

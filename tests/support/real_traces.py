@@ -7,8 +7,8 @@ from pathlib import Path
 
 from app.domain import Trace
 from app.import_sources import Parsed, read_path
+from tests.support import REAL
 
-REAL = Path(__file__).resolve().parents[1].parent / "shared/fixtures/real"
 OPENHANDS = sorted(REAL.glob("openhands/multi_swe_bench_*.jsonl"))
 SWE_AGENT = sorted(REAL.glob("swe-agent/*.traj"))
 

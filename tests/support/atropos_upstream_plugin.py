@@ -2,7 +2,7 @@
 
 Those tests start their server with `python -m atroposlib.cli.run_api --host H
 --port P` (through subprocess.Popen) and talk HTTP to it. Loaded with
-`-p tests.atropos_upstream_plugin`, this plugin turns exactly that command into
+`-p tests.support.atropos_upstream_plugin`, this plugin turns exactly that command into
 `python -m app.cli serve` on H:P over a fresh, empty database per launch (a
 restarted run-api starts empty too), and leaves every other command alone.
 
@@ -22,7 +22,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ROOT, create_pg_database, drop_pg_database, write_config
+from tests.support import ROOT
+from tests.support.databases import create_pg_database, drop_pg_database
+from tests.support.hubs import write_config
 
 RUN_API = "atroposlib.cli.run_api"
 _RealPopen = subprocess.Popen

@@ -1,0 +1,109 @@
+"""The HTTP server against slow clients (app/api/server.py), with real sockets against a
+real `atropos serve`: half-sent requests are answered 408 and closed once their
+timeout passes, and meanwhile the hub still answers."""
+
+from __future__ import annotations
+
+import resource
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+HEADERS_HALF_SENT = b"POST /v1/traces HTTP/1.1\r\nHost: hub\r\nContent-Le"
+BODY_HALF_SENT = (b"POST /v1/traces HTTP/1.1\r\nHost: hub\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"task\": ")
+
+
+def _read_to_eof(sock: socket.socket, deadline: float) -> bytes:
+    data = b""
+    while chunk := _recv(sock, deadline):
+        data += chunk
+    return data
+
+
+def _recv(sock: socket.socket, deadline: float) -> bytes:
+    sock.settimeout(max(0.01, deadline - time.monotonic()))
+    try:
+        return sock.recv(65536)
+    except TimeoutError:
+        raise AssertionError("the hub did not close a half-sent request in time") from None
+    except ConnectionResetError:
+        return b""
+
+
+def test_half_sent_requests_are_timed_out_and_the_hub_still_answers(
+    start_hub_process: Any, tmp_path: Path
+) -> None:
+    """2,000 requests that stop half-way, on a hub started with the common soft limit
+    of 1,024 open files: it raises its limit to fit trace_server.max_connections,
+    answers /healthz meanwhile, and answers each 408 once its timeout has passed."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert hard >= 4096 + 2100, "the test needs to open 2,000 sockets beside the hub"
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # what the hub inherits
+    try:
+        hub = start_hub_process({"storage_backend": "sqlite", "db_path": str(tmp_path / "t.db"),
+                         "header_timeout_seconds": 3, "body_timeout_seconds": 4})
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    host, port = hub.url.removeprefix("http://").split(":")
+    held: list[tuple[socket.socket, bytes]] = []
+    try:
+        for n in range(2000):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sent = (b"", HEADERS_HALF_SENT, BODY_HALF_SENT)[n % 3] if n % 100 else b""
+            sock.sendall(sent)
+            held.append((sock, sent))
+        fastest = 10.0
+        for _ in range(3):
+            started = time.monotonic()
+            assert httpx.get(f"{hub.url}/healthz", timeout=10).status_code == 200
+            fastest = min(fastest, time.monotonic() - started)
+        assert fastest < 1, f"/healthz took {fastest:.2f} s beside 2,000 half-sent requests"
+        deadline = time.monotonic() + 60
+        for sock, sent in held:
+            answer = _read_to_eof(sock, deadline)
+            if not sent:
+                assert answer == b"", answer  # never said a word: just closed
+                continue
+            status, _, _ = answer.partition(b"\r\n")
+            assert status == b"HTTP/1.1 408 Request Timeout", answer
+            key = b"header_timeout_seconds" if sent == HEADERS_HALF_SENT else b"body_timeout"
+            assert b'"field":"trace_server.' + key in answer, answer
+    finally:
+        for sock, _ in held:
+            sock.close()
+    with hub.client() as client:
+        assert client.get("/v1/stats").json()["traces"] == 0
+    assert "Traceback" not in hub.log and "unexpected error" not in hub.log
+
+
+def test_a_slow_but_steady_body_is_read_and_headers_past_the_bound_are_refused(
+    start_hub_process: Any, tmp_path: Path
+) -> None:
+    hub = start_hub_process({"storage_backend": "sqlite", "db_path": str(tmp_path / "t.db"),
+                     "body_timeout_seconds": 2})
+    host, port = hub.url.removeprefix("http://").split(":")
+    body = b'{"trace_id": "slow", "task": "wait", "steps": []}'
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: hub\r\nContent-Type: application/json"
+                     b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+        # Each pause is under the bound, the whole is past it: the bound is on stalls.
+        for piece in (body[:16], body[16:32], body[32:]):
+            deadline = time.monotonic() + 1.2
+            while time.monotonic() < deadline:  # the client's own pace, not a wait on the hub
+                sock.settimeout(deadline - time.monotonic())
+                try:
+                    assert sock.recv(1) == b"", "the hub answered before the body was in"
+                    raise AssertionError("the hub closed a request whose body was coming")
+                except TimeoutError:
+                    pass
+            sock.sendall(piece)
+        answer = _read_to_eof(sock, time.monotonic() + 30)
+    assert answer.startswith(b"HTTP/1.1 202 "), answer
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: hub\r\n" + b"X-Filler: " + b"a" * 70_000)
+        answer = _read_to_eof(sock, time.monotonic() + 30)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
