@@ -4,8 +4,11 @@ the traceback only with --debug; typos refused; the log's level and format."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import shlex
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -209,3 +212,29 @@ def test_batches_list_and_retry_arguments(tmp_path: Path) -> None:
     assert one_line_error(both) == "error: batches retry: name one BATCH_ID or pass --all-failed"
     wrong = run_cli("batches", "list", "--state", "lost", "--config", config)
     assert wrong.returncode == 2 and "invalid choice: 'lost'" in wrong.stderr
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("atropos",)
+              ) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every parser of the `atropos` command, with the words that reach it."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, (*path, name))
+
+
+def test_every_help_ends_with_an_example_that_parses() -> None:
+    from app.cli.main import build_parser
+
+    top = build_parser()
+    seen = []
+    for path, parser in _commands(top):
+        *_, label, example = parser.format_help().rstrip().splitlines()
+        assert label == "example:", f"{' '.join(path)} --help ends with {example!r}"
+        words = shlex.split(example)
+        assert tuple(words[: len(path)]) == path, f"{example!r} is not `{' '.join(path)} ...`"
+        top.parse_args(words[1:])  # exits (SystemExit) if the example does not parse
+        seen.append(" ".join(path[1:]))
+    assert {"serve", "worker", "import", "export", "prune", "batches list", "db upgrade",
+            "keys create", "run", "train", "doctor", "rescore"} <= set(seen)

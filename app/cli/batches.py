@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from app.cli.options import Commands, command
+from app.cli.options import Commands, command, group
 from app.config import load_config
 from app.db.batch_queries import list_batches, retry_batch, retry_failed_batches
 from app.domain import BatchState
@@ -14,15 +14,15 @@ from app.hub import database
 
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
-    group = commands.add_parser("batches", help="training batches")
-    batch_commands = group.add_subparsers(dest="batches_command", required=True)
+    batch_commands = group(commands, "batches", help="training batches",
+                           example="atropos batches list --config config.json --state failed")
     listing = command(batch_commands, "list", _list, help="the newest batches, one per line",
-                      epilog="example: atropos batches list --config config.json --state failed")
+                      example="atropos batches list --config config.json --state failed")
     listing.add_argument("--state", choices=[state.value for state in BatchState],
                          help="only batches in this state")
     listing.add_argument("--limit", type=int, default=50, help="at most this many (default 50)")
     retry = command(batch_commands, "retry", _retry, help="re-queue failed batches",
-                    epilog="example: atropos batches retry --config config.json --all-failed")
+                    example="atropos batches retry --config config.json --all-failed")
     retry.add_argument("batch_id", nargs="?", help="the failed batch to re-queue")
     retry.add_argument("--all-failed", action="store_true", help="every failed batch")
 

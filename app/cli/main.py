@@ -32,7 +32,7 @@ _COMMAND_GROUPS = (serve, importer, rescore, train, export, doctor, batches, pru
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     debug = getattr(args, "debug", False) or os.environ.get("ATROPOS_DEBUG") == "1"
     try:
@@ -60,8 +60,12 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="atropos", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="atropos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Each command's --help lists its options and ends with an example.\n\n"
+               "example:\n  atropos serve --config config.json",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     for group in _COMMAND_GROUPS:
         group.register(commands)

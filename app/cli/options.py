@@ -23,13 +23,14 @@ def command(
     name: str,
     run: Run,
     *,
+    example: str,
     config: str | None = "config.json",
     **parser: Any,
 ) -> argparse.ArgumentParser:
     """The subcommand `name`, which `run` carries out, with the options every command
     has: `--config` (the file it names, when it reads one), the log's level and format,
-    and `--debug`."""
-    declared = commands.add_parser(name, **parser)
+    and `--debug`. Its --help ends with `example`, a command line to copy."""
+    declared = commands.add_parser(name, **_with_example(parser, example))
     if config is not None:
         declared.add_argument("--config", required=True, help=config)
     declared.add_argument(
@@ -51,6 +52,23 @@ def command(
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def group(
+    commands: Commands[argparse.ArgumentParser], name: str, *, help: str, example: str
+) -> Commands[argparse.ArgumentParser]:
+    """A command with subcommands (`atropos batches list`); returns where they go."""
+    declared = commands.add_parser(name, help=help, **_with_example({}, example))
+    return declared.add_subparsers(dest=f"{name}_command", required=True)
+
+
+def _with_example(parser: dict[str, Any], example: str) -> dict[str, Any]:
+    """add_parser's keywords with `example` as the epilog, kept as written."""
+    return {
+        "formatter_class": argparse.RawDescriptionHelpFormatter,
+        **parser,
+        "epilog": f"example:\n  {example}",
+    }
 
 
 def add_hub_files(parser: argparse.ArgumentParser) -> None:

@@ -211,7 +211,8 @@ def _with_outcome(payload: dict[str, Any] | None, outcome: Outcome) -> dict[str,
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
     parser = command(commands, "rescore", _rescore,
-                     help="score stored traces with the current rules")
+                     help="score stored traces with the current rules",
+                     example="atropos rescore --config config.json --since 7d")
     add_since(parser)
 
 

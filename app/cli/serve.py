@@ -25,12 +25,15 @@ log = logging.getLogger("atropos")
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
     serve = command(commands, "serve", _serve,
-                    help="run the HTTP API and the background stages")
+                    help="run the HTTP API and the background stages",
+                    example="atropos serve --config config.json --compression "
+                            "compression.json")
     add_hub_files(serve)
     serve.add_argument(
         "--no-workers", action="store_true", help="run the API alone (no background stages)"
     )
-    worker = command(commands, "worker", _worker, help="run the background stages only")
+    worker = command(commands, "worker", _worker, help="run the background stages only",
+                     example="atropos worker --config config.json --burst")
     add_hub_files(worker)
     worker.add_argument("--burst", action="store_true", help="drain the work, then exit")
 
