@@ -238,3 +238,23 @@ def test_every_help_ends_with_an_example_that_parses() -> None:
         seen.append(" ".join(path[1:]))
     assert {"serve", "worker", "import", "export", "prune", "batches list", "db upgrade",
             "keys create", "run", "train", "doctor", "rescore"} <= set(seen)
+
+
+# --- logs a person can read -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["/v1/traces", "/scored_data"])
+def test_a_client_gone_mid_body_is_one_info_line(
+    start_hub_process: Any, tmp_path: Path, path: str
+) -> None:
+    hub = start_hub_process({"db_path": str(tmp_path / "t.db")})
+    host, port = hub.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: hub\r\nContent-Type: application/json\r\n"
+                     "Content-Length: 100000\r\n\r\n".encode() + b'{"messages": [')
+    hub.wait_for_log("the body stopped before its end")
+    with hub.client() as client:  # the hub serves on; what it logged for the request is in
+        assert client.get("/healthz").status_code == 200
+    said = [line for line in hub.lines if path in line]
+    assert len(said) == 1 and " INFO " in said[0], hub.log
+    assert "Traceback" not in hub.log and " ERROR " not in hub.log

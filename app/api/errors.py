@@ -48,9 +48,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(error)
 
     @app.exception_handler(ClientDisconnect)
-    async def _gone(_: Request, exc: ClientDisconnect) -> JSONResponse:
-        # The client left mid-body, or was timed out (app/api/server.py): nobody is
-        # there to read this.
+    async def _gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # The client left mid-body, or was timed out (app/api/server.py): its own
+        # business, one INFO line; nobody is there to read the answer.
+        peer = request.client.host if request.client else "unknown"
+        log.info("%s %s from %s: the body stopped before its end (the client disconnected, "
+                 "or stalled past trace_server.body_timeout_seconds); nothing of it was "
+                 "stored", request.method, request.url.path, peer)
         body = {"error": {"code": "client_disconnected", "message": "the client went away"}}
         return JSONResponse(body, status_code=400)
 
