@@ -4,6 +4,7 @@ training."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -102,6 +103,7 @@ def test_prune_counts_then_deletes_in_batches(aged: InProcessHub, trace_server: 
                        "--batch-size", "3", "--yes")
         assert done.returncode == 0, done.stderr
         assert "deleted: 4 in 2 batches" in done.stdout
+        assert "deleted: 4/4 (" in done.stderr  # the progress line, without its bar in a log
         if trace_server["storage_backend"] == "sqlite":
             assert "then: VACUUM, ANALYZE" in done.stdout
         kept = {"old-high", "new-low", "old-batched", "old-leased", "old-pending-batch"}
@@ -121,29 +123,37 @@ def test_prune_counts_then_deletes_in_batches(aged: InProcessHub, trace_server: 
         assert present(client, *ALL) == {"old-batched", "old-leased", "old-pending-batch"}
 
 
-def on_a_terminal(answer: str, *args: str) -> tuple[int, str]:
-    """`atropos ARGS` with a terminal for stdin, answering its question with `answer`."""
+def on_a_terminal(answer: str, *args: str) -> tuple[int, str, str]:
+    """`atropos ARGS` with a terminal for stdin and stderr, answering its question with
+    `answer`: the exit code, stdout, and what the terminal showed."""
     controller, terminal = os.openpty()
     try:
         proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], cwd=ROOT,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=terminal,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                stdout=subprocess.PIPE, stderr=terminal, text=True)
         os.write(controller, f"{answer}\n".encode())  # waits in the terminal until read
         out, _ = proc.communicate(timeout=120)
+        os.set_blocking(controller, False)
+        shown = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(controller, 65536):
+                shown += chunk
     finally:
         os.close(controller)
         os.close(terminal)
-    return proc.returncode, out
+    return proc.returncode, out, shown.decode()
 
 
-def test_prune_asks_on_a_terminal(aged: InProcessHub) -> None:
-    args = ("prune", "--config", str(aged.config), "--older-than", "30d", "--max-reward", "5")
-    code, out = on_a_terminal("n", *args)
+def test_prune_asks_on_a_terminal_and_shows_a_progress_bar(aged: InProcessHub) -> None:
+    args = ("prune", "--config", str(aged.config), "--older-than", "30d", "--max-reward", "5",
+            "--batch-size", "2")
+    code, out, _ = on_a_terminal("n", *args)
     assert code == 1 and "matching: 4 traces" in out and "nothing deleted" in out
     with aged.client() as client:
         assert present(client, *ALL) == set(ALL)
-        code, out = on_a_terminal("y", *args)
+        code, out, shown = on_a_terminal("y", *args)
         assert code == 0 and "delete these 4 traces? [y/N]" in out and "deleted: 4" in out
+        assert f"\r[{'#' * 24}] 100% deleted: 4/4 (" in shown, shown
         assert len(present(client, *ALL)) == len(ALL) - 4
 
 

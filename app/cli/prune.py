@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from app.cli.options import Commands, command, duration
+from app.cli.progress import Progress
 from app.config import load_config
 from app.domain import NEVER_PRUNED, Stage
 from app.errors import ConfigError
@@ -72,13 +73,22 @@ async def _prune(args: argparse.Namespace) -> int:
             if input(f"delete these {counted.matched} traces? [y/N] ").strip().lower() != "y":
                 print("nothing deleted")
                 return 1
+        progress = Progress("deleted")
+
+        def deleted(n: int, matched: int) -> None:
+            progress.total = matched
+            progress.advance(n)
+
         result = await retention.prune(
             engine,
             criteria,
             batch_size=args.batch_size,
             dry_run=args.dry_run,
             vacuum=not args.no_vacuum,
+            on_deleted=deleted,
         )
+        if result.deleted:
+            progress.close()
     if args.dry_run or args.yes:  # else said before asking
         print(f"matching: {result.matched} traces {criteria.describe()}")
     if args.dry_run:
