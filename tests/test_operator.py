@@ -6,17 +6,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import signal
 import socket
-from collections.abc import Iterator
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support import REAL
+from tests.support import REAL, ROOT
+from tests.support.builders import native_trace
 from tests.support.hubs import write_config
 from tests.support.processes import run_cli
+from tests.support.waiting import wait_until
 
 PASSWORD = "s3cret-pw"
 
@@ -258,3 +265,56 @@ def test_a_client_gone_mid_body_is_one_info_line(
     said = [line for line in hub.lines if path in line]
     assert len(said) == 1 and " INFO " in said[0], hub.log
     assert "Traceback" not in hub.log and " ERROR " not in hub.log
+
+
+def stored_traces(db: Path) -> int:
+    with sqlite3.connect(db) as conn:
+        try:
+            return int(conn.execute("SELECT count(*) FROM traces").fetchone()[0])
+        except sqlite3.OperationalError:  # not migrated yet
+            return 0
+
+
+def ctrl_c(*args: str, when: Callable[[], object]) -> subprocess.CompletedProcess[str]:
+    """`atropos ARGS`, sent a terminal's Ctrl-C (SIGINT to its process group) once
+    `when()` holds."""
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        wait_until(lambda: when() or proc.poll() is not None, timeout=120, what="the moment")
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_ctrl_c_on_import_then_export(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    config = str(write_config(tmp_path, {"db_path": str(db)}))
+    many = tmp_path / "many.jsonl"
+    with many.open("w") as f:
+        for n in range(20_000):
+            f.write(json.dumps(native_trace(trace_id=f"t-{n}", task=f"task {n}")) + "\n")
+
+    imported = ctrl_c("import", "--config", config, str(many),
+                      when=lambda: stored_traces(db) >= 3000)
+    assert imported.returncode == 130, imported.stderr
+    assert "Traceback" not in imported.stderr
+    stored = stored_traces(db)
+    assert 3000 <= stored < 20_000
+    # What the summary says is stored is what the database holds.
+    assert imported.stdout.startswith(f"stored: {stored}\nduplicates: 0\n"), imported.stdout
+    assert "interrupted (Ctrl-C)" in imported.stdout
+
+    out = tmp_path / "exports"
+    out.mkdir()
+    exported = ctrl_c("export", "--config", config, "--format", "openai",
+                      "-o", str(out / "train.jsonl"), when=lambda: any(out.iterdir()))
+    assert exported.returncode == 130, exported.stderr
+    assert "Traceback" not in exported.stderr
+    assert list(out.iterdir()) == []  # neither the temporary file nor a partial export

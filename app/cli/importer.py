@@ -17,7 +17,7 @@ import httpx
 
 from app import import_sources
 from app.access.keys import bearer_from_env
-from app.cli.options import Commands, command
+from app.cli.options import Commands, command, ctrl_c_stops
 from app.cli.progress import Progress
 from app.config import HubConfig, load_config
 from app.errors import ConfigError, HubError, StartupError
@@ -156,16 +156,30 @@ async def _import(args: argparse.Namespace) -> int:
         raise StartupError(f"no such file or folder: {', '.join(missing)}")
     summary = Summary()
     progress = Progress("imported")
-    batches = chunks(records(args.paths, args.format))
-    if args.url:
-        await _over_http(args, config, batches, summary, progress)
-    else:
-        await _into_database(config, batches, summary, progress)
+    with ctrl_c_stops() as stopping:
+        batches = _until(stopping, chunks(records(args.paths, args.format)))
+        if args.url:
+            await _over_http(args, config, batches, summary, progress)
+        else:
+            await _into_database(config, batches, summary, progress)
     progress.close()
     for line in summary.lines():
         print(line)
+    if stopping.is_set():
+        print("interrupted (Ctrl-C): the traces counted above are stored; the rest were not "
+              "read. Importing the same paths again stores the rest (the stored ones come "
+              "back as duplicates)")
+        return 130
     failed = summary.refused or (args.strict and summary.unreadable)
     return 1 if failed else 0
+
+
+def _until(stopping: asyncio.Event, batches: Iterator[list[Record]]) -> Iterator[list[Record]]:
+    """The chunks, until Ctrl-C: the chunk in hand is stored and counted first."""
+    for chunk in batches:
+        if stopping.is_set():
+            return
+        yield chunk
 
 
 async def _over_http(

@@ -4,7 +4,10 @@ config files they name, and the option types (ages, durations)."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Awaitable, Callable
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -69,6 +72,25 @@ def _with_example(parser: dict[str, Any], example: str) -> dict[str, Any]:
         **parser,
         "epilog": f"example:\n  {example}",
     }
+
+
+@contextmanager
+def ctrl_c_stops() -> Iterator[asyncio.Event]:
+    """While the block runs, Ctrl-C (SIGINT) sets the event it yields: the command
+    stops after the work in hand and says what it did. A second Ctrl-C stops it at
+    once (KeyboardInterrupt, exit 130)."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+
+    def interrupted() -> None:
+        stopping.set()
+        loop.remove_signal_handler(signal.SIGINT)  # the next one interrupts
+
+    loop.add_signal_handler(signal.SIGINT, interrupted)
+    try:
+        yield stopping
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
 
 
 def add_hub_files(parser: argparse.ArgumentParser) -> None:
