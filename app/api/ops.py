@@ -56,9 +56,8 @@ def _not_ready(reason: str) -> JSONResponse:
 @router.get("/v1/stats", dependencies=[requires(Scope.READ)])
 async def stats(conn: ConnDep, hub: HubDep) -> TraceStats:
     figures = await trace_queries.stats(conn)
-    return TraceStats.model_validate(
-        {**figures, "atropos": {"envs": await hub.atropos.env_stats()}}
-    )
+    atropos = {"envs": await hub.atropos.env_stats(), **await hub.atropos.queue_figures()}
+    return TraceStats.model_validate({**figures, "atropos": atropos})
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

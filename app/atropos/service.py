@@ -77,6 +77,10 @@ class Atropos:
         """The registered envs, for /v1/stats."""
         return await status.env_stats(self.db, self.config.env_timeout_seconds)
 
+    async def queue_figures(self) -> dict[str, Any]:
+        """The step and the queue, for /v1/stats and /metrics."""
+        return await status.queue_figures(self.db)
+
     async def reset(self) -> None:
         await registration.reset(self.db)
 
