@@ -81,6 +81,9 @@ class TraceServerConfig(_Section):
     ingest_processes: int | None = Field(None, ge=1, le=64)
     # The log's level for every command run with this file (--log-level overrides it).
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # Every this many seconds, one INFO line of what the process did meanwhile (traces
+    # in, rejected, compressed, batches delivered), instead of a line per trace; 0: none.
+    log_summary_seconds: float = Field(60, ge=0)
     # Proxies whose X-Forwarded-For / X-Forwarded-Proto are believed (IPs or networks,
     # "*" for any): the client address they name is then the one the per-address rate
     # limit and the logs use. Empty: the headers are ignored, the peer's address counts.

@@ -21,10 +21,11 @@ from app.compression import ModelSummarizer
 from app.config import CompressionFile, HubConfig, TinkerFile
 from app.db import migrate
 from app.db.engine import create_engine, database_url, redacted
-from app.db.errors import unusable_database
+from app.db.errors import outage_of, unusable_database
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Ingestor, running_ingest
 from app.ingest.inserter import TraceInserter
+from app.metrics import summarizing
 from app.runs import RunSupervisor
 from app.stages.compression import CompressionStage
 from app.stages.delivery import DeliveryStage
@@ -98,7 +99,7 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
     """The background stages in pipeline order, with the HTTP client they share. Each
     stage wakes the runner when it moves traces on, so the next stage starts at once."""
     config = settings.config
-    runner = StageRunner(config.trace_server.flush_interval_seconds)
+    runner = StageRunner(config.trace_server.flush_interval_seconds, outage_of(engine))
     lease = Lease(config.workers.lease_seconds)
     async with httpx.AsyncClient() as http:
         policy = settings.compression.compression
@@ -145,6 +146,7 @@ async def running_hub(
     try:
         config = settings.config
         async with (
+            summarizing(config.trace_server.log_summary_seconds),
             running_stages(settings, engine) as stages,
             running_ingest(
                 engine, config, environment, admitted=True, on_commit=stages.wake,

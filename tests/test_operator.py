@@ -13,6 +13,7 @@ import socket
 import sqlite3
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,12 @@ import pytest
 
 from tests.support import REAL, ROOT
 from tests.support.builders import native_trace
+from tests.support.databases import (
+    PG_ADMIN_URL,
+    allow_pg_connections,
+    create_pg_database,
+    drop_pg_database,
+)
 from tests.support.hubs import write_config
 from tests.support.processes import run_cli
 from tests.support.waiting import wait_until
@@ -318,3 +325,80 @@ def test_ctrl_c_on_import_then_export(tmp_path: Path) -> None:
     assert exported.returncode == 130, exported.stderr
     assert "Traceback" not in exported.stderr
     assert list(out.iterdir()) == []  # neither the temporary file nor a partial export
+
+
+@pytest.mark.skipif(not PG_ADMIN_URL, reason="no PostgreSQL: set ATROPOS_TEST_DATABASE_URL")
+def test_a_database_lost_while_serving_is_said_once_per_kind_and_its_return(
+    start_hub_process: Any,
+) -> None:
+    url = create_pg_database()
+    try:
+        hub = start_hub_process({"storage_backend": "postgresql", "database_url": url,
+                                 "flush_interval_seconds": 0.2})
+        with hub.client() as client:
+            assert client.post("/v1/traces", json=native_trace(trace_id="before")).status_code == 202
+            allow_pg_connections(url, False)
+            for n in range(20):
+                refused = client.post("/v1/traces", json=native_trace(trace_id=f"during-{n}"))
+                assert refused.status_code == 503 and "retry-after" in refused.headers
+                assert client.get("/v1/traces").status_code == 503
+            hub.wait_for_log("the database is failing")
+            allow_pg_connections(url, True)
+            wait_until(lambda: client.post("/v1/traces", json=native_trace(trace_id="after"))
+                       .status_code == 202, timeout=30, what="writes again")
+            hub.wait_for_log("the database works again")
+        failing = [line for line in hub.lines if "the database is failing" in line]
+        kinds = [line.split("the database is failing (")[1].split(",")[0] for line in failing]
+        assert len(kinds) == len(set(kinds)) < 5, hub.log  # per kind, not per request
+        assert all(" ERROR atropos.database: " in line for line in failing)
+        assert sum("the database works again" in line for line in hub.lines) == 1
+        assert "Traceback" not in hub.log and len(hub.lines) < 30, hub.log
+    finally:
+        drop_pg_database(url)
+
+
+def summarized(lines: list[str]) -> Counter[str]:
+    """What the periodic summary lines add up to: {"traces in": n, "rejected": n, ...}."""
+    found: Counter[str] = Counter()
+    for line in lines:
+        if " INFO atropos.summary: in the last " in line:
+            for part in line.split(" s: ", 1)[1].strip().split(", "):
+                n, what = part.split(" ", 1)
+                found[what] += int(n)
+    return found
+
+
+def test_info_gets_a_periodic_summary_not_a_line_per_trace(
+    start_hub_process: Any, tmp_path: Path
+) -> None:
+    hub = start_hub_process({"db_path": str(tmp_path / "t.db"), "log_summary_seconds": 0.5,
+                             "flush_interval_seconds": 0.2},
+                            distributor={"batch_size": 10, "min_reward_threshold": -1e9})
+    streak = [{"type": "action", "tool": "t", "arguments": {}},
+              {"type": "observation", "content": "x", "error": "boom"}] * 3
+    with hub.client() as client:
+        for n in range(20):
+            assert client.post("/v1/traces", json=native_trace(trace_id=f"t-{n}")).status_code == 202
+        assert client.post("/v1/traces", json=native_trace(trace_id="streak", steps=streak)
+                           ).json()["stage"] == "rejected"
+    wait_until(lambda: summarized(hub.lines)["batches delivered"] == 2, timeout=60,
+               what="both batches in the summary lines")
+    said = summarized(hub.lines)
+    assert (said["traces in"], said["rejected"], said["batches delivered"]) == (21, 1, 2), hub.log
+    # No line names a trace that is not the first or last of a batch.
+    assert not [line for line in hub.lines if "t-5" in line], hub.log
+
+
+def test_the_import_clients_requests_are_debug_lines(
+    start_hub_process: Any, tmp_path: Path
+) -> None:
+    hub = start_hub_process({"db_path": str(tmp_path / "t.db")})
+    config = str(write_config(tmp_path, {"db_path": str(tmp_path / "t.db")}))
+    traces = tmp_path / "traces.jsonl"
+    traces.write_text(json.dumps(native_trace(trace_id="one")) + "\n")
+    quiet = run_cli("import", "--config", config, "--url", hub.url, str(traces))
+    assert quiet.returncode == 0 and "HTTP Request" not in quiet.stderr, quiet.stderr
+    told = run_cli("import", "--config", config, "--url", hub.url, str(traces),
+                   "--log-level", "debug")
+    assert told.returncode == 0, told.stderr
+    assert f"HTTP Request: POST {hub.url}/v1/traces" in told.stderr, told.stderr

@@ -11,8 +11,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from app.api.responses import JSONResponse
-from app.db.errors import database_error
-from app.errors import HubError, Invalid
+from app.db.errors import database_error, outage_of
+from app.errors import HubError, Invalid, Unavailable
 
 log = logging.getLogger("atropos.api")
 
@@ -42,9 +42,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(SQLAlchemyError)
     async def _database(request: Request, exc: SQLAlchemyError) -> JSONResponse:
-        # A lock, a full disk, a lost connection: 503, never a 500 (app/db/errors.py).
+        # A lock, a full disk, a lost connection: 503, never a 500 (app/db/errors.py),
+        # said once per kind of failure, not per request.
         error = database_error(exc)
-        log.warning("%s %s: %s (%s)", request.method, request.url.path, error.message, exc)
+        if isinstance(error, Unavailable):
+            outage_of(request.state.hub.engine).failed(
+                exc, f"answering {request.method} {request.url.path}")
+        else:
+            log.warning("%s %s: %s", request.method, request.url.path, error.message)
         return error_response(error)
 
     @app.exception_handler(ClientDisconnect)

@@ -46,5 +46,8 @@ def setup(level: str, log_format: str) -> None:
     root.setLevel(level)
     # Alembic narrates every migration step; our own line says which revision we reach.
     logging.getLogger("alembic").setLevel(max(logging.WARNING, root.level))
-    # One line per HTTP call (the import client's, the targets'): detail, not news.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
+    # One line per HTTP call (the import client's, the targets'; httpx says them at
+    # INFO): detail, shown only at DEBUG.
+    logging.getLogger("httpx").setLevel(
+        logging.DEBUG if root.level <= logging.DEBUG else max(logging.WARNING, root.level)
+    )

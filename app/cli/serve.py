@@ -19,6 +19,7 @@ from app.errors import StartupError
 from app.evaluation.environment import Environment
 from app.hub import database, open_database, running_stages
 from app.ingest.tokens import encoding
+from app.metrics import summarizing
 
 log = logging.getLogger("atropos")
 
@@ -102,6 +103,7 @@ async def _worker(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stopping.set)
         stages.start()
         log.info("Compression pipeline ready")
-        await stopping.wait()
+        async with summarizing(settings.config.trace_server.log_summary_seconds):
+            await stopping.wait()
         log.info("stopping: leases of unfinished work expire for the next worker")
         return 0

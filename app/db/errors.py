@@ -10,15 +10,22 @@ what failed and what to do (`unusable_database`).
 
 from __future__ import annotations
 
+import logging
 import sqlite3
+import time
+import weakref
+from collections import Counter
 
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import TraceServerConfig
 from app.db.engine import database_url
 from app.errors import HubError, Invalid, StartupError, Unavailable
+
+_log = logging.getLogger("atropos.database")
 
 # PostgreSQL SQLSTATE classes of what is wrong with the data: 22 data exception (a NUL
 # in text or jsonb is 22P05), 23 integrity constraint violation.
@@ -49,6 +56,67 @@ def database_error(exc: SQLAlchemyError, retry_after: int = 1) -> HubError:
         f"the database is not available for this now ({type(detail).__name__}); retry",
         retry_after=retry_after,
     )
+
+
+class Outage:
+    """The database failing while the hub runs, said as a person wants to read it: one
+    ERROR line per kind of failure (a lost connection, a full disk, a lock), not one per
+    request or retry, and one line when it works again. One per engine (`outage_of`):
+    every writer, stage and route of the process reports to the same one."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+        self._kinds: Counter[str] = Counter()
+
+    def failed(self, exc: BaseException, doing: str) -> bool:
+        """Note a failure of the database while `doing` something (the first of its
+        kind is logged). False when `exc` is not the database failing: a bug, for the
+        caller to log with its traceback."""
+        said = database_refusal(exc)
+        if said is None:
+            return False
+        kind = failure_kind(exc)
+        if self._since is None:
+            self._since = time.monotonic()
+        self._kinds[kind] += 1
+        if self._kinds[kind] == 1:
+            _log.error("the database is failing (%s, while %s): %s; requests that need it "
+                       "get 503 and the stages wait. Said once per kind of failure until it "
+                       "works again", kind, doing, said)
+        return True
+
+    def works(self) -> None:
+        """The database answered: if it was failing, say that it works again."""
+        if self._since is None:
+            return
+        kinds = ", ".join(f"{n} {kind}" for kind, n in self._kinds.most_common())
+        _log.warning("the database works again after %.1f s (%d failures: %s)",
+                     time.monotonic() - self._since, sum(self._kinds.values()), kinds)
+        self._since = None
+        self._kinds.clear()
+
+
+_outages: weakref.WeakKeyDictionary[Engine, Outage] = weakref.WeakKeyDictionary()
+
+
+def outage_of(engine: AsyncEngine) -> Outage:
+    """The Outage of this engine's database, shared by everything using the engine."""
+    outage = _outages.get(engine.sync_engine)
+    if outage is None:
+        outage = _outages[engine.sync_engine] = Outage()
+    return outage
+
+
+def failure_kind(exc: BaseException) -> str:
+    """A short name for what failed: the driver's own exception class (asyncpg has one
+    per SQLSTATE) or SQLite's result code (SQLITE_BUSY, SQLITE_FULL, ...)."""
+    cause: BaseException = exc.orig if isinstance(exc, DBAPIError) and exc.orig else exc
+    for _ in range(5):  # SQLAlchemy's adapters wrap the driver's exception
+        if cause.__cause__ is None:
+            break
+        cause = cause.__cause__
+    name = getattr(cause, "sqlite_errorname", None)
+    return name if isinstance(name, str) else type(cause).__name__
 
 
 def database_refusal(exc: BaseException) -> str | None:

@@ -32,6 +32,7 @@ from app.ingest.inserter import Stored, TraceInserter
 from app.ingest.limits import check_item, check_trace
 from app.ingest.processes import IngestProcesses
 from app.ingest.tokens import count_parts
+from app.metrics import REJECTIONS, TRACES_INGESTED, Labeled
 
 MAX_TRACE_ID_LENGTH = 200
 # env, agent.model, agent.name, policy_version: String(200) columns, which PostgreSQL
@@ -138,8 +139,15 @@ class Ingestor:
         with self._admit(1):
             (row,) = await self._processes.rows([item], fmt)
             if isinstance(row, HubError):
+                _counted(row, row, fmt)
                 raise row
-            return await self._inserter.insert(row)
+            try:
+                stored = await self._inserter.insert(row)
+            except HubError as exc:
+                _counted(row, exc, fmt)
+                raise
+            _counted(row, stored, fmt)
+            return stored
 
     async def ingest_many(
         self, items: list[Any], fmt: str | None = None
@@ -154,7 +162,10 @@ class Ingestor:
             done = iter([row for rows in prepared for row in rows])
             rows = [item if isinstance(item, HubError) else next(done) for item in items]
             waiting = [row if isinstance(row, HubError) else self._submit(row) for row in rows]
-            return [w if isinstance(w, HubError) else await _result(w) for w in waiting]
+            results = [w if isinstance(w, HubError) else await _result(w) for w in waiting]
+            for row, result in zip(rows, results):
+                _counted(row, result, fmt)
+            return results
 
     def _admit(self, traces: int) -> AbstractContextManager[None]:
         return self._admission.admit(traces) if self._admission else nullcontext()
@@ -218,6 +229,26 @@ async def running_ingest(
     finally:
         await inserter.stop()  # answers what is queued before the engine goes
         await ingestor.close()
+
+
+_ingested = Labeled(TRACES_INGESTED)
+_rejected_by = Labeled(REJECTIONS)
+
+
+def _counted(row: dict[str, Any] | HubError, result: Stored | HubError, fmt: str | None) -> None:
+    """The trace's outcome in the metrics (app/metrics.py)."""
+    source = row["source_format"] if isinstance(row, dict) else fmt or "unknown"
+    if isinstance(result, HubError):
+        outcome = "unavailable" if result.status == 503 else "refused"
+    elif result.duplicate:
+        outcome = "duplicate"
+    elif result.stage == Stage.REJECTED:
+        outcome = "rejected"
+        for reason in result.reject_reasons or ():
+            _rejected_by(str(reason.get("filter"))).inc()
+    else:
+        outcome = "accepted"
+    _ingested(source, outcome).inc()
 
 
 def _cpus() -> int:
