@@ -427,6 +427,25 @@ class AtroposConfig(_Section):
     require_key: bool = False
 
 
+def _re2_pattern(pattern: str) -> str:
+    from app.evaluation.redaction import compile_pattern  # it imports this module
+
+    compile_pattern(pattern)
+    return pattern
+
+
+class PrivacyConfig(_Section):
+    """What is redacted from every trace and Atropos group before it is stored
+    (app/evaluation/redaction.py; docs/privacy.md)."""
+
+    redact_secrets: bool = True
+    redact_emails: bool = False
+    # RE2 patterns; each match becomes [REDACTED:custom].
+    extra_patterns: list[Annotated[str, AfterValidator(_re2_pattern)]] = Field(
+        default_factory=list
+    )
+
+
 class HubConfig(_Section):
     """config.json"""
 
@@ -440,6 +459,7 @@ class HubConfig(_Section):
     atropos: AtroposConfig = Field(default_factory=AtroposConfig)
     runs: RunsConfig = Field(default_factory=RunsConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     # Absent: nothing is pruned but by `atropos prune`.
     retention: RetentionConfig | None = None
 

@@ -102,6 +102,13 @@ BATCH_TRANSITIONS: dict[BatchState, frozenset[BatchState]] = {
 }
 
 
+class Label(StrEnum):
+    """A reviewer's verdict on a trace. A `bad` trace is never batched."""
+
+    GOOD = "good"
+    BAD = "bad"
+
+
 class Step(BaseModel):
     """One step of a trajectory.
 

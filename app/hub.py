@@ -160,7 +160,7 @@ async def running_hub(
                     "(/register, /scored_data, /batch, ...) takes no key, so anyone who "
                     "reaches this port can add groups or take batches (docs/atropos.md)"
                 )
-            atropos = Atropos(engine, config.atropos, ingest.ingestor.processes)
+            atropos = Atropos(engine, config.atropos, ingest.ingestor.processes, config.privacy)
             hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos)
             atropos.start()
             background = asyncio.create_task(

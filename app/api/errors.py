@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 from app.api.responses import JSONResponse
-from app.db.errors import database_error, outage_of
-from app.errors import HubError, Invalid, Unavailable
+from app.db.errors import database_error, database_refusal, outage_of
+from app.errors import BadRequest, HubError, Invalid, NotFound, Unavailable
+
+# Renders an error as a web page for the requests that asked for a page (the
+# dashboard's), None for the others, which get the JSON body.
+PageRenderer = Callable[[Request, HubError], Awaitable[Response | None]]
 
 log = logging.getLogger("atropos.api")
 
@@ -21,22 +27,31 @@ def error_response(exc: HubError) -> JSONResponse:
     return JSONResponse(exc.to_json(), status_code=exc.status, headers=exc.headers() or None)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, page: PageRenderer | None = None) -> None:
+    async def as_page(request: Request, exc: HubError) -> Response | None:
+        return await page(request, exc) if page is not None else None
+
     @app.exception_handler(HubError)
-    async def _hub_error(_: Request, exc: HubError) -> JSONResponse:
-        return error_response(exc)
+    async def _hub_error(request: Request, exc: HubError) -> Response:
+        return await as_page(request, exc) or error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
         invalid = Invalid.from_pydantic(exc.errors())
+        shown = await as_page(request, invalid)
         # "field" is always present here, null when the error has no location.
         body = {"error": {"code": invalid.code, "message": invalid.message, "field": invalid.field}}
-        return JSONResponse(body, status_code=invalid.status)
+        return shown or JSONResponse(body, status_code=invalid.status)
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: HTTPException) -> Response:
         codes = {400: "malformed_json", 404: "not_found", 405: "method_not_allowed"}
         code = codes.get(exc.status_code, "http_error")
+        if exc.status_code in (400, 404):
+            kind = NotFound if exc.status_code == 404 else BadRequest
+            shown = await as_page(request, kind(str(exc.detail), code=code))
+            if shown is not None:
+                return shown
         body = {"error": {"code": code, "message": str(exc.detail)}}
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
@@ -49,7 +64,9 @@ def install_error_handlers(app: FastAPI) -> None:
             outage_of(request.state.hub.engine).failed(
                 exc, f"answering {request.method} {request.url.path}")
         else:
-            log.warning("%s %s: %s", request.method, request.url.path, error.message)
+            # Not str(exc): it carries the statement and its parameters (trace contents).
+            said = database_refusal(exc) or type(exc).__name__
+            log.warning("%s %s: %s (%s)", request.method, request.url.path, error.message, said)
         return error_response(error)
 
     @app.exception_handler(ClientDisconnect)

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import datetime
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import orjson
@@ -38,11 +38,12 @@ from app.atropos.tables import (
     AtroposDb,
     AtroposGroupState,
 )
-from app.config import AtroposConfig
+from app.config import AtroposConfig, PrivacyConfig
 from app.db.dialect import Dialect, for_update, reserve_ids
 from app.db.errors import outage_of
 from app.db.types import utcnow
 from app.errors import HubError, Invalid, PayloadTooLarge, Unavailable
+from app.evaluation.redaction import Redactor
 from app.ingest.body import json_array
 from app.metrics import DB_COMMITS, GROUPS_RECEIVED, Labeled
 
@@ -69,7 +70,9 @@ class NewGroup:
         return self.json.size
 
     @classmethod
-    def from_scored(cls, data: ScoredData) -> NewGroup:
+    def from_scored(cls, data: ScoredData, redactor: Redactor) -> NewGroup:
+        """`redactor` rewrites the secrets in its strings (messages, overrides); the
+        token ids are stored as sent (docs/privacy.md)."""
         try:
             # The fields hold plain lists and dicts (no nested models), in declaration
             # order: __dict__ is model_dump() without the copy.
@@ -78,6 +81,9 @@ class NewGroup:
             # An integer past 64 bits, an unpaired surrogate, nesting past 254 levels:
             # bad input, not a server fault.
             raise Invalid(f"the group cannot be stored as JSON: {exc}") from None
+        redacted, redactions = redactor.redact(data.__dict__, raw)
+        if redactions:
+            raw = orjson.dumps(redacted)
         return cls(
             env_id=data.env_id,
             size=len(data.tokens),
@@ -86,11 +92,11 @@ class NewGroup:
         )
 
 
-def prepare(body: bytes, many: bool, max_groups: int) -> list[NewGroup]:
+def prepare(body: bytes, many: bool, max_groups: int, privacy: str) -> list[NewGroup]:
     """The groups of a /scored_data body (one group) or a /scored_data_list body (a
-    list of at most `max_groups`, counted before any is parsed), validated and deflated;
-    Invalid (422) for what atroposlib would refuse. Pure CPU work: run in an ingest
-    process (app/ingest/processes.py)."""
+    list of at most `max_groups`, counted before any is parsed), validated, redacted as
+    the privacy section (its JSON) says, and deflated; Invalid (422) for what atroposlib
+    would refuse. Pure CPU work: run in an ingest process (app/ingest/processes.py)."""
     try:
         if many:
             too_many = PayloadTooLarge(
@@ -103,7 +109,14 @@ def prepare(body: bytes, many: bool, max_groups: int) -> list[NewGroup]:
             groups = [parse_group(body)]
     except InvalidGroups as exc:
         raise Invalid.from_pydantic(exc.errors) from None
-    return [NewGroup.from_scored(group) for group in groups]
+    redactor = _redactor(privacy)
+    return [NewGroup.from_scored(group, redactor) for group in groups]
+
+
+@lru_cache(maxsize=4)
+def _redactor(privacy: str) -> Redactor:
+    """The privacy section compiled once per process: RE2 patterns do not pickle."""
+    return Redactor(PrivacyConfig.model_validate_json(privacy))
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ import sqlalchemy as sa
 
 from app.atropos.presence import Presence, counts, record
 from app.atropos.tables import (
+    ATROPOS_BATCHES,
     ENVS,
     GROUPS,
     STATE,
@@ -203,3 +204,29 @@ async def _raise_group_size(db: AtroposDb, env_id: int, group_size: int) -> None
         )
 
     await db.write(work)
+
+
+async def overview(db: AtroposDb) -> dict[str, Any]:
+    """Everything the dashboard shows of the Atropos API: the trainer's registration,
+    the envs (every column, so that later ones such as when an env was last heard
+    from show up), and the queue and batches by state."""
+
+    def work(conn: sa.Connection) -> dict[str, Any]:
+        state = conn.execute(sa.select(STATE).where(STATE.c.id == 1)).first()
+        envs = conn.execute(sa.select(ENVS).order_by(ENVS.c.env_id))
+        groups = conn.execute(
+            sa.select(GROUPS.c.state, sa.func.count(),
+                      sa.func.coalesce(sa.func.sum(GROUPS.c.size), 0))
+            .group_by(GROUPS.c.state)
+        )
+        batches = conn.execute(
+            sa.select(ATROPOS_BATCHES.c.state, sa.func.count()).group_by(ATROPOS_BATCHES.c.state)
+        )
+        return {
+            "state": dict(state._mapping) if state is not None else {},
+            "envs": [dict(row._mapping) for row in envs],
+            "groups": {s: {"groups": n, "sequences": int(seqs)} for s, n, seqs in groups},
+            "batches": {s: n for s, n in batches},
+        }
+
+    return await db.read(work)

@@ -17,6 +17,8 @@ page written and dropped before the next is read, so memory stays flat whatever 
 size of the database, and no transaction stays open for the whole export. Oldest
 first. Every file is written privately (0600) under a temporary name in its own
 directory, then renamed: a reader never sees half an export.
+`--min-reward` reads `traces.reward`, which holds a reviewer's override where there is
+one; `--label good` keeps the traces a reviewer labelled good.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from app.cli.options import Commands, add_since, command
 from app.cli.progress import Progress
 from app.config import load_config
 from app.db.models import TRACES
+from app.db.trace_queries import LabelFilter, labelled
 from app.domain import Stage, Trace
 from app.errors import ConfigError, StartupError, Unexportable
 from app.evaluation.environment import Environment
@@ -71,11 +74,14 @@ class ExportQuery:
     stages: tuple[str, ...] = DEFAULT_STAGES
     dedup: bool = False
     decontaminate: dataset.Contamination | None = None
+    label: LabelFilter | None = None
 
     def clauses(self) -> list[sa.ColumnElement[bool]]:
         clauses = [*self.window(), TRACES.c.stage.in_(self.stages)]
         if self.min_reward is not None:
             clauses.append(TRACES.c.reward >= self.min_reward)
+        if self.label is not None:
+            clauses.append(labelled(self.label))
         return clauses
 
     def window(self) -> list[sa.ColumnElement[bool]]:
@@ -93,6 +99,8 @@ class ExportQuery:
         if self.min_reward is not None:
             whens.append((sa.or_(c.reward.is_(None), c.reward < self.min_reward),
                           f"reward under {self.min_reward:g}"))
+        if self.label is not None:
+            whens.append((sa.not_(labelled(self.label)), f"not labelled {self.label}"))
         return sa.case(*whens, else_=sa.null())
 
 
@@ -429,6 +437,8 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
                         help="dpo: the least reward difference of a pair (default 1)")
     parser.add_argument("--max-pairs-per-run", type=int, default=1, metavar="N",
                         help="dpo: pairs a run may be in (default 1)")
+    parser.add_argument("--label", choices=["good", "bad", "unreviewed"],
+                        help="only traces a reviewer labelled so (unreviewed: none did)")
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -496,7 +506,7 @@ def _query(args: argparse.Namespace, threshold: float) -> ExportQuery:
     if args.all:
         stages, min_reward = ALL_STAGES, None
     query = ExportQuery(args.format, args.compressed, min_reward, args.since, stages,
-                        dedup=args.dedup)
+                        dedup=args.dedup, label=args.label)
     if args.stage:
         query = replace(query, stages=tuple(args.stage))
     if args.min_reward is not None:

@@ -10,7 +10,8 @@ Traces stored before the hub kept the environment's reward (revision 0006) have 
 > 0 was "success"). Rescoring reads their outcome again (`reported_outcome`): from the
 item as received, through today's parser, or, for imports, from what the adapter kept
 in metadata; then `env_reward`, `status` and the stored traces' outcome are updated with
-the scores.
+the scores. A reviewer's
+reward override outlives a rescore: the breakdown is new, the reward stays the override.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from app import formats
 from app.cli.options import Commands, add_since, command
 from app.cli.progress import Progress
 from app.config import load_config
-from app.db.models import TRACES
+from app.db.models import REVIEWS, TRACES
 from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import Outcome, Stage, Trace
@@ -77,12 +78,17 @@ async def rescore(
         async with engine.begin() as conn:
             c = TRACES.c
             unfilled = c.env_reward.is_(None)
-            query = sa.select(
-                c.trace_id, c.created_at, c.stage, c.trace,
-                # Read only where the environment's reward may still be missing.
-                sa.case((unfilled, c.original)).label("original"),
-                sa.case((unfilled, c.compressed)).label("compressed"),
-            ).where(*_todo(environment, since))
+            query = (
+                sa.select(
+                    c.trace_id, c.created_at, c.stage, c.trace,
+                    # Read only where the environment's reward may still be missing.
+                    sa.case((unfilled, c.original)).label("original"),
+                    sa.case((unfilled, c.compressed)).label("compressed"),
+                    REVIEWS.c.reward.label("override"),
+                )
+                .select_from(TRACES.outerjoin(REVIEWS))
+                .where(*_todo(environment, since))
+            )
             if after is not None:
                 query = query.where(sa.tuple_(c.created_at, c.trace_id) > after)
             rows = (await conn.execute(query.order_by(c.created_at, c.trace_id).limit(BATCH))).all()
@@ -152,7 +158,7 @@ def _update(row: Any, environment: Environment, counts: Counter[str]) -> _Update
         "b_id": row.trace_id,
         "env_reward": outcome.reward,
         "status": outcome.status.value,
-        "reward": evaluation.reward,
+        "reward": evaluation.reward if row.override is None else row.override,
         "reward_breakdown": evaluation.breakdown,
         "reject_reasons": evaluation.reject_reasons,
     }

@@ -20,6 +20,11 @@ NAMING_CONVENTION = {
 }
 
 
+# SQLite makes only an INTEGER PRIMARY KEY an alias of the rowid (and so
+# autoincrementing); PostgreSQL wants the wider type.
+_BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
 class Base(DeclarativeBase):
     metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
@@ -31,9 +36,9 @@ class TraceRow(Base):
     __tablename__ = "traces"
 
     trace_id: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
-    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp, index=True)
+    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
     updated_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
-    status: Mapped[str] = mapped_column(sa.String(16), index=True)
+    status: Mapped[str] = mapped_column(sa.String(16))
     stage: Mapped[str] = mapped_column(sa.String(32))
     total_tokens: Mapped[int] = mapped_column(sa.Integer)
     compressed_tokens: Mapped[int | None] = mapped_column(sa.Integer)
@@ -48,8 +53,8 @@ class TraceRow(Base):
     scored_with: Mapped[str | None] = mapped_column(sa.String(16))
     # Filters for listing, copied out of the canonical trace.
     source_format: Mapped[str] = mapped_column(sa.String(32))
-    env: Mapped[str | None] = mapped_column(sa.String(200), index=True)
-    model: Mapped[str | None] = mapped_column(sa.String(200), index=True)
+    env: Mapped[str | None] = mapped_column(sa.String(200))
+    model: Mapped[str | None] = mapped_column(sa.String(200))
     agent_name: Mapped[str | None] = mapped_column(sa.String(200))
     policy_version: Mapped[str | None] = mapped_column(sa.String(200))
     # sha256 of the item as received: a resent trace_id is a duplicate only if it matches.
@@ -66,7 +71,16 @@ class TraceRow(Base):
     lease_owner: Mapped[str | None] = mapped_column(sa.String(64))
     lease_expires_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
 
-    __table_args__ = (sa.Index("ix_traces_stage_created_at", "stage", "created_at"),)
+    __table_args__ = (
+        sa.Index("ix_traces_stage_created_at", "stage", "created_at"),
+        # The trace list's orders and its filters in time order (0010).
+        sa.Index("ix_traces_created_at_trace_id", "created_at", "trace_id"),
+        sa.Index("ix_traces_status_created_at", "status", "created_at"),
+        sa.Index("ix_traces_env_created_at", "env", "created_at"),
+        sa.Index("ix_traces_model_created_at", "model", "created_at"),
+        sa.Index("ix_traces_reward_trace_id", "reward", "trace_id"),
+        sa.Index("ix_traces_total_tokens_trace_id", "total_tokens", "trace_id"),
+    )
 
 
 # The Core table, for the set-based statements (group insert, claims, stage moves).
@@ -118,6 +132,55 @@ BATCHES: sa.Table = BatchRow.__table__  # type: ignore[assignment]
 MEMBERS: sa.Table = BatchTraceRow.__table__  # type: ignore[assignment]
 
 
+class ReviewRow(Base):
+    """A person's verdict on a trace (app/db/review_queries.py): one per trace, the latest wins.
+    `reward`, when set, overrides the computed reward: it is what `traces.reward`
+    holds while the review stands."""
+
+    __tablename__ = "reviews"
+
+    trace_id: Mapped[str] = mapped_column(
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), primary_key=True
+    )
+    label: Mapped[str] = mapped_column(sa.String(8), index=True)
+    note: Mapped[str | None] = mapped_column(sa.Text)
+    reward: Mapped[float | None] = mapped_column(sa.Float)
+    reviewer: Mapped[str] = mapped_column(sa.String(200))  # the API key's name
+    reviewed_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+
+
+class ReviewClaimRow(Base):
+    """The review queue's lease on a trace: served to `holder` until `expires_at`."""
+
+    __tablename__ = "review_claims"
+
+    trace_id: Mapped[str] = mapped_column(
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), primary_key=True
+    )
+    holder: Mapped[str] = mapped_column(sa.String(200), index=True)
+    expires_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+
+
+class TraceSearchRow(Base):
+    """The searchable text of a trace (task and final answer, lowercased), filled by a
+    trigger on insert into traces (migration 0010), so that a search never reads the
+    payloads. On SQLite, the FTS5 trigram index `trace_search_index` covers `text`
+    (app/db/dialect.py `search_matches`)."""
+
+    __tablename__ = "trace_search"
+
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
+    trace_id: Mapped[str] = mapped_column(
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), unique=True
+    )
+    text: Mapped[str] = mapped_column(sa.Text)
+
+
+REVIEWS: sa.Table = ReviewRow.__table__  # type: ignore[assignment]
+REVIEW_CLAIMS: sa.Table = ReviewClaimRow.__table__  # type: ignore[assignment]
+TRACE_SEARCH: sa.Table = TraceSearchRow.__table__  # type: ignore[assignment]
+
+
 class RunRow(Base):
     """One training run (app/runs): a trainer and its environments, started, watched
     and stopped by the hub. The injected model channel (keys, URLs) is never stored."""
@@ -166,11 +229,6 @@ RUN_PROCESSES: sa.Table = RunProcessRow.__table__  # type: ignore[assignment]
 
 
 # --- the Atropos trajectory API (app/atropos) -------------------------------------
-
-# SQLite makes only an INTEGER PRIMARY KEY an alias of the rowid (and so
-# autoincrementing); PostgreSQL wants the wider type.
-_BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-
 
 class AtroposStateRow(Base):
     """The run: what the trainer registered, whether it has started, and the step.

@@ -14,19 +14,20 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import formats
-from app.config import HubConfig, LimitsConfig
+from app.config import HubConfig, LimitsConfig, PrivacyConfig
 from app.db.moves import TRACE_STAGES
 from app.db.types import EncodedJSON, utcnow
 from app.domain import Stage, Trace
 from app.errors import BadRequest, HubError, Invalid
 from app.evaluation.environment import Environment
+from app.evaluation.redaction import Redactor
 from app.ingest.admission import Admission
 from app.ingest.inserter import Stored, TraceInserter
 from app.ingest.limits import check_item, check_trace
@@ -45,20 +46,32 @@ CHUNK = 32
 
 @dataclass(frozen=True)
 class Preparer:
-    """The row for one item: limits, parse, score, filter and count its tokens. Pure
-    CPU work; pickled into each ingest process (the environment as its config)."""
+    """The row for one item: limits, redact, parse, score, filter and count its tokens.
+    Pure CPU work; pickled into each ingest process (the environment and the redactor
+    as their config)."""
 
     environment: Environment
     limits: LimitsConfig
+    redactor: Redactor = field(default_factory=lambda: Redactor(PrivacyConfig()))
 
     def row(self, item: Any, fmt: str | None = None) -> dict[str, Any]:
         # The limits are checked first, so that a trace over one costs no parsing.
         check_item(item, self.limits)
         canonical = canonical_json(item)  # refuses what the `original` column cannot hold
+        # Secrets go before anything reads the item: the stored original, the
+        # canonical trace and the content hash are all of the redacted item.
+        item, redactions = self.redactor.redact(item, canonical)
+        if redactions:
+            canonical = canonical_json(item)
         digest = hashlib.sha256(canonical).hexdigest()
         if b"\\u0000" in canonical:  # how orjson writes NUL (or the text \\u0000)
             item = _without_nul(item)
         trace = formats.parse(item, fmt)
+        if redactions:
+            trace.metadata["redactions"] = redactions
+        else:
+            # The hub's count alone, so that /v1/stats counts what it redacted.
+            trace.metadata.pop("redactions", None)
         check_trace(trace, self.limits)
         trace_id = _trace_id(trace)
         _fits_columns(trace)
@@ -113,15 +126,17 @@ class Ingestor:
         *,
         admission: Admission | None = None,
         processes: int | None = None,
+        privacy: PrivacyConfig | None = None,
     ) -> None:
         """`admission` bounds the work in flight (the HTTP API); without it (`atropos
         import`), callers wait for each chunk and are their own back-pressure.
         `processes`: ingest processes (default: one per CPU, at most 8)."""
         self._inserter = inserter
         self._admission = admission
-        self._processes = IngestProcesses(
-            Preparer(environment, limits or LimitsConfig()), processes or min(_cpus(), 8)
+        preparer = Preparer(
+            environment, limits or LimitsConfig(), Redactor(privacy or PrivacyConfig())
         )
+        self._processes = IngestProcesses(preparer, processes or min(_cpus(), 8))
 
     @property
     def processes(self) -> IngestProcesses:
@@ -220,6 +235,7 @@ async def running_ingest(
         config.limits,
         admission=admission,
         processes=config.trace_server.ingest_processes,
+        privacy=config.privacy,
     )
     inserter.start()
     if start:
@@ -308,9 +324,9 @@ def _fits_columns(trace: Trace) -> None:
         ("agent.name", trace.agent.name),
         ("policy_version", trace.policy_version),
     )
-    for field, value in labels:
+    for name, value in labels:
         if value is not None and len(value) > MAX_LABEL_LENGTH:
-            raise Invalid(f"{field} must be at most {MAX_LABEL_LENGTH} characters", field=field)
+            raise Invalid(f"{name} must be at most {MAX_LABEL_LENGTH} characters", field=name)
 
 
 def _trace_id(trace: Trace) -> str:

@@ -4,7 +4,7 @@ atropos_state gains groups_dropped: groups deleted after being served, or by
 /reset_data. The groups still stored plus these are every group received (/v1/stats).
 
 Revision ID: 0011
-Revises: 0008
+Revises: 0010
 Create Date: 2026-12-10
 """
 
@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0011"
-down_revision = "0008"
+down_revision = "0010"
 branch_labels = None
 depends_on = None
 
