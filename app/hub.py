@@ -21,10 +21,12 @@ from app.compression import ModelSummarizer
 from app.config import CompressionFile, HubConfig, TinkerFile
 from app.db import migrate
 from app.db.engine import create_engine, database_url, redacted
+from app.db.errors import outage_of, unusable_database
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Ingestor, running_ingest
 from app.ingest.inserter import TraceInserter
 from app.ingest.otlp.receiver import SpanReceiver
+from app.metrics import summarizing
 from app.runs import RunSupervisor
 from app.stages.assembly import AssemblyStage
 from app.stages.compression import CompressionStage
@@ -66,11 +68,21 @@ class Hub:
 
 
 async def open_database(config: HubConfig) -> AsyncEngine:
-    """The engine, with the schema brought to the current revision first."""
+    """The engine, with the schema brought to the current revision first. A database
+    that cannot be opened stops start-up with one line (`unusable_database`)."""
     files.use_group(config.trace_server.file_group)
-    engine = create_engine(config.trace_server)
-    log.info("database %s", redacted(database_url(config.trace_server)))
-    await migrate.upgrade(engine)
+    engine: AsyncEngine | None = None
+    try:
+        engine = create_engine(config.trace_server)
+        log.info("database %s", redacted(database_url(config.trace_server)))
+        await migrate.upgrade(engine)
+    except Exception as exc:
+        if engine is not None:
+            await engine.dispose()
+        unusable = unusable_database(config.trace_server, exc)
+        if unusable is None:
+            raise
+        raise unusable from exc
     return engine
 
 
@@ -90,7 +102,7 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
     """The background stages in pipeline order, with the HTTP client they share. Each
     stage wakes the runner when it moves traces on, so the next stage starts at once."""
     config = settings.config
-    runner = StageRunner(config.trace_server.flush_interval_seconds)
+    runner = StageRunner(config.trace_server.flush_interval_seconds, outage_of(engine))
     lease = Lease(config.workers.lease_seconds)
     async with httpx.AsyncClient() as http:
         policy = settings.compression.compression
@@ -146,6 +158,7 @@ async def running_hub(
     try:
         config = settings.config
         async with (
+            summarizing(config.trace_server.log_summary_seconds),
             running_stages(settings, engine) as stages,
             running_ingest(
                 engine, config, environment, admitted=True, on_commit=stages.wake,

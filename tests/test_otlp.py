@@ -33,6 +33,7 @@ from tests.support import ROOT
 from tests.support.databases import db_execute, make_api_key, write_lock
 from tests.support.fakes.model_server import FakeModel
 from tests.support.hubs import InProcessHub
+from tests.support.metrics import scrape, value
 from tests.support.otlp import (
     ANSWER,
     CALLS,
@@ -245,6 +246,12 @@ def test_an_instrumented_openai_agent_feeds_the_hub_by_environment_alone(
 # --- OTLP/JSON and protobuf bodies ----------------------------------------------------
 
 
+def _otlp_ingested(client: Any, outcome: str) -> float:
+    return value(scrape(client)[1], "atropos_traces_ingested_total", format="otlp",
+                 outcome=outcome)
+
+
+
 def test_otlp_json_with_hex_or_base64_ids(otlp_hub: InProcessHub) -> None:
     hexed, based = trace_id(), trace_id()
     base64_doc = document(weather_run(based))
@@ -260,6 +267,8 @@ def test_otlp_json_with_hex_or_base64_ids(otlp_hub: InProcessHub) -> None:
             assert r.json() == {}
         for tid in (hexed, based):
             assert weather_steps(trajectory(client, tid)["trace"]) == WEATHER_STEPS
+        # Counted as traces received once assembled (the counters are this process's).
+        assert _otlp_ingested(client, "accepted") >= 2
         # The dashboard shows it as any trajectory.
         page = client.get(f"/ui/traces/{hexed}")
         assert page.status_code == 200 and TASK in page.text and "get_weather" in page.text
@@ -418,9 +427,11 @@ def test_spans_without_agent_content_are_refused_and_said_why(
     tid = trace_id()
     plain = document([span(tid, "GET /", 100, {"http.request.method": "GET"})])
     with hub.client() as client:
+        refused_before = _otlp_ingested(client, "refused")
         assert client.post("/v1/traces", json=plain).status_code == 200
         posted = time.monotonic()
         wait_until(lambda: otlp_stats(client)["refused_traces"] == 1, what="the trace refused")
+        assert _otlp_ingested(client, "refused") == refused_before + 1
         assert client.get(f"/v1/traces/{tid}").status_code == 404
         hub.wait_for_log(f"OTLP trace {tid} makes no trajectory")
         # Kept for otlp.max_wait_seconds after its last span (more might make it one).

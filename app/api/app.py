@@ -12,6 +12,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from app.api import atropos, batches, ops, runs, traces, ui
 from app.api.errors import install_error_handlers
+from app.api.http_metrics import RequestMetrics
 from app.api.openapi import install_openapi
 from app.evaluation.environment import Environment
 from app.hub import Settings, running_hub
@@ -67,4 +68,5 @@ def create_app(
             allow_headers=["Authorization", "Content-Type", "Content-Encoding"],
             expose_headers=["Retry-After"],
         )
+    app.add_middleware(RequestMetrics)  # added last: the outermost, it times the others too
     return app

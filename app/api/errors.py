@@ -14,8 +14,8 @@ from starlette.responses import Response
 
 from app.api import otlp
 from app.api.responses import JSONResponse
-from app.db.errors import database_error, database_refusal
-from app.errors import BadRequest, HubError, Invalid, NotFound
+from app.db.errors import database_error, database_refusal, outage_of
+from app.errors import BadRequest, HubError, Invalid, NotFound, Unavailable
 
 # Renders an error as a web page for the requests that asked for a page (the
 # dashboard's), None for the others, which get the JSON body.
@@ -63,17 +63,26 @@ def install_error_handlers(app: FastAPI, page: PageRenderer | None = None) -> No
 
     @app.exception_handler(SQLAlchemyError)
     async def _database(request: Request, exc: SQLAlchemyError) -> Response:
-        # A lock, a full disk, a lost connection: 503, never a 500 (app/db/errors.py).
+        # A lock, a full disk, a lost connection: 503, never a 500 (app/db/errors.py),
+        # said once per kind of failure, not per request.
         error = database_error(exc)
-        # Not str(exc): it carries the statement and its parameters (trace contents).
-        said = database_refusal(exc) or type(exc).__name__
-        log.warning("%s %s: %s (%s)", request.method, request.url.path, error.message, said)
+        if isinstance(error, Unavailable):
+            outage_of(request.state.hub.engine).failed(
+                exc, f"answering {request.method} {request.url.path}")
+        else:
+            # Not str(exc): it carries the statement and its parameters (trace contents).
+            said = database_refusal(exc) or type(exc).__name__
+            log.warning("%s %s: %s (%s)", request.method, request.url.path, error.message, said)
         return otlp.error_response(request, error) or error_response(error)
 
     @app.exception_handler(ClientDisconnect)
-    async def _gone(_: Request, exc: ClientDisconnect) -> JSONResponse:
-        # The client left mid-body, or was timed out (app/api/server.py): nobody is
-        # there to read this.
+    async def _gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # The client left mid-body, or was timed out (app/api/server.py): its own
+        # business, one INFO line; nobody is there to read the answer.
+        peer = request.client.host if request.client else "unknown"
+        log.info("%s %s from %s: the body stopped before its end (the client disconnected, "
+                 "or stalled past trace_server.body_timeout_seconds); nothing of it was "
+                 "stored", request.method, request.url.path, peer)
         body = {"error": {"code": "client_disconnected", "message": "the client went away"}}
         return JSONResponse(body, status_code=400)
 

@@ -272,6 +272,15 @@ class AtroposEnvPresence(BaseModel):
 
 class AtroposStats(BaseModel):
     envs: list[AtroposEnvPresence]
+    step: int = Field(description="The trainer's step (atroposlib's current_step)")
+    groups_received: int = Field(
+        description="Groups posted to /scored_data and /scored_data_list, ever"
+    )
+    groups_waiting: dict[str, int] = Field(
+        description="Groups not yet served, by state: buffered (smaller than their env's "
+        "group_size), queued, batched (in a formed batch)"
+    )
+    queue_bytes: int = Field(description="JSON bytes of the groups waiting")
 
 
 class TraceStats(BaseModel):

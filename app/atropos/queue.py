@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import datetime
@@ -39,11 +40,12 @@ from app.atropos.tables import (
 )
 from app.config import AtroposConfig
 from app.db.dialect import Dialect, for_update, reserve_ids
-from app.db.errors import database_refusal
+from app.db.errors import outage_of
 from app.db.types import utcnow
 from app.errors import HubError, Invalid, PayloadTooLarge, Unavailable
 from app.evaluation.redaction import Redactor, redactor_for
 from app.ingest.body import json_array
+from app.metrics import DB_COMMITS, GROUPS_RECEIVED, Labeled
 
 log = logging.getLogger("atropos.queue")
 
@@ -143,6 +145,7 @@ class GroupWriter:
         self._wake = asyncio.Event()
         self._busy = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._outage = outage_of(db.engine)
 
     async def submit(self, groups: list[NewGroup]) -> list[Placed]:
         """Store the groups (all or none); returns once they are committed."""
@@ -179,14 +182,16 @@ class GroupWriter:
                 continue
             taken: list[_Request] = []
             self._busy += 1
+            started = time.monotonic()
             try:
                 results = await self._db.write(partial(self._store, taken=taken))
+                if taken:  # the other writer may have taken everything first
+                    _commits.observe(time.monotonic() - started)
+                _count(results)
+                self._outage.works()
             except Exception as exc:  # nothing in this transaction was committed
-                said = database_refusal(exc)
-                if said is None:
+                if not self._outage.failed(exc, "storing Atropos groups"):
                     log.exception("storing %d Atropos submissions failed", len(taken))
-                else:
-                    log.error("storing %d Atropos submissions failed: %s", len(taken), said)
                 error = Unavailable("the database did not accept the write; retry", retry_after=1)
                 results = [(request, error) for request in taken]
             finally:
@@ -267,6 +272,18 @@ class GroupWriter:
 
     def _overloaded(self, message: str) -> Unavailable:
         return Unavailable(message, retry_after=self._config.retry_after_seconds, code="queue_full")
+
+
+_commits = DB_COMMITS.labels("atropos_groups")
+_received = Labeled(GROUPS_RECEIVED)
+
+
+def _count(results: list[tuple[_Request, list[Placed] | HubError]]) -> None:
+    """The groups a commit stored, in the metrics (app/metrics.py)."""
+    for _, placed in results:
+        if not isinstance(placed, HubError):
+            for group in placed:
+                _received("buffered" if group.buffered else "queued").inc()
 
 
 class _Placer:

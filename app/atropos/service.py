@@ -84,6 +84,10 @@ class Atropos:
         """The registered envs, for /v1/stats."""
         return await status.env_stats(self.db, self.config.env_timeout_seconds)
 
+    async def queue_figures(self) -> dict[str, Any]:
+        """The step and the queue, for /v1/stats and /metrics."""
+        return await status.queue_figures(self.db)
+
     async def overview(self) -> dict[str, Any]:
         """The state the dashboard shows (app/api/ui)."""
         return await status.overview(self.db)

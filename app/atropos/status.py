@@ -20,6 +20,7 @@ from app.atropos.tables import (
     ENVS,
     GROUPS,
     STATE,
+    WAITING,
     AtroposDb,
     AtroposGroupState,
     AtroposRunState,
@@ -139,6 +140,34 @@ async def env_stats(db: AtroposDb, timeout: float) -> list[dict[str, Any]]:
         }
         for e in envs
     ]
+
+
+async def queue_figures(db: AtroposDb) -> dict[str, Any]:
+    """The trainer's step and the queue, for /v1/stats and /metrics: every group ever
+    received, those waiting to be served (by state) and their bytes."""
+
+    def work(conn: sa.Connection) -> dict[str, Any]:
+        size = sa.func.coalesce(sa.func.sum(GROUPS.c.bytes), 0)
+        rows = conn.execute(
+            sa.select(GROUPS.c.state, sa.func.count(), size).group_by(GROUPS.c.state)
+        ).all()
+        state = conn.execute(
+            sa.select(STATE.c.step, STATE.c.groups_dropped).where(STATE.c.id == 1)
+        ).one()
+        waiting = {s.value: 0 for s in WAITING}
+        nbytes = 0
+        for group_state, n, size in rows:
+            if group_state in waiting:
+                waiting[group_state] = int(n)
+                nbytes += int(size)
+        return {
+            "step": int(state.step),
+            "groups_received": int(state.groups_dropped) + sum(int(n) for _, n, _ in rows),
+            "groups_waiting": waiting,
+            "queue_bytes": nbytes,
+        }
+
+    return await db.read(work)
 
 
 def _envs(conn: sa.Connection) -> list[_Env]:

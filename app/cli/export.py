@@ -47,7 +47,7 @@ from app.config import load_config
 from app.db.models import TRACES
 from app.db.trace_queries import LabelFilter, labelled
 from app.domain import Stage, Trace
-from app.errors import ConfigError, Unexportable
+from app.errors import ConfigError, StartupError, Unexportable
 from app.evaluation.environment import Environment
 from app.formats import dataset
 from app.hub import database
@@ -413,7 +413,9 @@ def _card(directory: Path, args: argparse.Namespace, query: ExportQuery, tally: 
 
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
-    parser = command(commands, "export", run, help="stored traces to a training file or dataset")
+    parser = command(commands, "export", run, help="stored traces to a training file or dataset",
+                     example="atropos export --config config.json --format openai "
+                             "-o train.jsonl")
     parser.add_argument("--format", required=True, choices=sorted(FORMATS))
     parser.add_argument("--compressed", action="store_true",
                         help="the compressed view of each trace that has one")
@@ -450,6 +452,12 @@ async def run(args: argparse.Namespace) -> int:
                           "or --format dpo with -o DIR")
     if args.max_pairs_per_run < 1:
         raise ConfigError("--max-pairs-per-run must be at least 1")
+    if not _to_directory(args) and args.output != "-" \
+            and not Path(args.output).parent.is_dir():
+        raise StartupError(
+            f"-o {args.output}: the directory {Path(args.output).parent} does not exist; "
+            "create it first or write elsewhere"
+        )
     async with database(config) as engine:
         left_out = await left_out_by_selection(engine, query)
         progress = Progress("exported", await count(engine, query))
@@ -469,6 +477,17 @@ async def run(args: argparse.Namespace) -> int:
 
 async def _write(engine: AsyncEngine, query: ExportQuery, args: argparse.Namespace,
                  progress: Progress) -> Tally:
+    try:
+        return await _write_format(engine, query, args, progress)
+    except OSError as exc:
+        raise StartupError(
+            f"-o {args.output}: cannot write ({exc.strerror or exc}): "
+            "check the directory is writable and has space"
+        ) from exc
+
+
+async def _write_format(engine: AsyncEngine, query: ExportQuery, args: argparse.Namespace,
+                        progress: Progress) -> Tally:
     if args.format == "parquet":
         return await export_parquet(engine, query, Path(args.output), args.eval_fraction, progress)
     if args.format == "dpo":

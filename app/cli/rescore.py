@@ -217,7 +217,8 @@ def _with_outcome(payload: dict[str, Any] | None, outcome: Outcome) -> dict[str,
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
     parser = command(commands, "rescore", _rescore,
-                     help="score stored traces with the current rules")
+                     help="score stored traces with the current rules",
+                     example="atropos rescore --config config.json --since 7d")
     add_since(parser)
 
 
@@ -225,10 +226,31 @@ async def _rescore(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     environment = Environment.from_config(config.environment)
     async with database(config) as engine:
-        progress = Progress("rescored", await pending(engine, environment, args.since))
+        todo = await pending(engine, environment, args.since)
+        if todo == 0:
+            print(await _nothing_to_do(engine, environment, args.since))
+            return 0
+        progress = Progress("rescored", todo)
         counts = await rescore(engine, environment, since=args.since, on_batch=progress.advance)
         progress.close()
     print(f"rescored: {counts.pop('rescored', 0)}")
     for key, n in sorted(counts.items()):
         print(f"stage {key}: {n}" if "->" in key else f"{key}: {n}")
     return 0
+
+
+async def _nothing_to_do(engine: AsyncEngine, environment: Environment,
+                         since: datetime | None) -> str:
+    """Why no trace needed rescoring, in one line."""
+    window = "" if since is None else f" since {since.isoformat(timespec='seconds')}"
+    query = sa.select(sa.func.count()).select_from(TRACES)
+    if since is not None:
+        query = query.where(TRACES.c.created_at >= since)
+    async with engine.connect() as conn:
+        stored = int(await conn.scalar(query) or 0)
+    if stored == 0:
+        return f"nothing to rescore: no traces stored{window}"
+    return (f"nothing to rescore: all {stored} traces{window} are already scored with the "
+            f"current reward rules and filters (environment {environment.fingerprint[:12]}); "
+            "change environment.reward_rules or invalid_trace_filters in the config to "
+            "score them differently")

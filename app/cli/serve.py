@@ -20,18 +20,22 @@ from app.evaluation.environment import Environment
 from app.hub import add_assembly, database, open_database, running_stages
 from app.ingest.ingestor import running_ingest
 from app.ingest.tokens import encoding
+from app.metrics import summarizing
 
 log = logging.getLogger("atropos")
 
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
     serve = command(commands, "serve", _serve,
-                    help="run the HTTP API and the background stages")
+                    help="run the HTTP API and the background stages",
+                    example="atropos serve --config config.json --compression "
+                            "compression.json")
     add_hub_files(serve)
     serve.add_argument(
         "--no-workers", action="store_true", help="run the API alone (no background stages)"
     )
-    worker = command(commands, "worker", _worker, help="run the background stages only")
+    worker = command(commands, "worker", _worker, help="run the background stages only",
+                     example="atropos worker --config config.json --burst")
     add_hub_files(worker)
     worker.add_argument("--burst", action="store_true", help="drain the work, then exit")
 
@@ -108,6 +112,7 @@ async def _worker(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stopping.set)
         stages.start()
         log.info("Compression pipeline ready")
-        await stopping.wait()
+        async with summarizing(settings.config.trace_server.log_summary_seconds):
+            await stopping.wait()
         log.info("stopping: leases of unfinished work expire for the next worker")
         return 0

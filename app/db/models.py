@@ -252,6 +252,9 @@ class AtroposStateRow(Base):
     starting_step: Mapped[int | None] = mapped_column(sa.Integer)
     num_steps: Mapped[int] = mapped_column(sa.Integer, server_default="-1")
     step: Mapped[int] = mapped_column(sa.BigInteger, server_default="0")
+    # Groups deleted (served, or by /reset_data): with the rows still stored, every
+    # group ever received.
+    groups_dropped: Mapped[int] = mapped_column(sa.BigInteger, server_default="0")
     updated_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
 
 

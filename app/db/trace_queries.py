@@ -451,6 +451,28 @@ async def batch_counts(conn: AsyncConnection) -> dict[str, int]:
     return {**by_state, "total": sum(counted.values())}
 
 
+async def pipeline_counts(conn: AsyncConnection) -> dict[str, Any]:
+    """For /metrics: the count and the oldest created_at of traces by stage and of
+    batches by state, and the tokens stored. Three aggregate queries."""
+    return {
+        "traces": await _count_and_oldest(conn, TRACES.c.stage, TRACES.c.created_at),
+        "trace_tokens": int(
+            await conn.scalar(sa.select(sa.func.coalesce(sa.func.sum(TRACES.c.total_tokens), 0)))
+            or 0
+        ),
+        "batches": await _count_and_oldest(conn, BATCHES.c.state, BATCHES.c.created_at),
+    }
+
+
+async def _count_and_oldest(
+    conn: AsyncConnection, key: sa.Column[Any], created_at: sa.Column[Any]
+) -> dict[str, tuple[int, datetime | None]]:
+    rows = await conn.execute(
+        sa.select(key, sa.func.count(), sa.func.min(created_at)).group_by(key)
+    )
+    return {value: (n, oldest) for value, n, oldest in rows}
+
+
 async def _count_by(conn: AsyncConnection, column: sa.Column[Any]) -> dict[str, int]:
     rows = await conn.execute(sa.select(column, sa.func.count()).group_by(column))
     return {key: count for key, count in rows}

@@ -34,6 +34,7 @@ from app.ingest.inserter import Stored, TraceInserter
 from app.ingest.limits import check_item, check_trace
 from app.ingest.processes import IngestProcesses
 from app.ingest.tokens import count_parts
+from app.metrics import REJECTIONS, TRACES_INGESTED, Labeled
 
 MAX_TRACE_ID_LENGTH = 200
 # env, agent.model, agent.name, policy_version: String(200) columns, which PostgreSQL
@@ -164,8 +165,15 @@ class Ingestor:
         with self._admit(1):
             (row,) = await self._processes.rows([item], fmt)
             if isinstance(row, HubError):
+                _counted(row, row, fmt)
                 raise row
-            return await self._inserter.insert(row)
+            try:
+                stored = await self._inserter.insert(row)
+            except HubError as exc:
+                _counted(row, exc, fmt)
+                raise
+            _counted(row, stored, fmt)
+            return stored
 
     async def ingest_many(
         self, items: list[Any], fmt: str | None = None
@@ -178,7 +186,10 @@ class Ingestor:
             done = iter(await self.prepare(todo, fmt))
             rows = [item if isinstance(item, HubError) else next(done) for item in items]
             waiting = [row if isinstance(row, HubError) else self._submit(row) for row in rows]
-            return [w if isinstance(w, HubError) else await _result(w) for w in waiting]
+            results = [w if isinstance(w, HubError) else await _result(w) for w in waiting]
+            for row, result in zip(rows, results):
+                _counted(row, result, fmt)
+            return results
 
     async def prepare(
         self, items: list[Any], fmt: str | None = None
@@ -254,6 +265,33 @@ async def running_ingest(
     finally:
         await inserter.stop()  # answers what is queued before the engine goes
         await ingestor.close()
+
+
+_ingested = Labeled(TRACES_INGESTED)
+_rejected_by = Labeled(REJECTIONS)
+
+
+def _counted(row: dict[str, Any] | HubError, result: Stored | HubError, fmt: str | None) -> None:
+    """The trace's outcome in the metrics (app/metrics.py)."""
+    source = row["source_format"] if isinstance(row, dict) else fmt or "unknown"
+    if isinstance(result, HubError):
+        count_outcome(source, "unavailable" if result.status == 503 else "refused")
+    elif result.duplicate:
+        count_outcome(source, "duplicate")
+    else:
+        count_outcome(source, "rejected" if result.stage == Stage.REJECTED else "accepted",
+                      result.reject_reasons)
+
+
+def count_outcome(
+    source: str, outcome: str, reject_reasons: list[dict[str, Any]] | None = None
+) -> None:
+    """A trace received, in the metrics: here, and where OTLP trajectories are made
+    (app/stages/assembly.py). A rejected one counts for each filter it failed."""
+    if outcome == "rejected":
+        for reason in reject_reasons or ():
+            _rejected_by(str(reason.get("filter"))).inc()
+    _ingested(source, outcome).inc()
 
 
 def _cpus() -> int:

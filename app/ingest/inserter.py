@@ -38,12 +38,14 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.dialect import dialect_of, insert_ignoring_conflicts
-from app.db.errors import database_error, database_refusal, refuses_row
+from app.db.errors import database_error, database_refusal, outage_of, refuses_row
 from app.db.models import TRACES
 from app.errors import Conflict, Unavailable
+from app.metrics import DB_COMMITS
 from app.stages.schedule import claim_if_due
 
 log = logging.getLogger("atropos.ingest")
+_commits = DB_COMMITS.labels("traces")
 
 
 # What a resent trace is answered with: the stored result.
@@ -128,6 +130,7 @@ class TraceInserter:
         # Why the last write failed; None once one has succeeded.
         self._failure: str | None = None
         self._probe: asyncio.Task[None] | None = None
+        self._outage = outage_of(engine)
 
     def write_wait(self) -> float:
         """How long the write in progress has run (0.0 when idle): long means the
@@ -154,8 +157,10 @@ class TraceInserter:
             await claim_if_due(self._engine, "write_probe", timedelta(0))
         except Exception as exc:
             self._failure = database_refusal(exc) or type(exc).__name__
+            self._outage.failed(exc, "probing whether writes work")
         else:
             self._failure = None
+            self._outage.works()
 
     async def insert(self, row: dict[str, Any]) -> Stored:
         """Store one trace row; returns once it is committed (or found already stored).
@@ -216,12 +221,9 @@ class TraceInserter:
             try:
                 await self._write_all(batch)
             except Exception as exc:  # the batch failed as a whole: nobody was acknowledged
-                said = database_refusal(exc)
-                self._failure = said or type(exc).__name__
-                if said is None:
+                self._failure = database_refusal(exc) or type(exc).__name__
+                if not self._outage.failed(exc, "storing traces"):
                     log.exception("storing %d traces failed", len(batch))
-                else:
-                    log.error("storing %d traces failed: %s", len(batch), said)
                 for p in batch:
                     if not p.done.done():
                         p.done.set_exception(
@@ -229,6 +231,8 @@ class TraceInserter:
                         )
             else:
                 self._failure = None
+                self._outage.works()
+                _commits.observe(time.monotonic() - self._writing_since)
             finally:
                 self._writing_since = None
                 for p in batch:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from app.errors import HubError, Invalid, Unavailable
 from app.ingest.tokens import encoding
+from app.metrics import INGEST_RESTARTS
 
 if TYPE_CHECKING:
     from app.ingest.ingestor import Preparer
@@ -184,6 +185,8 @@ class IngestProcesses:
         those are prepared again by the other processes."""
         if proc in self._processes:
             self._processes.remove(proc)
+            if not self._closing:  # replaced at the next trace
+                INGEST_RESTARTS.labels("died" if proc.too_slow is None else "too_slow").inc()
             await asyncio.to_thread(proc.process.join, 5)
             if proc.too_slow is None:
                 log.error(

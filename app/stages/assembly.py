@@ -36,6 +36,7 @@ from app.domain import Stage
 from app.errors import HubError
 from app.evaluation.redaction import Redacted
 from app.formats.otlp import NAME, wire
+from app.ingest.ingestor import count_outcome
 from app.ingest.otlp import store
 from app.ingest.otlp.store import FINAL_STAGES, Settled, TraceState
 
@@ -115,6 +116,13 @@ class AssemblyStage:
                 settled.append(Settled(d.trace_id, d.spans, state, late=outcome == "late",
                                        error=error))
             await store.settle(conn, settled)
+        for trace_id in new:  # received, as far as the metrics go, once made
+            made = rows[trace_id]
+            assert not isinstance(made, HubError)
+            count_outcome(NAME, "rejected" if made["stage"] == Stage.REJECTED else "accepted",
+                          made["reject_reasons"])
+        for _ in range(outcomes["refused"]):
+            count_outcome(NAME, "refused")
         log.info("OTLP: %d traces assembled (%s)", len(due),
                  ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())))
         if (outcomes["new"] or outcomes["replaced"]) and self._on_advance is not None:

@@ -80,7 +80,8 @@ class DistributionStage:
                 break
             advanced += len(batch.trace_ids)
             log.info("batch %s formed: %d traces (%s .. %s)", batch.batch_id,
-                     len(batch.trace_ids), batch.trace_ids[0], batch.trace_ids[-1])
+                     len(batch.trace_ids), batch.trace_ids[0], batch.trace_ids[-1],
+                     extra={"batch_id": batch.batch_id})
         if advanced and self._on_advance is not None:
             self._on_advance()
         return advanced

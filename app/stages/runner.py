@@ -19,6 +19,7 @@ import asyncio
 import logging
 from typing import Protocol, runtime_checkable
 
+from app.db.errors import Outage
 from app.waits import event_set_within
 
 log = logging.getLogger("atropos.worker")
@@ -46,10 +47,12 @@ class Concurrent(Protocol):
 
 
 class StageRunner:
-    def __init__(self, flush_interval: float) -> None:
+    def __init__(self, flush_interval: float, outage: Outage) -> None:
+        """`outage`: where a stage that fails for the database's sake says so."""
         self.stages: list[PipelineStage] = []
         self._every: dict[str, float] = {}  # a stage's longest sleep, if below flush_interval
         self._flush_interval = flush_interval
+        self._outage = outage
         self._wakes: list[asyncio.Event] = []
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -108,9 +111,13 @@ class StageRunner:
 
     async def _run_stage(self, stage: PipelineStage) -> int:
         try:
-            return await stage.run_once()
-        except Exception:
-            # A stage failing on one item records that on the row itself; this is for
-            # the unexpected (database gone). Log it and let the loop try again later.
-            log.exception("stage %s failed; retrying after the flush interval", stage.name)
+            advanced = await stage.run_once()
+        except Exception as exc:
+            # A stage failing on one item records that on the row itself; this is the
+            # database failing (said once per kind), or a bug (with its traceback). The
+            # loop tries again after the flush interval.
+            if not self._outage.failed(exc, f"running the {stage.name} stage"):
+                log.exception("stage %s failed; retrying after the flush interval", stage.name)
             return 0
+        self._outage.works()
+        return advanced

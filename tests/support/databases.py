@@ -36,6 +36,15 @@ def drop_pg_database(url: str) -> None:
     _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def allow_pg_connections(url: str, allowed: bool) -> None:
+    """A PostgreSQL database lost to its clients (its connections cut, new ones
+    refused), or back; as when the server restarts or the network fails."""
+    name = make_url(url).database
+    _pg_admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(allowed).lower()}')
+    if not allowed:
+        _pg_admin(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'")
+
+
 class EmptyPgDatabases:
     """Fresh, empty PostgreSQL databases for tests, reused: CREATE DATABASE takes about a
     second, emptying one a few milliseconds. A database given back is emptied when it

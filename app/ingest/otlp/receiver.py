@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import LimitsConfig, OtlpConfig, PrivacyConfig
 from app.db.dialect import OneHop
-from app.db.errors import database_refusal
+from app.db.errors import outage_of
 from app.db.types import utcnow
 from app.errors import Unavailable
 from app.formats.otlp import wire
@@ -98,6 +98,7 @@ class SpanReceiver:
         """`processes`: where requests are read; `admission`: the HTTP API's, which
         then also counts this writer's stalls."""
         self._hop = OneHop(engine)
+        self._outage = outage_of(engine)
         self._processes = processes
         self._admission = admission
         self._limits = limits
@@ -181,14 +182,14 @@ class SpanReceiver:
             try:
                 await self._hop.run(partial(store.add_spans, records=records, now=utcnow()))
             except Exception as exc:  # the batch failed as a whole: nobody was acknowledged
-                said = database_refusal(exc)
-                if said is None:
+                # Said once per kind of failure (app/db/errors.Outage), never with the
+                # statement's parameters (the spans).
+                if not self._outage.failed(exc, "storing OTLP spans"):
                     log.exception("storing %d spans failed", len(records))
-                else:  # not str(exc): it carries the statement's parameters (the spans)
-                    log.error("storing %d spans failed: %s", len(records), said)
                 self._settle(batch, Unavailable("the database did not accept the spans; retry",
                                                 retry_after=self._limits.retry_after_seconds))
             else:
+                self._outage.works()
                 self._settle(batch, None)
             finally:
                 self._writing_since = None

@@ -1,7 +1,7 @@
 """otlp_spans and otlp_traces: OTLP spans waiting to become trajectories
 
-Revision ID: 0011
-Revises: 0010
+Revision ID: 0012
+Revises: 0011
 Create Date: 2026-12-02
 """
 
@@ -12,8 +12,8 @@ from alembic import op
 
 from migrations.types import JSON_, TIMESTAMP
 
-revision = "0011"
-down_revision = "0010"
+revision = "0012"
+down_revision = "0011"
 branch_labels = None
 depends_on = None
 
