@@ -15,7 +15,7 @@ import httpx
 from tests.support import ROOT
 from tests.support.builders import long_trace, native_trace
 from tests.support.hubs import write_config
-from tests.support.metrics import scrape, value
+from tests.support.metrics import Samples, scrape, value
 from tests.support.processes import HubProcess, WorkerProcess
 from tests.support.waiting import wait_until
 
@@ -129,13 +129,19 @@ def test_processes_sharing_a_multiproc_dir_serve_each_others_counters(tmp_path: 
                           distributor={"batch_size": 2, "min_reward_threshold": -1e9})
     hub = HubProcess(config, "--no-workers", env=env).start()
     worker = WorkerProcess(config, env=env).start()
+
+    def delivered(samples: Samples) -> bool:
+        return (value(samples, "atropos_delivery_attempt_seconds_count") == 1
+                and value(samples, "atropos_traces", stage="delivered") == 2)
+
     try:
         with hub.client() as client:
             for n in range(2):
                 assert client.post("/v1/traces", json=native_trace(trace_id=f"t-{n}")
                                    ).status_code == 202
-            wait_until(lambda: value(scrape(client)[1], "atropos_delivery_attempt_seconds_count")
-                       == 1, timeout=60, what="the worker's delivery in the hub's /metrics")
+            # The attempt is counted as it ends; the batch's move to delivered commits next.
+            wait_until(lambda: delivered(scrape(client)[1]), timeout=60,
+                       what="the worker's delivery in the hub's /metrics")
             _, samples = scrape(client)
     finally:
         worker.stop()
