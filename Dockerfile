@@ -9,8 +9,19 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /src
-COPY . .
-RUN pip install . \
+# The dependencies first, at the exact versions tested (requirements.lock; refreshed by
+# scripts/lock_requirements.py): this layer is rebuilt only when they change, not on
+# every change to the code.
+COPY pyproject.toml requirements.lock ./
+RUN pip install -r requirements.lock
+
+# Then the hub itself, without resolving anything again; pip check fails the build if
+# pyproject.toml asks for something the lock does not hold.
+COPY README.md config.json.example compression.json.example ./
+COPY migrations ./migrations
+COPY app ./app
+RUN pip install --no-deps . \
+ && pip check \
  && install -D -m 0644 config.json.example /etc/atropos/config.json \
  && install -D -m 0644 compression.json.example /etc/atropos/compression.json \
  && useradd --system --uid 10001 --home-dir /data --shell /usr/sbin/nologin atropos \

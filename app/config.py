@@ -19,7 +19,8 @@ import random
 from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, get_args
+from types import UnionType
+from typing import Annotated, Any, Literal, TypeGuard, TypeVar, Union, get_args, get_origin
 
 from pydantic import (
     AfterValidator,
@@ -28,6 +29,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainSerializer,
+    Strict,
     ValidationError,
     ValidatorFunctionWrapHandler,
     WrapValidator,
@@ -48,7 +50,9 @@ HomePath = Annotated[str, AfterValidator(lambda value: str(Path(value).expanduse
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # strict: "32" is not a number nor "yes" a boolean (environment variables are read
+    # as JSON first, and as text for a key that wants text: _env_value).
+    model_config = ConfigDict(extra="forbid", validate_default=True, strict=True)
 
 
 def _duration(value: Any) -> Any:
@@ -75,6 +79,11 @@ class TraceServerConfig(_Section):
     # Atropos groups (app/ingest/processes.py); null: one per CPU this process may run
     # on, at most 8 (~120 MB RSS each).
     ingest_processes: int | None = Field(None, ge=1, le=64)
+    # The log's level for every command run with this file (--log-level overrides it).
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # Every this many seconds, one INFO line of what the process did meanwhile (traces
+    # in, rejected, compressed, batches delivered), instead of a line per trace; 0: none.
+    log_summary_seconds: float = Field(60, ge=0)
     # Proxies whose X-Forwarded-For / X-Forwarded-Proto are believed (IPs or networks,
     # "*" for any): the client address they name is then the one the per-address rate
     # limit and the logs use. Empty: the headers are ignored, the peer's address counts.
@@ -327,7 +336,7 @@ class RetentionConfig(_Section):
     # Only traces whose reward is below this (the seed's `reward < 5`); null: any.
     max_reward: float | None = None
     # Only traces in these stages; empty: any stage (never `batched`: NEVER_PRUNED).
-    stages: list[Stage] = Field(default_factory=list)
+    stages: list[Annotated[Stage, Strict(False)]] = Field(default_factory=list)  # names
     every: Duration = Field(default_factory=lambda: timedelta(days=1))
     batch_size: int = Field(1000, gt=0)
 
@@ -418,6 +427,40 @@ class AtroposConfig(_Section):
     require_key: bool = False
 
 
+def _re2_pattern(pattern: str) -> str:
+    from app.evaluation.redaction import compile_pattern  # it imports this module
+
+    compile_pattern(pattern)
+    return pattern
+
+
+class PrivacyConfig(_Section):
+    """What is redacted from every trace and Atropos group before it is stored
+    (app/evaluation/redaction.py; docs/privacy.md)."""
+
+    redact_secrets: bool = True
+    redact_emails: bool = False
+    # RE2 patterns; each match becomes [REDACTED:custom].
+    extra_patterns: list[Annotated[str, AfterValidator(_re2_pattern)]] = Field(
+        default_factory=list
+    )
+
+
+class OtlpConfig(_Section):
+    """OTLP/HTTP traces on the ingest path (docs/otlp.md): when a trace's spans become
+    one trajectory."""
+
+    # After its root span has ended, a trace is assembled once no span of it has
+    # arrived for this long.
+    quiet_seconds: float = Field(10, gt=0)
+    # ... or this long after its first span at the latest (root span or not; marked
+    # incomplete when the root span is missing).
+    max_wait_seconds: float = Field(600, gt=0)
+    # Spans in one request (and groups of them: resource and scope), counted before
+    # any is read; past it, 413. Exporters send 512 at a time by default.
+    max_spans_per_request: int = Field(10_000, gt=0)
+
+
 class HubConfig(_Section):
     """config.json"""
 
@@ -431,6 +474,8 @@ class HubConfig(_Section):
     atropos: AtroposConfig = Field(default_factory=AtroposConfig)
     runs: RunsConfig = Field(default_factory=RunsConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    otlp: OtlpConfig = Field(default_factory=OtlpConfig)
+    privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
     # Absent: nothing is pruned but by `atropos prune`.
     retention: RetentionConfig | None = None
 
@@ -561,11 +606,13 @@ def _load(path: Path, model: type[M]) -> M:
         ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{name}: must be a JSON object with sections {_sections(model)}")
-    _apply_env_overrides(raw, model, name)
+    overridden = _apply_env_overrides(raw, model, name)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(_describe(name, exc)) from None
+        loc = exc.errors()[0]["loc"]
+        var = overridden.get((str(loc[0]), str(loc[1]))) if len(loc) > 1 else None
+        raise ConfigError(_describe(f"environment variable {var}" if var else name, exc)) from None
 
 
 def _either(names: Iterable[str]) -> str:
@@ -588,20 +635,58 @@ def _sections(model: type[BaseModel]) -> str:
     return ", ".join(model.model_fields)
 
 
-def _apply_env_overrides(raw: dict[str, Any], model: type[BaseModel], name: str) -> None:
+def _apply_env_overrides(
+    raw: dict[str, Any], model: type[BaseModel], name: str
+) -> dict[tuple[str, str], str]:
+    """Each ATROPOS_<SECTION>__<KEY> of this file into `raw`; which variable set which
+    key, so that a bad value is blamed on the variable. A variable naming no section
+    of any config file is a typo: refused."""
+    overridden: dict[tuple[str, str], str] = {}
     for var, value in os.environ.items():
         if not var.startswith(ENV_PREFIX) or "__" not in var:
             continue
         section, _, key = var[len(ENV_PREFIX) :].lower().partition("__")
+        if not any(section in m.model_fields for m in _MODELS.values()):
+            known = ", ".join(f"{ENV_PREFIX}{s.upper()}__" for m in _MODELS.values()
+                              for s in m.model_fields)
+            raise ConfigError(
+                f"environment variable {var}: no config section {section!r}; "
+                f"overrides are {ENV_PREFIX}<SECTION>__<KEY> with a section among {known}"
+            )
         if section not in model.model_fields:
             continue  # a key of another config file
         target = raw.setdefault(section, {})
         if not isinstance(target, dict):
             raise ConfigError(f"{name}: {section} must be an object (overridden by {var})")
-        try:
-            target[key] = json.loads(value)
-        except json.JSONDecodeError:
-            target[key] = value
+        target[key] = _env_value(model, section, key, value)
+        overridden[(section, key)] = var
+    return overridden
+
+
+def _env_value(model: type[BaseModel], section: str, key: str, value: str) -> Any:
+    """The variable's text as JSON when it parses (numbers, booleans, lists), except
+    for a key that wants text (a port-like password stays a string)."""
+    owner = model.model_fields[section].annotation
+    field = owner.model_fields.get(key) if _is_model(owner) else None
+    if field is not None and _wants_text(field.annotation):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _is_model(annotation: Any) -> TypeGuard[type[BaseModel]]:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _wants_text(annotation: Any) -> bool:
+    if annotation is str:
+        return True
+    if get_origin(annotation) is Annotated:
+        return _wants_text(get_args(annotation)[0])
+    args = [a for a in get_args(annotation) if a is not type(None)]
+    return get_origin(annotation) in (Union, UnionType) and args == [str]
 
 
 def _describe(name: str, exc: ValidationError) -> str:

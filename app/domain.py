@@ -62,12 +62,17 @@ TRANSITIONS: dict[Stage, frozenset[Stage]] = {
     Stage.ACCEPTED: frozenset(
         {Stage.COMPRESSED, Stage.COMPRESSION_SKIPPED, Stage.COMPRESSION_FAILED, Stage.REJECTED}
     ),
-    # The distribution stage; a rescore.
-    Stage.COMPRESSED: frozenset({Stage.BATCHED, Stage.BELOW_THRESHOLD, Stage.REJECTED}),
-    Stage.COMPRESSION_SKIPPED: frozenset({Stage.BATCHED, Stage.BELOW_THRESHOLD, Stage.REJECTED}),
-    # A rescore only: rejected by the new filters, or (from below_threshold and
-    # rejected) back to accepted for the stages to decide again.
-    Stage.COMPRESSION_FAILED: frozenset({Stage.REJECTED}),
+    # The distribution stage; a rescore; an OTLP trace assembled again (new spans: a new
+    # trajectory, scored again, whose stages start over; app/stages/assembly.py).
+    Stage.COMPRESSED: frozenset(
+        {Stage.BATCHED, Stage.BELOW_THRESHOLD, Stage.REJECTED, Stage.ACCEPTED}
+    ),
+    Stage.COMPRESSION_SKIPPED: frozenset(
+        {Stage.BATCHED, Stage.BELOW_THRESHOLD, Stage.REJECTED, Stage.ACCEPTED}
+    ),
+    # A rescore: rejected by the new filters, or (from below_threshold and rejected)
+    # back to accepted for the stages to decide again; an OTLP trace assembled again.
+    Stage.COMPRESSION_FAILED: frozenset({Stage.REJECTED, Stage.ACCEPTED}),
     Stage.BELOW_THRESHOLD: frozenset({Stage.ACCEPTED, Stage.REJECTED}),
     Stage.REJECTED: frozenset({Stage.ACCEPTED}),
     # Delivery; a rescore changes the scores of these two, never their stage.
@@ -100,6 +105,13 @@ BATCH_TRANSITIONS: dict[BatchState, frozenset[BatchState]] = {
     BatchState.FAILED: frozenset({BatchState.PENDING}),
     BatchState.DELIVERED: frozenset(),
 }
+
+
+class Label(StrEnum):
+    """A reviewer's verdict on a trace. A `bad` trace is never batched."""
+
+    GOOD = "good"
+    BAD = "bad"
 
 
 class Step(BaseModel):

@@ -21,10 +21,14 @@ from app.compression import ModelSummarizer
 from app.config import CompressionFile, HubConfig, TinkerFile
 from app.db import migrate
 from app.db.engine import create_engine, database_url, redacted
+from app.db.errors import outage_of, unusable_database
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Ingestor, running_ingest
 from app.ingest.inserter import TraceInserter
+from app.ingest.otlp.receiver import SpanReceiver
+from app.metrics import summarizing
 from app.runs import RunSupervisor
+from app.stages.assembly import AssemblyStage
 from app.stages.compression import CompressionStage
 from app.stages.delivery import DeliveryStage
 from app.stages.distribution import DistributionStage
@@ -54,6 +58,7 @@ class Hub:
     stages: StageRunner
     access: Access
     atropos: Atropos
+    spans: SpanReceiver  # OTLP/HTTP traces
     # Training runs (app/runs); None unless config.json's runs.enabled is true.
     runs: RunSupervisor | None = None
 
@@ -63,11 +68,21 @@ class Hub:
 
 
 async def open_database(config: HubConfig) -> AsyncEngine:
-    """The engine, with the schema brought to the current revision first."""
+    """The engine, with the schema brought to the current revision first. A database
+    that cannot be opened stops start-up with one line (`unusable_database`)."""
     files.use_group(config.trace_server.file_group)
-    engine = create_engine(config.trace_server)
-    log.info("database %s", redacted(database_url(config.trace_server)))
-    await migrate.upgrade(engine)
+    engine: AsyncEngine | None = None
+    try:
+        engine = create_engine(config.trace_server)
+        log.info("database %s", redacted(database_url(config.trace_server)))
+        await migrate.upgrade(engine)
+    except Exception as exc:
+        if engine is not None:
+            await engine.dispose()
+        unusable = unusable_database(config.trace_server, exc)
+        if unusable is None:
+            raise
+        raise unusable from exc
     return engine
 
 
@@ -87,7 +102,7 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
     """The background stages in pipeline order, with the HTTP client they share. Each
     stage wakes the runner when it moves traces on, so the next stage starts at once."""
     config = settings.config
-    runner = StageRunner(config.trace_server.flush_interval_seconds)
+    runner = StageRunner(config.trace_server.flush_interval_seconds, outage_of(engine))
     lease = Lease(config.workers.lease_seconds)
     async with httpx.AsyncClient() as http:
         policy = settings.compression.compression
@@ -117,6 +132,15 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
             await runner.stop()
 
 
+def add_assembly(stages: StageRunner, engine: AsyncEngine, config: HubConfig,
+                 ingestor: Ingestor) -> None:
+    """The OTLP assembly stage, which prepares its trajectories in `ingestor`'s
+    processes; its loop also wakes every poll_seconds, since its traces come due with
+    time rather than with a commit."""
+    stage = AssemblyStage(engine, config.otlp, ingestor.prepare, on_advance=stages.wake)
+    stages.add(stage, every=stage.poll_seconds)
+
+
 @asynccontextmanager
 async def running_hub(
     settings: Settings,
@@ -134,6 +158,7 @@ async def running_hub(
     try:
         config = settings.config
         async with (
+            summarizing(config.trace_server.log_summary_seconds),
             running_stages(settings, engine) as stages,
             running_ingest(
                 engine, config, environment, admitted=True, on_commit=stages.wake,
@@ -147,8 +172,14 @@ async def running_hub(
                     "(/register, /scored_data, /batch, ...) takes no key, so anyone who "
                     "reaches this port can add groups or take batches (docs/atropos.md)"
                 )
-            atropos = Atropos(engine, config.atropos, ingest.ingestor.processes)
-            hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos)
+            atropos = Atropos(engine, config.atropos, ingest.ingestor.processes, config.privacy)
+            spans = SpanReceiver(
+                engine, ingest.ingestor.processes, ingest.admission, config.limits,
+                config.otlp, config.privacy,
+            )
+            hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos,
+                      spans)
+            add_assembly(stages, engine, config, ingest.ingestor)
             atropos.start()
             background = asyncio.create_task(
                 _start_background(hub, workers, answering), name="hub-background"
@@ -168,6 +199,7 @@ async def running_hub(
                 if hub.runs is not None:
                     await hub.runs.close()  # the runs' processes keep running
                 await atropos.stop()
+                await spans.close()
     finally:
         await engine.dispose()
 

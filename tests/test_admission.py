@@ -4,56 +4,17 @@ letting requests time out; what it did admit is stored once the lock is gone."""
 
 from __future__ import annotations
 
-import asyncio
-import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any
 
-import asyncpg
 import httpx
 
 from tests.support.builders import native_trace
+from tests.support.databases import write_lock
 from tests.support.hubs import InProcessHub
 from tests.support.waiting import wait_until
-
-
-@contextmanager
-def write_lock(trace_server: dict[str, Any]) -> Iterator[None]:
-    """Hold the lock the hub needs to insert traces, as another process would (a long
-    `atropos prune`, a psql session); readers are not blocked."""
-    if trace_server["storage_backend"] == "sqlite":
-        conn = sqlite3.connect(trace_server["db_path"], isolation_level=None)
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield
-        finally:
-            conn.execute("ROLLBACK")
-            conn.close()
-        return
-    locked, release = threading.Event(), threading.Event()
-
-    async def hold() -> None:
-        conn = await asyncpg.connect(trace_server["database_url"])
-        try:
-            async with conn.transaction():
-                await conn.execute("LOCK TABLE traces IN EXCLUSIVE MODE")
-                locked.set()
-                await asyncio.get_running_loop().run_in_executor(None, release.wait)
-        finally:
-            await conn.close()
-
-    holder = threading.Thread(target=asyncio.run, args=(hold(),))
-    holder.start()
-    assert locked.wait(10)
-    try:
-        yield
-    finally:
-        release.set()
-        holder.join(10)
 
 
 def in_background(hub: InProcessHub) -> Callable[[Any], Future[httpx.Response]]:

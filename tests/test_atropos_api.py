@@ -296,6 +296,32 @@ def test_mixed_group_sizes_are_buffered_per_env(api: httpx.Client) -> None:
     assert batch_markers(api) == [marker(g) for g in (g1, g2, whole, o1, o2)]
 
 
+def test_groups_posted_appear_in_stats(api: httpx.Client) -> None:
+    def stats() -> dict[str, Any]:
+        figures: dict[str, Any] = api.get("/v1/stats").json()["atropos"]
+        return figures
+
+    before = stats()["groups_received"]  # /reset_data keeps the count: a lifetime total
+    register(api, batch_size=4)
+    start(api)
+    env = register_env(api, group_size=2)["env_id"]
+    for g in (group(2, env), group(2, env), group(1, env)):
+        post(api, g)
+    now = stats()
+    assert now["groups_received"] == before + 3
+    assert now["groups_waiting"] == {"buffered": 1, "queued": 2, "batched": 0}
+    assert now["queue_bytes"] > 0
+    assert now["step"] == api.get("/status").json()["current_step"]
+    assert len(batch_markers(api) or []) == 2  # served, then deleted: still received
+    served = stats()
+    assert served["groups_received"] == before + 3
+    assert served["groups_waiting"] == {"buffered": 1, "queued": 0, "batched": 0}
+    assert served["step"] == api.get("/status").json()["current_step"] == now["step"] + 1
+    assert api.get("/reset_data").status_code == 200
+    assert stats()["groups_received"] == before + 3
+    assert stats()["groups_waiting"] == {"buffered": 0, "queued": 0, "batched": 0}
+
+
 def test_inference_logprobs_are_served_as_sent(api: httpx.Client) -> None:
     """None invented: atroposlib's GRPO trainer must see that an env sent none."""
     register(api, batch_size=2)

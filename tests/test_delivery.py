@@ -120,10 +120,16 @@ async def test_a_target_that_keeps_failing_ends_failed_and_can_be_retried(
         assert client.get("/v1/traces/x").json()["stage"] == "batched"
         assert "giving up" in hub.log and "atropos batches retry" in hub.log
 
+        listed = run_cli("batches", "list", "--state", "failed", "--config", str(hub.config))
+        assert listed.returncode == 0, listed.stderr
+        [line] = listed.stdout.splitlines()
+        assert line.startswith(f"{failed['batch_id']}  failed") and "HTTP 503" in line
+
         fake.always_fail = False
-        done = run_cli("batches", "retry", failed["batch_id"], "--config", str(hub.config))
+        done = run_cli("batches", "retry", "--all-failed", "--config", str(hub.config))
         assert done.returncode == 0, done.stderr
-        assert "pending again" in done.stdout
+        assert done.stdout.split("\n")[:2] == ["1 failed batches are pending again",
+                                                f"  {failed['batch_id']}"]
         wait_until(lambda: batches(client)[0]["state"] == "delivered", timeout=60,
                    what="the retried batch delivered")
         assert client.get("/v1/traces/x").json()["stage"] == "delivered"

@@ -191,4 +191,4 @@ def test_rescore_fills_env_reward_and_undoes_inferred_statuses(
     assert tau["trace"]["outcome"] == {"status": "unknown", "reward": 1.0}
     # Nothing to read again: the reported failure stays, with no env_reward.
     assert (plain["status"], plain["env_reward"], plain["reward"]) == ("failure", None, 0.0)
-    assert run("rescore", "--config", str(config)).stdout.startswith("rescored: 0")
+    assert run("rescore", "--config", str(config)).stdout.startswith("nothing to rescore")

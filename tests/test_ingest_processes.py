@@ -20,6 +20,7 @@ from app.evaluation.environment import Environment
 from app.ingest.ingestor import Preparer
 from app.ingest.inserter import INSERT, TraceRow
 from app.ingest.processes import IngestProcesses
+from app.metrics import INGEST_RESTARTS, total
 from tests.support.builders import native_trace
 from tests.support.processes import HubProcess
 from tests.support.waiting import wait_until, wait_until_async
@@ -55,6 +56,7 @@ async def test_rows_come_back_in_order_with_each_items_error() -> None:
 
 async def test_a_killed_process_fails_what_it_held_and_is_replaced() -> None:
     processes = IngestProcesses(PREPARER, 1)
+    restarts = total(INGEST_RESTARTS, reason="died")
     try:
         await processes.rows([native_trace()], None)  # started
         (pid,) = processes.pids
@@ -69,6 +71,7 @@ async def test_a_killed_process_fails_what_it_held_and_is_replaced() -> None:
         (row,) = await processes.rows([native_trace(trace_id="after")], None)
         assert not isinstance(row, HubError) and row.trace_id == "after"
         assert processes.pids != [pid]
+        assert total(INGEST_RESTARTS, reason="died") == restarts + 1  # in /metrics
     finally:
         await processes.close()
 
@@ -103,6 +106,7 @@ async def test_an_item_past_max_item_seconds_is_refused_and_its_process_replaced
     # a busy one); the limit is a quarter of one.
     limits = LimitsConfig(max_item_seconds=0.25, max_step_chars=40_000_000)
     processes = IngestProcesses(Preparer(PREPARER.environment, limits), 1)
+    restarts = total(INGEST_RESTARTS, reason="too_slow")
     try:
         await processes.rows([native_trace()], None)
         (pid,) = processes.pids
@@ -118,6 +122,7 @@ async def test_an_item_past_max_item_seconds_is_refused_and_its_process_replaced
         assert isinstance(after, TraceRow) and after.trace_id == "after"
         assert pid is not None and not Path(f"/proc/{pid}").exists()
         assert processes.pids != [pid]
+        assert total(INGEST_RESTARTS, reason="too_slow") == restarts + 1  # in /metrics
         (row,) = await processes.rows([native_trace(trace_id="next")], None)
         assert not isinstance(row, HubError) and row.trace_id == "next"
     finally:

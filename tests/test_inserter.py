@@ -17,7 +17,7 @@ from app.db.types import EncodedJSON
 from app.errors import Conflict, Invalid
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Preparer
-from app.ingest.inserter import Stored, TraceInserter, TraceRow
+from app.ingest.inserter import INSERT, Stored, TraceInserter, TraceRow
 from tests.support.builders import native_trace
 
 PREPARER = Preparer(Environment.from_config(EnvironmentConfig()), LimitsConfig())
@@ -122,3 +122,13 @@ async def test_resends_in_and_across_batches(trace_server: dict[str, Any]) -> No
     finally:
         await inserter.stop()
         await engine.dispose()
+
+
+def test_values_and_rows_convert_both_ways() -> None:
+    """What SQLAlchemy's statements take (the OTLP assembly replaces trajectories with
+    them) and what the bulk insert takes are one row in two forms."""
+    row = PREPARER.row(native_trace(trace_id="both"))
+    values = INSERT.values(row)
+    back = INSERT.row(values)
+    assert back["created_at"] == row["created_at"] and back["trace_id"] == "both"
+    assert INSERT.values(back) == values

@@ -20,12 +20,13 @@ from app.db.moves import BATCH_STATES, TRACE_STAGES, ForbiddenMove, StateMachine
 from app.db.types import utcnow
 from app.domain import BatchState, Stage
 from app.errors import Conflict
+from app.ingest.otlp.store import TRACE_STATES
 from app.runs import records
 from app.runs.records import RUN_STATUSES, RunStatus
 from tests.support.pipeline import insert_trace, migrated, stages
 
 MACHINES: list[StateMachine[Any]] = [
-    TRACE_STAGES, BATCH_STATES, RUN_STATUSES, GROUP_STATES, ATROPOS_BATCH_STATES
+    TRACE_STAGES, BATCH_STATES, RUN_STATUSES, GROUP_STATES, ATROPOS_BATCH_STATES, TRACE_STATES
 ]
 
 

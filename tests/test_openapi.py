@@ -22,9 +22,11 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from app.formats.otlp import wire
 from tests.support.builders import native_trace
 from tests.support.databases import make_api_key
 from tests.support.hubs import InProcessHub, write_config
+from tests.support.otlp import document, trace_id, weather_run
 
 CHECKS = [
     not_a_server_error,
@@ -148,6 +150,12 @@ def test_success_bodies_conform_to_the_document(
         assert client.post("/v1/traces", json=rejected).json()["reject_reasons"]
         batch = {"traces": [native_trace(trace_id="doc-1"), {"steps": "not a list"}]}
         assert client.post("/v1/traces", json=batch).status_code == 207
+        spans = document(weather_run(trace_id()))
+        assert client.post("/v1/traces", json=spans).status_code == 200  # OTLP/JSON
+        protobuf = {"Content-Type": "application/x-protobuf"}
+        request = wire.from_json(spans)[0].SerializeToString()
+        assert client.post("/v1/traces", content=request, headers=protobuf).status_code == 200
+        assert client.post("/v1/traces", content=b"\xff", headers=protobuf).status_code == 400
         assert client.get("/v1/traces", params={"limit": 2}).json()["next_cursor"]
         for view in ("canonical", "original"):
             client.get("/v1/traces/doc-rejected", params={"view": view}).raise_for_status()
@@ -186,4 +194,5 @@ def test_success_bodies_conform_to_the_document(
         client.post("/disconnect-env", json={"env_id": 10**6}).raise_for_status()
         client.get("/reset_data").raise_for_status()
         assert client.get("/batch").json()["status"] == "error"  # not registered
-    assert {"POST /v1/traces 202", "POST /v1/traces 207", "GET /batch 200"} <= set(answered)
+    assert {"POST /v1/traces 202", "POST /v1/traces 207", "POST /v1/traces 200",
+            "POST /v1/traces 400", "GET /batch 200"} <= set(answered)

@@ -1,7 +1,9 @@
-"""The ops files: Dockerfile, docker-compose.yml, .dockerignore, scripts/pg-test-cluster.
+"""The ops files: Dockerfile, docker-compose.yml, .dockerignore, requirements.lock,
+scripts/pg-test-cluster.
 
 No Docker engine runs here, so the Docker files are checked for what the README relies on
-(services, volumes, ports, commands, non-root user, health check); the PostgreSQL helper
+(services, volumes, ports on 127.0.0.1, commands, non-root user, health check, the
+dependencies installed from the lock before the code is copied); the PostgreSQL helper
 is run for real.
 """
 
@@ -15,12 +17,15 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 import uuid
 from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent
 PG_TEST_CLUSTER = ROOT / "scripts" / "pg-test-cluster"
@@ -33,16 +38,22 @@ CONFIG_MOUNTS = [
 ]
 
 
-def _dockerfile(instruction: str) -> list[str]:
-    """The arguments of every `instruction` line, continuation lines joined."""
+def _steps() -> list[tuple[str, str]]:
+    """The Dockerfile's instructions in order (keyword, arguments), comment lines dropped
+    and continuation lines joined."""
     lines = (ROOT / "Dockerfile").read_text().splitlines()
     text = "\n".join(line for line in lines if not line.lstrip().startswith("#"))
     found = []
     for line in re.sub(r"\\\n", " ", text).splitlines():
-        name, _, args = line.strip().partition(" ")
-        if name.upper() == instruction:
-            found.append(args.strip())
+        keyword, _, args = line.strip().partition(" ")
+        if keyword:
+            found.append((keyword.upper(), " ".join(args.split())))
     return found
+
+
+def _dockerfile(instruction: str) -> list[str]:
+    """The arguments of every `instruction` line."""
+    return [args for keyword, args in _steps() if keyword == instruction]
 
 
 def _compose() -> dict[str, Any]:
@@ -50,9 +61,9 @@ def _compose() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())  # type: ignore[no-any-return]
 
 
-def _default(value: str) -> str:
-    """`${VAR:-default}` as compose resolves it with VAR unset."""
-    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
+def _default(value: str, env: dict[str, str] | None = None) -> str:
+    """`${VAR:-default}` as compose resolves it, with VAR unset unless `env` has it."""
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: (env or {}).get(m[1]) or m[2], value)
 
 
 # Dockerfile
@@ -77,7 +88,7 @@ def test_dockerfile_cmd_is_the_serve_command() -> None:
 
 def test_dockerfile_installs_the_configs_the_cmd_reads() -> None:
     run = " ".join(_dockerfile("RUN"))
-    assert "pip install ." in run
+    assert "pip install --no-deps ." in run
     for example, target in [
         ("config.json.example", "/etc/atropos/config.json"),
         ("compression.json.example", "/etc/atropos/compression.json"),
@@ -109,6 +120,44 @@ def test_dockerignore_keeps_what_the_build_needs() -> None:
         assert ignored(path), f"{path} would be sent to the build"
 
 
+def _copied(arguments: str) -> list[str]:
+    """The sources of a COPY (its last word is the destination)."""
+    return [w for w in arguments.split()[:-1] if not w.startswith("--")]
+
+
+def test_dependencies_are_installed_from_the_lock_before_the_code_is_copied() -> None:
+    steps = _steps()
+    copies = [(i, _copied(args)) for i, (kind, args) in enumerate(steps) if kind == "COPY"]
+    assert all("." not in sources for _, sources in copies), "COPY . . invalidates every layer"
+    [lock_copy] = [i for i, sources in copies if "requirements.lock" in sources]
+    assert "pyproject.toml" in steps[lock_copy][1]
+    [install] = [i for i, (kind, args) in enumerate(steps)
+                 if kind == "RUN" and "pip install -r requirements.lock" in args]
+    code = [i for i, sources in copies if {"app", "migrations"} & set(sources)]
+    assert lock_copy < install < min(code)
+    [project] = [args for kind, args in steps[min(code):] if kind == "RUN" and "pip install" in args]
+    assert "pip install --no-deps ." in project and "pip check" in project
+    for _, sources in copies:
+        for source in sources:
+            assert (ROOT / source).exists(), f"COPY {source}: no such file in the repo"
+
+
+def test_the_lock_pins_every_dependency_to_a_version_it_allows() -> None:
+    pins = {}
+    for line in (ROOT / "requirements.lock").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert re.fullmatch(r"[\w.+!-]+", version), f"not an exact pin: {line}"
+            pins[canonicalize_name(name)] = version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for dependency in project["dependencies"]:
+        wanted = Requirement(dependency)
+        name = canonicalize_name(wanted.name)
+        assert name in pins, f"{name} is not in requirements.lock: run scripts/lock_requirements.py"
+        assert wanted.specifier.contains(pins[name], prereleases=True), (
+            f"requirements.lock has {name}=={pins[name]}; pyproject.toml wants {wanted}")
+
+
 # docker-compose.yml
 
 
@@ -119,7 +168,7 @@ def test_compose_sqlite_hub() -> None:
     hub = compose["services"]["hub"]
     assert "profiles" not in hub, "`docker compose up` must start the SQLite hub"
     assert hub["build"] == "."
-    assert hub["ports"] == ["8000:8000"]
+    assert [_default(p) for p in hub["ports"]] == ["127.0.0.1:8000:8000"]
     assert "command" not in hub, "the hub runs the image's CMD"
     assert [_default(v) for v in hub["volumes"]] == [*CONFIG_MOUNTS, "hub-data:/data"]
     for mount in CONFIG_MOUNTS:
@@ -139,7 +188,7 @@ def test_compose_postgres_profile() -> None:
 
     hub_pg = services["hub-pg"]
     assert hub_pg["command"] == [*SERVE, "--no-workers"]
-    assert hub_pg["ports"] == ["8001:8000"]
+    assert [_default(p) for p in hub_pg["ports"]] == ["127.0.0.1:8001:8000"]
     assert hub_pg["depends_on"]["postgres"]["condition"] == "service_healthy"
     for name in ["hub-pg", "worker-1", "worker-2"]:
         env = services[name]["environment"]
@@ -156,6 +205,26 @@ def test_compose_postgres_profile() -> None:
         assert "ports" not in worker
         assert worker["healthcheck"] == {"disable": True}, "a worker serves no /healthz"
         assert worker["depends_on"]["hub-pg"]["condition"] == "service_healthy"
+
+
+def test_compose_publishes_on_loopback_unless_the_user_opts_in() -> None:
+    text = (ROOT / "docker-compose.yml").read_text()
+    assert "ATROPOS_PUBLISH=0.0.0.0" in text  # the comment says how to opt in
+    ports = [port for service in _compose()["services"].values()
+             for port in service.get("ports", [])]
+    assert len(ports) == 2
+    for port in ports:
+        assert _default(port).startswith("127.0.0.1:"), port
+        assert _default(port, {"ATROPOS_PUBLISH": "0.0.0.0"}).startswith("0.0.0.0:"), port
+
+
+def test_compose_delivers_to_jsonl_by_default() -> None:
+    services = _compose()["services"]
+    for name in ["hub", "hub-pg", "worker-1", "worker-2"]:
+        assert "ATROPOS_DISTRIBUTOR__TARGET" not in (services[name].get("environment") or {})
+        assert [_default(v) for v in services[name]["volumes"]][0] == CONFIG_MOUNTS[0]
+    example = json.loads((ROOT / "config.json.example").read_text())
+    assert example["distributor"]["target"] == "jsonl"
 
 
 @pytest.mark.parametrize("argv", [[*SERVE, "--no-workers"], WORKER], ids=["serve", "worker"])

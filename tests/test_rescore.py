@@ -1,4 +1,5 @@
-"""`atropos rescore`: new weights reach stored traces; a second run has nothing to do."""
+"""`atropos rescore`: new weights reach stored traces; a second run has nothing to do
+and says why."""
 
 from __future__ import annotations
 
@@ -29,7 +30,12 @@ def test_rescore_applies_new_rules_and_filters(
     assert result.returncode == 0, result.stderr
     assert "rescored: 2" in result.stdout
     assert "stage rejected->accepted: 1" in result.stdout
-    assert run_cli("rescore", "--config", str(config)).stdout.startswith("rescored: 0")
+    again = run_cli("rescore", "--config", str(config))
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("nothing to rescore: all 2 traces are already scored with "
+                                   "the current reward rules and filters")
+    recent = run_cli("rescore", "--config", str(config), "--since", "2099-01-01")
+    assert recent.stdout.startswith("nothing to rescore: no traces stored since 2099-01-01")
 
     hub.start()
     with hub.client() as client:

@@ -4,6 +4,10 @@ training."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,6 +20,7 @@ from app.db.models import SCHEDULED_TASKS, TRACES
 from app.db.types import utcnow
 from app.durations import format_duration, parse_duration
 from app.stages.retention import Criteria
+from tests.support import ROOT
 from tests.support.builders import native_trace
 from tests.support.databases import db_execute
 from tests.support.hubs import InProcessHub, write_config
@@ -95,9 +100,10 @@ def test_prune_counts_then_deletes_in_batches(aged: InProcessHub, trace_server: 
         assert present(client, *ALL) == set(ALL)
 
         done = run_cli("prune", "--config", config, "--older-than", "30d", "--max-reward", "5",
-                       "--batch-size", "3")
+                       "--batch-size", "3", "--yes")
         assert done.returncode == 0, done.stderr
         assert "deleted: 4 in 2 batches" in done.stdout
+        assert "deleted: 4/4 (" in done.stderr  # the progress line, without its bar in a log
         if trace_server["storage_backend"] == "sqlite":
             assert "then: VACUUM, ANALYZE" in done.stdout
         kept = {"old-high", "new-low", "old-batched", "old-leased", "old-pending-batch"}
@@ -107,12 +113,48 @@ def test_prune_counts_then_deletes_in_batches(aged: InProcessHub, trace_server: 
 
         # --stage: only that stage; the protected ones stay whatever the criteria.
         staged = run_cli("prune", "--config", config, "--older-than", "30d",
-                         "--stage", "accepted", "--stage", "delivered")
+                         "--stage", "accepted", "--stage", "delivered", "--yes")
         assert "deleted: 1 in 1 batches" in staged.stdout, staged.stdout + staged.stderr
         assert present(client, *ALL) == kept - {"old-high"}
-        everything = run_cli("prune", "--config", config, "--older-than", "1s")
+        refused = run_cli("prune", "--config", config, "--older-than", "1s")
+        assert refused.returncode == 2 and "pass --yes" in refused.stderr  # not a terminal
+        everything = run_cli("prune", "--config", config, "--older-than", "1s", "--yes")
         assert "deleted: 1 in 1 batches" in everything.stdout  # new-low
         assert present(client, *ALL) == {"old-batched", "old-leased", "old-pending-batch"}
+
+
+def on_a_terminal(answer: str, *args: str) -> tuple[int, str, str]:
+    """`atropos ARGS` with a terminal for stdin and stderr, answering its question with
+    `answer`: the exit code, stdout, and what the terminal showed."""
+    controller, terminal = os.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stdin=terminal,
+                                stdout=subprocess.PIPE, stderr=terminal, text=True)
+        os.write(controller, f"{answer}\n".encode())  # waits in the terminal until read
+        out, _ = proc.communicate(timeout=120)
+        os.set_blocking(controller, False)
+        shown = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(controller, 65536):
+                shown += chunk
+    finally:
+        os.close(controller)
+        os.close(terminal)
+    return proc.returncode, out, shown.decode()
+
+
+def test_prune_asks_on_a_terminal_and_shows_a_progress_bar(aged: InProcessHub) -> None:
+    args = ("prune", "--config", str(aged.config), "--older-than", "30d", "--max-reward", "5",
+            "--batch-size", "2")
+    code, out, _ = on_a_terminal("n", *args)
+    assert code == 1 and "matching: 4 traces" in out and "nothing deleted" in out
+    with aged.client() as client:
+        assert present(client, *ALL) == set(ALL)
+        code, out, shown = on_a_terminal("y", *args)
+        assert code == 0 and "delete these 4 traces? [y/N]" in out and "deleted: 4" in out
+        assert f"\r[{'#' * 24}] 100% deleted: 4/4 (" in shown, shown
+        assert len(present(client, *ALL)) == len(ALL) - 4
 
 
 def test_worker_applies_retention_once_per_period(

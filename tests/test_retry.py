@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -125,25 +126,30 @@ async def test_the_inserter_logs_a_bug_with_its_traceback_and_a_refusal_in_one_l
 
     caplog.clear()
     if dialect == "sqlite":
-        directory = Path(trace_server["db_path"] + ".d")  # not a file SQLite can open
-        directory.mkdir()
-        gone = {**trace_server, "db_path": str(directory)}
+        directory = Path(trace_server["db_path"]).parent / "gone"
+        gone = {**trace_server, "db_path": str(directory / "traces.db")}
     else:
         url = await asyncio.to_thread(create_pg_database)
         await asyncio.to_thread(drop_pg_database, url)
         gone = {**trace_server, "database_url": url}
     engine = create_engine(TraceServerConfig(**gone))
+    if dialect == "sqlite":
+        shutil.rmtree(directory)  # the file and its directory, gone before the first write
     inserter = TraceInserter(engine)
     inserter.start()
     try:
-        with caplog.at_level(logging.ERROR, "atropos.ingest"), pytest.raises(Unavailable):
+        with caplog.at_level(logging.ERROR, "atropos"), pytest.raises(Unavailable):
             await inserter.insert(TraceRow(("t-1",), _answer("t-1"), "hash"))
+        with pytest.raises(Unavailable):
+            await inserter.insert(TraceRow(("t-2",), _answer("t-2"), "hash"))
     finally:
         await inserter.stop()
         await engine.dispose()
-    [refused] = [r for r in caplog.records if r.name == "atropos.ingest"]
-    assert refused.exc_info is None
-    assert refused.getMessage().startswith("storing 1 traces failed: ")
+    # Said once (its kind, what was being done, what the database said), not per write.
+    [refused] = [r for r in caplog.records if r.name.startswith("atropos")]
+    assert refused.name == "atropos.database" and refused.exc_info is None
+    assert refused.getMessage().startswith("the database is failing (")
+    assert "while storing traces" in refused.getMessage()
     assert "\n" not in refused.getMessage() and "INSERT" not in refused.getMessage()
 
 

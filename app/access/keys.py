@@ -11,8 +11,9 @@ would cost every request milliseconds of CPU. What matters is that a copy of the
 database (a backup, a `SELECT *`) holds nothing that opens the API.
 
 Scopes: `ingest` (POST traces; Atropos environments), `read` (GET /v1/*), `train`
-(Atropos trainers: /register, /batch), `admin` (destructive and process-spawning
-endpoints). `admin` includes the others.
+(Atropos trainers: /register, /batch), `review` (labels and reward overrides, the review
+queue; it includes `read`, since a reviewer reads what it reviews), `admin` (destructive
+and process-spawning endpoints; it includes the others).
 """
 
 from __future__ import annotations
@@ -40,7 +41,18 @@ class Scope(StrEnum):
     INGEST = "ingest"
     READ = "read"
     TRAIN = "train"
+    REVIEW = "review"
     ADMIN = "admin"
+
+
+# What a key holding each scope may do.
+_INCLUDES: dict[Scope, frozenset[Scope]] = {
+    Scope.INGEST: frozenset({Scope.INGEST}),
+    Scope.READ: frozenset({Scope.READ}),
+    Scope.TRAIN: frozenset({Scope.TRAIN}),
+    Scope.REVIEW: frozenset({Scope.REVIEW, Scope.READ}),
+    Scope.ADMIN: frozenset(Scope),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +64,7 @@ class ApiKey:
     revoked_at: datetime | None = None
 
     def allows(self, scope: Scope) -> bool:
-        return scope in self.scopes or Scope.ADMIN in self.scopes
+        return any(scope in _INCLUDES[held] for held in self.scopes)
 
     def describe(self) -> str:
         """How log lines and error messages name a key: never with its secret."""

@@ -10,8 +10,9 @@ from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.middleware.cors import CORSMiddleware
 
-from app.api import atropos, batches, ops, runs, traces
+from app.api import atropos, batches, ops, runs, traces, ui
 from app.api.errors import install_error_handlers
+from app.api.http_metrics import RequestMetrics
 from app.api.openapi import install_openapi
 from app.evaluation.environment import Environment
 from app.hub import Settings, running_hub
@@ -45,16 +46,20 @@ def create_app(
         version="0.1.0",
         lifespan=lifespan,
         openapi_url="/openapi.json" if docs else None,
-        docs_url="/docs" if docs else None,
-        redoc_url="/redoc" if docs else None,
+        # Served from the package (ui.install_docs): FastAPI's own pages load a CDN.
+        docs_url=None,
+        redoc_url=None,
     )
-    install_error_handlers(app)
+    install_error_handlers(app, page=ui.error_page)
     app.router.routes.append(traces.ingest_route(config.trace_server.endpoint))
     app.include_router(atropos.router(config.atropos.require_key))
     app.include_router(traces.router(config.trace_server.endpoint))
     app.include_router(batches.router)
     app.include_router(ops.router)
     app.include_router(runs.router)
+    ui.install(app)
+    if docs:
+        ui.install_docs(app)
     install_openapi(app, config.auth)  # after every router: it refuses an unguarded /v1 route
     if config.auth.cors_origins:
         app.add_middleware(
@@ -64,4 +69,5 @@ def create_app(
             allow_headers=["Authorization", "Content-Type", "Content-Encoding"],
             expose_headers=["Retry-After"],
         )
+    app.add_middleware(RequestMetrics)  # added last: the outermost, it times the others too
     return app

@@ -17,7 +17,7 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ValidationError
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
 
 from app.access.keys import Scope
 from app.api.auth import requires
@@ -57,6 +57,9 @@ from app.ingest.body import read_body
 
 _BODY_ERRORS = errors(400, 413, 415, 422)
 _QUEUE_ERRORS = errors(400, 413, 415, 422, 503)
+_ROOT_REDIRECT: dict[int | str, dict[str, Any]] = {
+    307: {"description": "To the dashboard (/ui), for a request that accepts text/html"}
+}
 _ACK_ERRORS = errors(400, 404, 413, 415, 422, 503)
 M = TypeVar("M", bound=BaseModel)
 
@@ -70,8 +73,12 @@ def router(require_key: bool = False) -> APIRouter:
     env, trainer = key(Scope.INGEST), key(Scope.TRAIN)
     anyone = key(Scope.INGEST, Scope.TRAIN, Scope.READ)
 
-    @api.get("/", response_model=AtroposRoot)
-    async def root() -> JSONResponse:
+    @api.get("/", response_model=AtroposRoot, responses=_ROOT_REDIRECT)
+    async def root(request: Request) -> Response:
+        """Atropos clients get atroposlib's answer; a browser (one that asks for HTML)
+        is sent to the dashboard."""
+        if "text/html" in request.headers.get("accept", ""):
+            return RedirectResponse("/ui", status_code=307)
         return JSONResponse({"message": "AtroposLib API"})
 
     @api.post(

@@ -71,3 +71,7 @@ def requires(*scopes: Scope) -> Any:
     """The dependency that admits a request with a key holding one of `scopes` (or
     admin)."""
     return Security(_guard(scopes), scopes=[scope.value for scope in scopes])
+
+
+# A route that needs to know who calls (a review records its reviewer's key name).
+ReviewerDep = Annotated[Principal, requires(Scope.REVIEW)]

@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from app.config import AuthConfig
 
 ERROR_REF = "#/components/schemas/Error"
+PROTOBUF = "application/x-protobuf"
 BEARER_SCHEME = "bearerAuth"
 _FASTAPI_422 = "#/components/schemas/HTTPValidationError"
 
@@ -114,12 +115,14 @@ def _document(app: FastAPI, auth: AuthConfig) -> dict[str, Any]:
             if "security" not in operation:
                 if path == "/v1" or path.startswith("/v1/"):
                     unguarded.append(f"{method.upper()} {path}")
+                _protobuf_errors(operation)
                 continue
             for status, response in guard_errors.items():
                 responses.setdefault(str(status), response)
             if not auth.enabled:
                 # Not enforced, so not advertised: a client must not think it needs a key.
                 del operation["security"]
+            _protobuf_errors(operation)
     if unguarded:
         raise RuntimeError(
             "these /v1 operations have no scope guard; add "
@@ -128,3 +131,18 @@ def _document(app: FastAPI, auth: AuthConfig) -> dict[str, Any]:
     if not auth.enabled:
         components.pop("securitySchemes", None)
     return schema
+
+
+def _protobuf_errors(operation: dict[str, Any]) -> None:
+    """An operation that takes protobuf (OTLP) answers its errors in protobuf too, as a
+    google.rpc.Status (app/api/otlp.py)."""
+    if PROTOBUF not in operation.get("requestBody", {}).get("content", {}):
+        return
+    status = {"schema": {"type": "string", "format": "binary",
+                         "description": "google.rpc.Status"}}
+    for code, response in operation["responses"].items():
+        if code.startswith(("4", "5")):
+            # A copy: the guard's answers are shared between operations.
+            operation["responses"][code] = {
+                **response, "content": {**response.get("content", {}), PROTOBUF: status}
+            }

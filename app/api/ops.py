@@ -6,14 +6,17 @@ from typing import Any
 
 from fastapi import APIRouter
 from sqlalchemy.exc import SQLAlchemyError
-from starlette.responses import PlainTextResponse
+from starlette.responses import PlainTextResponse, Response
 
+from app import metrics as app_metrics
 from app.access.keys import Scope
 from app.api.auth import requires
 from app.api.deps import ConnDep, HubDep
 from app.api.responses import JSONResponse
 from app.api.schemas import Health, NotReady, Ready, TraceStats
 from app.db import migrate, trace_queries
+from app.db.types import utcnow
+from app.ingest.otlp import store as otlp_store
 
 router = APIRouter(tags=["ops"])
 
@@ -56,24 +59,19 @@ def _not_ready(reason: str) -> JSONResponse:
 @router.get("/v1/stats", dependencies=[requires(Scope.READ)])
 async def stats(conn: ConnDep, hub: HubDep) -> TraceStats:
     figures = await trace_queries.stats(conn)
+    atropos = {"envs": await hub.atropos.env_stats(), **await hub.atropos.queue_figures()}
     return TraceStats.model_validate(
-        {**figures, "atropos": {"envs": await hub.atropos.env_stats()}}
+        {**figures, "otlp": await otlp_store.counts(conn), "atropos": atropos}
     )
 
 
 @router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(conn: ConnDep) -> PlainTextResponse:
-    figures = await trace_queries.stats(conn)
-    lines = [
-        "# HELP atropos_traces Traces stored, by pipeline stage.",
-        "# TYPE atropos_traces gauge",
-        *(f'atropos_traces{{stage="{k}"}} {v}' for k, v in sorted(figures["by_stage"].items())),
-        "# HELP atropos_trace_tokens_total Tokens of stored traces (cl100k_base).",
-        "# TYPE atropos_trace_tokens_total gauge",
-        f"atropos_trace_tokens_total {figures['total_tokens']}",
-        "# HELP atropos_batches Training batches, by delivery state.",
-        "# TYPE atropos_batches gauge",
-        *(f'atropos_batches{{state="{k}"}} {v}'
-          for k, v in sorted(figures["batches"].items()) if k != "total"),
-    ]
-    return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+async def metrics(conn: ConnDep, hub: HubDep) -> Response:
+    """Prometheus' text format: the counters (app/metrics.py) and, read now, what the
+    database holds."""
+    counts = await trace_queries.pipeline_counts(conn)
+    families = app_metrics.database_families(
+        counts["traces"], counts["trace_tokens"], counts["batches"],
+        await hub.atropos.queue_figures(), utcnow(),
+    )
+    return Response(app_metrics.exposition(families), media_type=app_metrics.CONTENT_TYPE)

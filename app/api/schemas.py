@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from app.api.openapi import Error
 from app.atropos.models import ScoredData
 from app.db.trace_queries import View
-from app.domain import BatchState, Stage, Status
+from app.domain import BatchState, Label, Stage, Status
 from app.evaluation.filters import RejectReason
 from app.evaluation.scoring import RuleResult
 from app.runs import RunStatus
@@ -68,6 +68,43 @@ class IngestResults(BaseModel):
     )
 
 
+class ReviewBody(BaseModel):
+    """POST /v1/traces/{trace_id}/review: a verdict on the trace; a later one replaces it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    label: Label = Field(description="good, or bad (a bad trace is never batched)")
+    note: str | None = Field(None, max_length=10_000, description="Why, for other reviewers")
+    reward: float | None = Field(
+        None,
+        allow_inf_nan=False,
+        description="Overrides the computed reward (the threshold and exports use it); "
+        "omitted: the computed reward stands",
+    )
+
+
+class Review(BaseModel):
+    label: Label
+    note: str | None
+    reward: float | None = Field(description="The reward override; null when none")
+    reviewer: str = Field(description="The name of the API key that reviewed (anonymous with "
+                          "auth off)")
+    reviewed_at: Timestamp
+
+
+class ReviewSaved(Review):
+    trace_id: str
+    stage: Stage = Field(description="The trace's stage now (a trace already batched stays so)")
+    trace_reward: float | None = Field(description="The trace's reward now")
+
+
+class ReviewClaim(BaseModel):
+    """The review queue's answer: the next trace to review, held for this reviewer."""
+
+    trace_id: str | None = Field(description="null when no unreviewed trace matches")
+    expires_at: Timestamp | None = Field(description="Until when no other reviewer gets it")
+
+
 class TraceSummary(BaseModel):
     """A trace in a listing: its columns, without the payloads."""
 
@@ -91,10 +128,11 @@ class TraceSummary(BaseModel):
     model: str | None = Field(description="The policy model")
     agent: str | None = Field(description="The agent's name")
     policy_version: str | None
+    label: Label | None = Field(description="A reviewer's label; null when not reviewed")
 
 
 class TracePage(BaseModel):
-    """Newest first."""
+    """In the order asked for (`sort`; newest first by default)."""
 
     traces: list[TraceSummary]
     next_cursor: str | None = Field(
@@ -114,6 +152,8 @@ class TraceRecord(TraceSummary):
     stage_error: str | None = Field(
         description="The last failure of a background stage on this trace"
     )
+    review: Review | None = Field(description="A reviewer's verdict; null when not reviewed")
+    batch_id: str | None = Field(description="The batch it went into; null when not batched")
     view: View = Field(description="Which payload `trace` holds")
     trace: Any = Field(
         description="canonical: the trace every format is normalised into; original: the item as "
@@ -200,6 +240,20 @@ class RewardBucket(BaseModel):
     traces: int
 
 
+class OtlpCounts(BaseModel):
+    """OTLP traces by assembly state (docs/otlp.md), and their spans."""
+
+    open_traces: int = Field(description="Traces with spans their trajectory does not hold yet")
+    assembled_traces: int = Field(description="Traces made into a trajectory")
+    refused_traces: int = Field(
+        description="Traces whose spans make no trajectory (see the log for why)"
+    )
+    spans: int = Field(description="Spans received (each once)")
+    late_spans: int = Field(
+        description="Spans that arrived after their trajectory was batched: kept, not used"
+    )
+
+
 class EnvRewardStats(BaseModel):
     traces: int = Field(description="Traces that carry the environment's own reward")
     mean: float | None = Field(description="Its mean over them")
@@ -218,6 +272,15 @@ class AtroposEnvPresence(BaseModel):
 
 class AtroposStats(BaseModel):
     envs: list[AtroposEnvPresence]
+    step: int = Field(description="The trainer's step (atroposlib's current_step)")
+    groups_received: int = Field(
+        description="Groups posted to /scored_data and /scored_data_list, ever"
+    )
+    groups_waiting: dict[str, int] = Field(
+        description="Groups not yet served, by state: buffered (smaller than their env's "
+        "group_size), queued, batched (in a formed batch)"
+    )
+    queue_bytes: int = Field(description="JSON bytes of the groups waiting")
 
 
 class TraceStats(BaseModel):
@@ -236,7 +299,11 @@ class TraceStats(BaseModel):
         description="Rejected traces, by the filter that failed"
     )
     rule_firings: dict[str, int] = Field(description="Traces on which each reward rule fired")
+    redactions: dict[str, int] = Field(
+        description="Secrets replaced with [REDACTED:<kind>] before storing, by kind"
+    )
     reward_histogram: list[RewardBucket]
+    otlp: OtlpCounts
     atropos: AtroposStats = Field(description="The Atropos API's registered envs")
 
 

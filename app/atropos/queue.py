@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import datetime
@@ -39,10 +40,12 @@ from app.atropos.tables import (
 )
 from app.config import AtroposConfig
 from app.db.dialect import Dialect, for_update, reserve_ids
-from app.db.errors import database_refusal
+from app.db.errors import outage_of
 from app.db.types import utcnow
 from app.errors import HubError, Invalid, PayloadTooLarge, Unavailable
+from app.evaluation.redaction import Redactor, redactor_for
 from app.ingest.body import json_array
+from app.metrics import DB_COMMITS, GROUPS_RECEIVED, Labeled
 
 log = logging.getLogger("atropos.queue")
 
@@ -67,7 +70,9 @@ class NewGroup:
         return self.json.size
 
     @classmethod
-    def from_scored(cls, data: ScoredData) -> NewGroup:
+    def from_scored(cls, data: ScoredData, redactor: Redactor) -> NewGroup:
+        """`redactor` rewrites the secrets in its strings (messages, overrides); the
+        token ids are stored as sent (docs/privacy.md)."""
         try:
             # The fields hold plain lists and dicts (no nested models), in declaration
             # order: __dict__ is model_dump() without the copy.
@@ -76,6 +81,9 @@ class NewGroup:
             # An integer past 64 bits, an unpaired surrogate, nesting past 254 levels:
             # bad input, not a server fault.
             raise Invalid(f"the group cannot be stored as JSON: {exc}") from None
+        redacted, redactions = redactor.redact(data.__dict__, raw)
+        if redactions:
+            raw = orjson.dumps(redacted)
         return cls(
             env_id=data.env_id,
             size=len(data.tokens),
@@ -84,11 +92,11 @@ class NewGroup:
         )
 
 
-def prepare(body: bytes, many: bool, max_groups: int) -> list[NewGroup]:
+def prepare(body: bytes, many: bool, max_groups: int, privacy: str) -> list[NewGroup]:
     """The groups of a /scored_data body (one group) or a /scored_data_list body (a
-    list of at most `max_groups`, counted before any is parsed), validated and deflated;
-    Invalid (422) for what atroposlib would refuse. Pure CPU work: run in an ingest
-    process (app/ingest/processes.py)."""
+    list of at most `max_groups`, counted before any is parsed), validated, redacted as
+    the privacy section (its JSON) says, and deflated; Invalid (422) for what atroposlib
+    would refuse. Pure CPU work: run in an ingest process (app/ingest/processes.py)."""
     try:
         if many:
             too_many = PayloadTooLarge(
@@ -101,7 +109,8 @@ def prepare(body: bytes, many: bool, max_groups: int) -> list[NewGroup]:
             groups = [parse_group(body)]
     except InvalidGroups as exc:
         raise Invalid.from_pydantic(exc.errors) from None
-    return [NewGroup.from_scored(group) for group in groups]
+    redactor = redactor_for(privacy)
+    return [NewGroup.from_scored(group, redactor) for group in groups]
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +145,7 @@ class GroupWriter:
         self._wake = asyncio.Event()
         self._busy = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._outage = outage_of(db.engine)
 
     async def submit(self, groups: list[NewGroup]) -> list[Placed]:
         """Store the groups (all or none); returns once they are committed."""
@@ -172,14 +182,16 @@ class GroupWriter:
                 continue
             taken: list[_Request] = []
             self._busy += 1
+            started = time.monotonic()
             try:
                 results = await self._db.write(partial(self._store, taken=taken))
+                if taken:  # the other writer may have taken everything first
+                    _commits.observe(time.monotonic() - started)
+                _count(results)
+                self._outage.works()
             except Exception as exc:  # nothing in this transaction was committed
-                said = database_refusal(exc)
-                if said is None:
+                if not self._outage.failed(exc, "storing Atropos groups"):
                     log.exception("storing %d Atropos submissions failed", len(taken))
-                else:
-                    log.error("storing %d Atropos submissions failed: %s", len(taken), said)
                 error = Unavailable("the database did not accept the write; retry", retry_after=1)
                 results = [(request, error) for request in taken]
             finally:
@@ -260,6 +272,18 @@ class GroupWriter:
 
     def _overloaded(self, message: str) -> Unavailable:
         return Unavailable(message, retry_after=self._config.retry_after_seconds, code="queue_full")
+
+
+_commits = DB_COMMITS.labels("atropos_groups")
+_received = Labeled(GROUPS_RECEIVED)
+
+
+def _count(results: list[tuple[_Request, list[Placed] | HubError]]) -> None:
+    """The groups a commit stored, in the metrics (app/metrics.py)."""
+    for _, placed in results:
+        if not isinstance(placed, HubError):
+            for group in placed:
+                _received("buffered" if group.buffered else "queued").inc()
 
 
 class _Placer:

@@ -19,6 +19,7 @@ from app.atropos.tables import (
     STATE,
     AtroposDb,
     AtroposGroupState,
+    count_dropped,
     run_state,
 )
 from app.db.types import utcnow
@@ -143,7 +144,8 @@ def _reset(conn: sa.Connection) -> None:
         .order_by(GROUPS.c.id.desc())
         .limit(1)
     ).first()
-    conn.execute(sa.delete(GROUPS).where(GROUPS.c.id != (latest.id if latest else -1)))
+    dropped = conn.execute(sa.delete(GROUPS).where(GROUPS.c.id != (latest.id if latest else -1)))
+    count_dropped(conn, dropped.rowcount)
     conn.execute(sa.delete(SEGMENTS).where(SEGMENTS.c.id != (latest.segment_id if latest else -1)))
     if latest is not None:
         # A wipe, not a step of the pipeline: the group kept is only an example now.

@@ -14,7 +14,7 @@ from app.atropos.presence import Presence
 from app.atropos.queue import GroupWriter, Placed, prepare
 from app.atropos.segments import Segment, literal
 from app.atropos.tables import AtroposDb, Contention
-from app.config import AtroposConfig
+from app.config import AtroposConfig, PrivacyConfig
 from app.errors import Unavailable
 from app.ingest.processes import IngestProcesses
 
@@ -34,14 +34,21 @@ NO_EXAMPLE: dict[str, list[Any]] = {
 
 class Atropos:
     def __init__(
-        self, engine: AsyncEngine, config: AtroposConfig, processes: IngestProcesses
+        self,
+        engine: AsyncEngine,
+        config: AtroposConfig,
+        processes: IngestProcesses,
+        privacy: PrivacyConfig | None = None,
     ) -> None:
-        """`processes`: where groups are validated and deflated, off the event loop."""
+        """`processes`: where groups are validated, redacted and deflated, off the event
+        loop; `privacy`: what is redacted from them (docs/privacy.md)."""
         self.config = config
         self._processes = processes
         self.db = AtroposDb(engine)
         self._presence = Presence(config.env_timeout_seconds)
         self._writer = GroupWriter(self.db, config, self._presence)
+        # Sent to the processes as its JSON, compiled there once (queue.prepare).
+        self._privacy = (privacy or PrivacyConfig()).model_dump_json()
 
     def start(self) -> None:
         self._writer.start()
@@ -77,6 +84,14 @@ class Atropos:
         """The registered envs, for /v1/stats."""
         return await status.env_stats(self.db, self.config.env_timeout_seconds)
 
+    async def queue_figures(self) -> dict[str, Any]:
+        """The step and the queue, for /v1/stats and /metrics."""
+        return await status.queue_figures(self.db)
+
+    async def overview(self) -> dict[str, Any]:
+        """The state the dashboard shows (app/api/ui)."""
+        return await status.overview(self.db)
+
     async def reset(self) -> None:
         await registration.reset(self.db)
 
@@ -101,7 +116,7 @@ class Atropos:
 
     async def _submit(self, body: bytes, *, many: bool) -> list[Placed]:
         groups = await self._processes.call(
-            prepare, body, many, self.config.max_groups_per_request
+            prepare, body, many, self.config.max_groups_per_request, self._privacy
         )
         if not groups:
             return []

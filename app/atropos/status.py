@@ -16,8 +16,11 @@ import sqlalchemy as sa
 
 from app.atropos.presence import Presence, counts, record
 from app.atropos.tables import (
+    ATROPOS_BATCHES,
     ENVS,
     GROUPS,
+    STATE,
+    WAITING,
     AtroposDb,
     AtroposGroupState,
     AtroposRunState,
@@ -139,6 +142,34 @@ async def env_stats(db: AtroposDb, timeout: float) -> list[dict[str, Any]]:
     ]
 
 
+async def queue_figures(db: AtroposDb) -> dict[str, Any]:
+    """The trainer's step and the queue, for /v1/stats and /metrics: every group ever
+    received, those waiting to be served (by state) and their bytes."""
+
+    def work(conn: sa.Connection) -> dict[str, Any]:
+        size = sa.func.coalesce(sa.func.sum(GROUPS.c.bytes), 0)
+        rows = conn.execute(
+            sa.select(GROUPS.c.state, sa.func.count(), size).group_by(GROUPS.c.state)
+        ).all()
+        state = conn.execute(
+            sa.select(STATE.c.step, STATE.c.groups_dropped).where(STATE.c.id == 1)
+        ).one()
+        waiting = {s.value: 0 for s in WAITING}
+        nbytes = 0
+        for group_state, n, size in rows:
+            if group_state in waiting:
+                waiting[group_state] = int(n)
+                nbytes += int(size)
+        return {
+            "step": int(state.step),
+            "groups_received": int(state.groups_dropped) + sum(int(n) for _, n, _ in rows),
+            "groups_waiting": waiting,
+            "queue_bytes": nbytes,
+        }
+
+    return await db.read(work)
+
+
 def _envs(conn: sa.Connection) -> list[_Env]:
     rows = conn.execute(
         sa.select(
@@ -173,3 +204,29 @@ async def _raise_group_size(db: AtroposDb, env_id: int, group_size: int) -> None
         )
 
     await db.write(work)
+
+
+async def overview(db: AtroposDb) -> dict[str, Any]:
+    """Everything the dashboard shows of the Atropos API: the trainer's registration,
+    the envs (every column, so that later ones such as when an env was last heard
+    from show up), and the queue and batches by state."""
+
+    def work(conn: sa.Connection) -> dict[str, Any]:
+        state = conn.execute(sa.select(STATE).where(STATE.c.id == 1)).first()
+        envs = conn.execute(sa.select(ENVS).order_by(ENVS.c.env_id))
+        groups = conn.execute(
+            sa.select(GROUPS.c.state, sa.func.count(),
+                      sa.func.coalesce(sa.func.sum(GROUPS.c.size), 0))
+            .group_by(GROUPS.c.state)
+        )
+        batches = conn.execute(
+            sa.select(ATROPOS_BATCHES.c.state, sa.func.count()).group_by(ATROPOS_BATCHES.c.state)
+        )
+        return {
+            "state": dict(state._mapping) if state is not None else {},
+            "envs": [dict(row._mapping) for row in envs],
+            "groups": {s: {"groups": n, "sequences": int(seqs)} for s, n, seqs in groups},
+            "batches": {s: n for s, n in batches},
+        }
+
+    return await db.read(work)

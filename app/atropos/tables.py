@@ -198,7 +198,21 @@ def drop_served_groups(conn: sa.Connection) -> None:
 def delete_groups(conn: sa.Connection, rows: Iterable[Any]) -> None:
     """Delete groups (rows with .id and .segment_id), then their segments."""
     rows = list(rows)
+    deleted = 0
     for start in range(0, len(rows), _IN_CHUNK):
         chunk = rows[start : start + _IN_CHUNK]
-        conn.execute(sa.delete(GROUPS).where(GROUPS.c.id.in_([r.id for r in chunk])))
+        deleted += conn.execute(
+            sa.delete(GROUPS).where(GROUPS.c.id.in_([r.id for r in chunk]))
+        ).rowcount
         conn.execute(sa.delete(SEGMENTS).where(SEGMENTS.c.id.in_([r.segment_id for r in chunk])))
+    count_dropped(conn, deleted)
+
+
+def count_dropped(conn: sa.Connection, groups: int) -> None:
+    """`groups` received groups were deleted: still counted as received (/v1/stats)."""
+    if groups:
+        conn.execute(
+            sa.update(STATE)
+            .where(STATE.c.id == 1)
+            .values(groups_dropped=STATE.c.groups_dropped + groups)
+        )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from app.cli.options import Commands, command
+from app.cli.options import Commands, command, group
 from app.config import load_config
 from app.db import migrate
 from app.hub import database
@@ -15,9 +15,10 @@ log = logging.getLogger("atropos")
 
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
-    group = commands.add_parser("db", help="database operations")
-    db_commands = group.add_subparsers(dest="db_command", required=True)
-    command(db_commands, "upgrade", _upgrade, help="bring the database to the current schema")
+    db_commands = group(commands, "db", help="database operations",
+                        example="atropos db upgrade --config config.json")
+    command(db_commands, "upgrade", _upgrade, help="bring the database to the current schema",
+            example="atropos db upgrade --config config.json")
 
 
 async def _upgrade(args: argparse.Namespace) -> int:

@@ -17,6 +17,8 @@ page written and dropped before the next is read, so memory stays flat whatever 
 size of the database, and no transaction stays open for the whole export. Oldest
 first. Every file is written privately (0600) under a temporary name in its own
 directory, then renamed: a reader never sees half an export.
+`--min-reward` reads `traces.reward`, which holds a reviewer's override where there is
+one; `--label good` keeps the traces a reviewer labelled good.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from app.cli.options import Commands, add_since, command
 from app.cli.progress import Progress
 from app.config import load_config
 from app.db.models import TRACES
+from app.db.trace_queries import LabelFilter, labelled
 from app.domain import Stage, Trace
-from app.errors import ConfigError, Unexportable
+from app.errors import ConfigError, StartupError, Unexportable
 from app.evaluation.environment import Environment
 from app.formats import dataset
 from app.hub import database
@@ -71,11 +74,14 @@ class ExportQuery:
     stages: tuple[str, ...] = DEFAULT_STAGES
     dedup: bool = False
     decontaminate: dataset.Contamination | None = None
+    label: LabelFilter | None = None
 
     def clauses(self) -> list[sa.ColumnElement[bool]]:
         clauses = [*self.window(), TRACES.c.stage.in_(self.stages)]
         if self.min_reward is not None:
             clauses.append(TRACES.c.reward >= self.min_reward)
+        if self.label is not None:
+            clauses.append(labelled(self.label))
         return clauses
 
     def window(self) -> list[sa.ColumnElement[bool]]:
@@ -93,6 +99,8 @@ class ExportQuery:
         if self.min_reward is not None:
             whens.append((sa.or_(c.reward.is_(None), c.reward < self.min_reward),
                           f"reward under {self.min_reward:g}"))
+        if self.label is not None:
+            whens.append((sa.not_(labelled(self.label)), f"not labelled {self.label}"))
         return sa.case(*whens, else_=sa.null())
 
 
@@ -405,7 +413,9 @@ def _card(directory: Path, args: argparse.Namespace, query: ExportQuery, tally: 
 
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
-    parser = command(commands, "export", run, help="stored traces to a training file or dataset")
+    parser = command(commands, "export", run, help="stored traces to a training file or dataset",
+                     example="atropos export --config config.json --format openai "
+                             "-o train.jsonl")
     parser.add_argument("--format", required=True, choices=sorted(FORMATS))
     parser.add_argument("--compressed", action="store_true",
                         help="the compressed view of each trace that has one")
@@ -427,6 +437,8 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
                         help="dpo: the least reward difference of a pair (default 1)")
     parser.add_argument("--max-pairs-per-run", type=int, default=1, metavar="N",
                         help="dpo: pairs a run may be in (default 1)")
+    parser.add_argument("--label", choices=["good", "bad", "unreviewed"],
+                        help="only traces a reviewer labelled so (unreviewed: none did)")
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -440,6 +452,12 @@ async def run(args: argparse.Namespace) -> int:
                           "or --format dpo with -o DIR")
     if args.max_pairs_per_run < 1:
         raise ConfigError("--max-pairs-per-run must be at least 1")
+    if not _to_directory(args) and args.output != "-" \
+            and not Path(args.output).parent.is_dir():
+        raise StartupError(
+            f"-o {args.output}: the directory {Path(args.output).parent} does not exist; "
+            "create it first or write elsewhere"
+        )
     async with database(config) as engine:
         left_out = await left_out_by_selection(engine, query)
         progress = Progress("exported", await count(engine, query))
@@ -459,6 +477,17 @@ async def run(args: argparse.Namespace) -> int:
 
 async def _write(engine: AsyncEngine, query: ExportQuery, args: argparse.Namespace,
                  progress: Progress) -> Tally:
+    try:
+        return await _write_format(engine, query, args, progress)
+    except OSError as exc:
+        raise StartupError(
+            f"-o {args.output}: cannot write ({exc.strerror or exc}): "
+            "check the directory is writable and has space"
+        ) from exc
+
+
+async def _write_format(engine: AsyncEngine, query: ExportQuery, args: argparse.Namespace,
+                        progress: Progress) -> Tally:
     if args.format == "parquet":
         return await export_parquet(engine, query, Path(args.output), args.eval_fraction, progress)
     if args.format == "dpo":
@@ -477,7 +506,7 @@ def _query(args: argparse.Namespace, threshold: float) -> ExportQuery:
     if args.all:
         stages, min_reward = ALL_STAGES, None
     query = ExportQuery(args.format, args.compressed, min_reward, args.since, stages,
-                        dedup=args.dedup)
+                        dedup=args.dedup, label=args.label)
     if args.stage:
         query = replace(query, stages=tuple(args.stage))
     if args.min_reward is not None:

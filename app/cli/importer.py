@@ -17,10 +17,10 @@ import httpx
 
 from app import import_sources
 from app.access.keys import bearer_from_env
-from app.cli.options import Commands, command
+from app.cli.options import Commands, command, ctrl_c_stops
 from app.cli.progress import Progress
 from app.config import HubConfig, load_config
-from app.errors import ConfigError, HubError
+from app.errors import ConfigError, HubError, StartupError
 from app.evaluation.environment import Environment
 from app.hub import database
 from app.import_sources import Parsed, Record, Unreadable, read_path
@@ -111,7 +111,7 @@ async def import_over_http(
         await asyncio.sleep(float(response.headers["retry-after"]))
         response = await client.post(endpoint, json=payload)
     if response.status_code != 207:
-        raise RuntimeError(f"the hub answered {response.status_code}: {response.text[:300]}")
+        raise StartupError(f"the hub answered {response.status_code}: {response.text[:300]}")
     for record, result in zip(parsed, response.json()["results"]):
         summary.count(record.location, result)
 
@@ -131,7 +131,9 @@ def _split(chunk: list[Record], summary: Summary) -> list[Parsed]:
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
     imp = command(commands, "import", _import,
-                  help="store trajectory files through the pipeline")
+                  help="store trajectory files through the pipeline",
+                  example="atropos import --config config.json runs/tau-bench/ "
+                          "--url http://127.0.0.1:8000")
     imp.add_argument("paths", nargs="+", type=Path, help="files or folders of trajectories")
     imp.add_argument("--format", default="auto", help="an adapter name, or auto (default)")
     imp.add_argument("--url", help="POST to this running hub instead of the database")
@@ -149,18 +151,35 @@ async def _import(args: argparse.Namespace) -> int:
     if args.format != "auto" and args.format not in import_sources.formats():
         known = ", ".join(import_sources.formats())
         raise ConfigError(f"--format {args.format}: unknown; one of auto, {known}")
+    missing = [str(path) for path in args.paths if not path.exists()]
+    if missing:
+        raise StartupError(f"no such file or folder: {', '.join(missing)}")
     summary = Summary()
     progress = Progress("imported")
-    batches = chunks(records(args.paths, args.format))
-    if args.url:
-        await _over_http(args, config, batches, summary, progress)
-    else:
-        await _into_database(config, batches, summary, progress)
+    with ctrl_c_stops() as stopping:
+        batches = _until(stopping, chunks(records(args.paths, args.format)))
+        if args.url:
+            await _over_http(args, config, batches, summary, progress)
+        else:
+            await _into_database(config, batches, summary, progress)
     progress.close()
     for line in summary.lines():
         print(line)
+    if stopping.is_set():
+        print("interrupted (Ctrl-C): the traces counted above are stored; the rest were not "
+              "read. Importing the same paths again stores the rest (the stored ones come "
+              "back as duplicates)")
+        return 130
     failed = summary.refused or (args.strict and summary.unreadable)
     return 1 if failed else 0
+
+
+def _until(stopping: asyncio.Event, batches: Iterator[list[Record]]) -> Iterator[list[Record]]:
+    """The chunks, until Ctrl-C: the chunk in hand is stored and counted first."""
+    for chunk in batches:
+        if stopping.is_set():
+            return
+        yield chunk
 
 
 async def _over_http(
@@ -173,8 +192,22 @@ async def _over_http(
     headers = bearer_from_env(args.api_key_env)
     async with httpx.AsyncClient(base_url=args.url, timeout=120, headers=headers) as client:
         for chunk in batches:
-            await import_over_http(client, config.trace_server.endpoint, chunk, summary)
+            try:
+                await import_over_http(client, config.trace_server.endpoint, chunk, summary)
+            except httpx.TransportError as exc:
+                raise StartupError(
+                    f"cannot reach the hub at {args.url} ({_transport_reason(exc)}): is it "
+                    "running (atropos serve)? check --url"
+                ) from exc
             progress.advance(len(chunk))
+
+
+def _transport_reason(exc: httpx.TransportError) -> str:
+    if isinstance(exc, httpx.ConnectError):
+        return "connection refused" if "refused" in str(exc).lower() else "cannot connect"
+    if isinstance(exc, httpx.TimeoutException):
+        return "timed out"
+    return type(exc).__name__
 
 
 async def _into_database(

@@ -8,7 +8,7 @@ import sys
 from datetime import datetime
 
 from app.access import keys
-from app.cli.options import Commands, command
+from app.cli.options import Commands, command, group
 from app.config import load_config
 from app.errors import HubError
 from app.hub import database
@@ -17,10 +17,13 @@ log = logging.getLogger("atropos")
 
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
-    group = commands.add_parser("keys", help="API keys (auth.enabled)")
-    key_commands = group.add_subparsers(dest="keys_command", required=True)
+    key_commands = group(commands, "keys", help="API keys (auth.enabled)",
+                         example="atropos keys create --config config.json --scope ingest "
+                                 "--name my-agent")
     create = command(key_commands, "create", _create,
-                     help="make a key; prints it once, last line")
+                     help="make a key; prints it once, last line",
+                     example="atropos keys create --config config.json --scope ingest "
+                             "--name my-agent")
     create.add_argument(
         "--scope",
         action="append",
@@ -29,9 +32,11 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
         help="ingest, read, train or admin (admin includes the others; repeatable)",
     )
     create.add_argument("--name", required=True, help="who or what the key is for")
-    command(key_commands, "list", _list, help="every key, revoked ones too")
+    command(key_commands, "list", _list, help="every key, revoked ones too",
+            example="atropos keys list --config config.json")
     revoke = command(key_commands, "revoke", _revoke,
-                     help="stops the key (within auth.key_cache_seconds)")
+                     help="stops the key (within auth.key_cache_seconds)",
+                     example="atropos keys revoke --config config.json KEY_ID")
     revoke.add_argument("key_id", help="the id shown by `atropos keys list`")
 
 

@@ -5,11 +5,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
+import os
 import sys
+import traceback
 from collections.abc import Callable
 
-from app.cli import batches, db, doctor, export, importer, keys, prune, rescore, run, serve, train
+from app.cli import (
+    batches,
+    db,
+    doctor,
+    export,
+    importer,
+    keys,
+    logs,
+    prune,
+    rescore,
+    run,
+    serve,
+    train,
+)
+from app.config import load_config
 from app.errors import StartupError
 
 # Each module declares its commands; `atropos --help` lists them in this order.
@@ -17,13 +32,17 @@ _COMMAND_GROUPS = (serve, importer, rescore, train, export, doctor, batches, pru
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
-    _setup_logging()
+    debug = getattr(args, "debug", False) or os.environ.get("ATROPOS_DEBUG") == "1"
     try:
+        logs.setup(_log_level(args), getattr(args, "log_format", "text"))
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             code = runner.run(args.run(args))
     except StartupError as exc:
+        # One line saying what failed and what to do; the traceback only on request.
+        if debug:
+            traceback.print_exception(exc, file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
@@ -41,21 +60,26 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="atropos", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="atropos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Each command's --help lists its options and ends with an example.\n\n"
+               "example:\n  atropos serve --config config.json",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     for group in _COMMAND_GROUPS:
         group.register(commands)
     return parser
 
 
-def _setup_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
-    )
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
-    # Alembic narrates every migration step; our own line says which revision we reach.
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+def _log_level(args: argparse.Namespace) -> str:
+    """--log-level, else the config file's trace_server.log_level, else INFO. A config
+    file that cannot be loaded is the command's to report, with its one line."""
+    if getattr(args, "log_level", None):
+        return str(args.log_level)
+    if getattr(args, "config", None):
+        try:
+            return load_config(args.config).trace_server.log_level
+        except StartupError:
+            pass
+    return "INFO"

@@ -4,7 +4,10 @@ config files they name, and the option types (ages, durations)."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Awaitable, Callable
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -23,16 +26,71 @@ def command(
     name: str,
     run: Run,
     *,
+    example: str,
     config: str | None = "config.json",
     **parser: Any,
 ) -> argparse.ArgumentParser:
     """The subcommand `name`, which `run` carries out, with the options every command
-    has: `--config` (the file it names, when it reads one)."""
-    declared = commands.add_parser(name, **parser)
+    has: `--config` (the file it names, when it reads one), the log's level and format,
+    and `--debug`. Its --help ends with `example`, a command line to copy."""
+    declared = commands.add_parser(name, **_with_example(parser, example))
     if config is not None:
         declared.add_argument("--config", required=True, help=config)
+    declared.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="DEBUG, INFO, WARNING or ERROR (default: trace_server.log_level, else INFO)",
+    )
+    declared.add_argument(
+        "--log-format", choices=("text", "json"), default="text",
+        help="json: one JSON object per line (time, level, logger, message)",
+    )
+    declared.add_argument(
+        "--debug", action="store_true",
+        help="show the traceback behind an error (also: ATROPOS_DEBUG=1)",
+    )
     declared.set_defaults(run=run)
     return declared
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def group(
+    commands: Commands[argparse.ArgumentParser], name: str, *, help: str, example: str
+) -> Commands[argparse.ArgumentParser]:
+    """A command with subcommands (`atropos batches list`); returns where they go."""
+    declared = commands.add_parser(name, help=help, **_with_example({}, example))
+    return declared.add_subparsers(dest=f"{name}_command", required=True)
+
+
+def _with_example(parser: dict[str, Any], example: str) -> dict[str, Any]:
+    """add_parser's keywords with `example` as the epilog, kept as written."""
+    return {
+        "formatter_class": argparse.RawDescriptionHelpFormatter,
+        **parser,
+        "epilog": f"example:\n  {example}",
+    }
+
+
+@contextmanager
+def ctrl_c_stops() -> Iterator[asyncio.Event]:
+    """While the block runs, Ctrl-C (SIGINT) sets the event it yields: the command
+    stops after the work in hand and says what it did. A second Ctrl-C stops it at
+    once (KeyboardInterrupt, exit 130)."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+
+    def interrupted() -> None:
+        stopping.set()
+        loop.remove_signal_handler(signal.SIGINT)  # the next one interrupts
+
+    loop.add_signal_handler(signal.SIGINT, interrupted)
+    try:
+        yield stopping
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
 
 
 def add_hub_files(parser: argparse.ArgumentParser) -> None:

@@ -10,7 +10,8 @@ Traces stored before the hub kept the environment's reward (revision 0006) have 
 > 0 was "success"). Rescoring reads their outcome again (`reported_outcome`): from the
 item as received, through today's parser, or, for imports, from what the adapter kept
 in metadata; then `env_reward`, `status` and the stored traces' outcome are updated with
-the scores.
+the scores. A reviewer's
+reward override outlives a rescore: the breakdown is new, the reward stays the override.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from app import formats
 from app.cli.options import Commands, add_since, command
 from app.cli.progress import Progress
 from app.config import load_config
-from app.db.models import TRACES
+from app.db.models import REVIEWS, TRACES
 from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import Outcome, Stage, Trace
@@ -77,12 +78,17 @@ async def rescore(
         async with engine.begin() as conn:
             c = TRACES.c
             unfilled = c.env_reward.is_(None)
-            query = sa.select(
-                c.trace_id, c.created_at, c.stage, c.trace,
-                # Read only where the environment's reward may still be missing.
-                sa.case((unfilled, c.original)).label("original"),
-                sa.case((unfilled, c.compressed)).label("compressed"),
-            ).where(*_todo(environment, since))
+            query = (
+                sa.select(
+                    c.trace_id, c.created_at, c.stage, c.trace,
+                    # Read only where the environment's reward may still be missing.
+                    sa.case((unfilled, c.original)).label("original"),
+                    sa.case((unfilled, c.compressed)).label("compressed"),
+                    REVIEWS.c.reward.label("override"),
+                )
+                .select_from(TRACES.outerjoin(REVIEWS))
+                .where(*_todo(environment, since))
+            )
             if after is not None:
                 query = query.where(sa.tuple_(c.created_at, c.trace_id) > after)
             rows = (await conn.execute(query.order_by(c.created_at, c.trace_id).limit(BATCH))).all()
@@ -152,7 +158,7 @@ def _update(row: Any, environment: Environment, counts: Counter[str]) -> _Update
         "b_id": row.trace_id,
         "env_reward": outcome.reward,
         "status": outcome.status.value,
-        "reward": evaluation.reward,
+        "reward": evaluation.reward if row.override is None else row.override,
         "reward_breakdown": evaluation.breakdown,
         "reject_reasons": evaluation.reject_reasons,
     }
@@ -211,7 +217,8 @@ def _with_outcome(payload: dict[str, Any] | None, outcome: Outcome) -> dict[str,
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
     parser = command(commands, "rescore", _rescore,
-                     help="score stored traces with the current rules")
+                     help="score stored traces with the current rules",
+                     example="atropos rescore --config config.json --since 7d")
     add_since(parser)
 
 
@@ -219,10 +226,31 @@ async def _rescore(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     environment = Environment.from_config(config.environment)
     async with database(config) as engine:
-        progress = Progress("rescored", await pending(engine, environment, args.since))
+        todo = await pending(engine, environment, args.since)
+        if todo == 0:
+            print(await _nothing_to_do(engine, environment, args.since))
+            return 0
+        progress = Progress("rescored", todo)
         counts = await rescore(engine, environment, since=args.since, on_batch=progress.advance)
         progress.close()
     print(f"rescored: {counts.pop('rescored', 0)}")
     for key, n in sorted(counts.items()):
         print(f"stage {key}: {n}" if "->" in key else f"{key}: {n}")
     return 0
+
+
+async def _nothing_to_do(engine: AsyncEngine, environment: Environment,
+                         since: datetime | None) -> str:
+    """Why no trace needed rescoring, in one line."""
+    window = "" if since is None else f" since {since.isoformat(timespec='seconds')}"
+    query = sa.select(sa.func.count()).select_from(TRACES)
+    if since is not None:
+        query = query.where(TRACES.c.created_at >= since)
+    async with engine.connect() as conn:
+        stored = int(await conn.scalar(query) or 0)
+    if stored == 0:
+        return f"nothing to rescore: no traces stored{window}"
+    return (f"nothing to rescore: all {stored} traces{window} are already scored with the "
+            f"current reward rules and filters (environment {environment.fingerprint[:12]}); "
+            "change environment.reward_rules or invalid_trace_filters in the config to "
+            "score them differently")

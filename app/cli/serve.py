@@ -17,20 +17,25 @@ from app.api.server import server_config
 from app.cli.options import Commands, add_hub_files, command, load_settings
 from app.errors import StartupError
 from app.evaluation.environment import Environment
-from app.hub import database, open_database, running_stages
+from app.hub import add_assembly, database, open_database, running_stages
+from app.ingest.ingestor import running_ingest
 from app.ingest.tokens import encoding
+from app.metrics import summarizing
 
 log = logging.getLogger("atropos")
 
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
     serve = command(commands, "serve", _serve,
-                    help="run the HTTP API and the background stages")
+                    help="run the HTTP API and the background stages",
+                    example="atropos serve --config config.json --compression "
+                            "compression.json")
     add_hub_files(serve)
     serve.add_argument(
         "--no-workers", action="store_true", help="run the API alone (no background stages)"
     )
-    worker = command(commands, "worker", _worker, help="run the background stages only")
+    worker = command(commands, "worker", _worker, help="run the background stages only",
+                     example="atropos worker --config config.json --burst")
     add_hub_files(worker)
     worker.add_argument("--burst", action="store_true", help="drain the work, then exit")
 
@@ -87,8 +92,16 @@ class _Server(uvicorn.Server):
 
 async def _worker(args: argparse.Namespace) -> int:
     settings = load_settings(args, delivers=True)
+    config = settings.config
+    environment = Environment.from_config(config.environment)
     encoding()  # the compression stage counts tokens
-    async with database(settings.config) as engine, running_stages(settings, engine) as stages:
+    async with (
+        database(config) as engine,
+        running_stages(settings, engine) as stages,
+        # OTLP assembly prepares its trajectories as ingest does.
+        running_ingest(engine, config, environment, admitted=False) as ingest,
+    ):
+        add_assembly(stages, engine, config, ingest.ingestor)
         if args.burst:
             advanced = await stages.drain()
             log.info("burst done: %d items advanced", advanced)
@@ -99,6 +112,7 @@ async def _worker(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stopping.set)
         stages.start()
         log.info("Compression pipeline ready")
-        await stopping.wait()
+        async with summarizing(settings.config.trace_server.log_summary_seconds):
+            await stopping.wait()
         log.info("stopping: leases of unfinished work expire for the next worker")
         return 0

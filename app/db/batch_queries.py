@@ -58,6 +58,17 @@ async def retry_batch(engine: AsyncEngine, batch_id: str) -> dict[str, Any]:
     )
 
 
+async def retry_failed_batches(engine: AsyncEngine) -> list[str]:
+    """Every failed batch pending again, as retry_batch makes one; their ids."""
+    async with engine.begin() as conn:
+        moved = await conn.execute(
+            BATCH_STATES.move(BatchState.PENDING, expected=[BatchState.FAILED])
+            .values(attempts=0, **RELEASED)
+            .returning(BATCHES.c.batch_id)
+        )
+        return sorted(moved.scalars())
+
+
 def _record(row: Any) -> dict[str, Any]:
     def iso(value: Any) -> str | None:
         return value.isoformat() if value is not None else None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar, assert_never
 
 import orjson
@@ -14,6 +14,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.engine import create_thread_engine
+from app.db.models import TRACE_SEARCH
 from app.db.types import EncodedJSON, UtcTimeStamp, utc_text
 
 Dialect = Literal["sqlite", "postgresql"]
@@ -29,14 +30,20 @@ def dialect_of(conn: AsyncConnection | AsyncEngine | sa.Connection) -> Dialect:
     raise ValueError(f"unsupported database dialect {name!r}")
 
 
-def insert_ignoring_conflicts(dialect: Dialect, table: sa.Table, key: str) -> Any:
+def insert(dialect: Dialect, table: sa.Table) -> Any:
+    """The dialect's own INSERT, which has ON CONFLICT (`on_conflict_do_nothing`,
+    `on_conflict_do_update`) with the same signature on both."""
+    if dialect == "sqlite":
+        return sqlite.insert(table)
+    if dialect == "postgresql":
+        return postgresql.insert(table)
+    assert_never(dialect)
+
+
+def insert_ignoring_conflicts(dialect: Dialect, table: sa.Table, *key: str) -> Any:
     """INSERT ... ON CONFLICT (key) DO NOTHING: an idempotent insert whose RETURNING
     lists only the rows that were new."""
-    if dialect == "sqlite":
-        return sqlite.insert(table).on_conflict_do_nothing(index_elements=[key])
-    if dialect == "postgresql":
-        return postgresql.insert(table).on_conflict_do_nothing(index_elements=[key])
-    assert_never(dialect)
+    return insert(dialect, table).on_conflict_do_nothing(index_elements=list(key))
 
 
 def migration_lock(sync_conn: sa.Connection) -> None:
@@ -168,6 +175,18 @@ class BulkInsert:
             values.append(value)
         return tuple(values)
 
+    def row(self, values: Sequence[Any]) -> dict[str, Any]:
+        """`values` back as column -> value in the form SQLAlchemy's types take (the
+        inverse of `values`), for statements that go through them."""
+        row: dict[str, Any] = {}
+        for i, (name, value) in enumerate(zip(self.columns, values, strict=True)):
+            if value is not None and i in self._times:
+                value = datetime.fromisoformat(value).replace(tzinfo=UTC)
+            elif value is not None and i in self._json:
+                value = EncodedJSON(value)
+            row[name] = value
+        return row
+
     def run(self, conn: sa.Connection, rows: Sequence[tuple[Any, ...]]) -> set[Any]:
         """Insert `rows` (from `values`, with distinct keys); the keys that were new."""
         if not rows:
@@ -286,6 +305,53 @@ def reject_reason_counts(dialect: Dialect) -> sa.TextClause:
     assert_never(dialect)
 
 
+def time_bucket(dialect: Dialect, column: sa.ColumnElement[Any], seconds: int) -> Any:
+    """The start of the `seconds`-wide bucket a timestamp falls in, as Unix seconds."""
+    if dialect == "sqlite":
+        # Stored as 'YYYY-MM-DD HH:MM:SS.ffffff' UTC (app/db/types.py UtcTimeStamp).
+        epoch = sa.cast(sa.func.strftime("%s", column), sa.Integer)
+        return (epoch // seconds) * seconds
+    if dialect == "postgresql":
+        return sa.func.floor(sa.extract("epoch", column) / seconds) * seconds
+    assert_never(dialect)
+
+
+def search_matches(dialect: Dialect, words: str) -> sa.Select[Any]:
+    """The trace_ids whose search text (trace_search, lowercased) contains `words`
+    (lowercased).
+
+    SQLite: the FTS5 trigram index finds the candidates without reading every row
+    (its LIKE cannot take an ESCAPE clause and keep using the index, so a % or _ in
+    the words widens the candidates), then the text is checked exactly. PostgreSQL:
+    the narrow table is scanned."""
+    exact = TRACE_SEARCH.c.text.contains(words, autoescape=True)
+    if dialect == "sqlite":
+        candidates = sa.text(
+            "SELECT rowid FROM trace_search_index WHERE text LIKE :search_pattern"
+        ).bindparams(search_pattern=f"%{words}%").columns(sa.column("rowid", sa.Integer))
+        return sa.select(TRACE_SEARCH.c.trace_id).where(
+            TRACE_SEARCH.c.id.in_(candidates), exact)
+    if dialect == "postgresql":
+        return sa.select(TRACE_SEARCH.c.trace_id).where(exact)
+    assert_never(dialect)
+
+
+def rejected_by_filter(dialect: Dialect, name: str) -> sa.ColumnElement[bool]:
+    """Traces whose reject_reasons (a JSON array of {"filter", ...}) name filter `name`."""
+    reasons: sa.ColumnElement[Any] = sa.literal_column("traces.reject_reasons")  # outer row
+    if dialect == "sqlite":
+        return sa.exists(
+            sa.select(sa.literal(1))
+            .select_from(sa.func.json_each(reasons))
+            .where(sa.func.json_extract(sa.literal_column("value"), "$.filter") == name)
+        )
+    if dialect == "postgresql":
+        return reasons.bool_op("@>")(
+            sa.func.jsonb_build_array(sa.func.jsonb_build_object("filter", name))
+        )
+    assert_never(dialect)
+
+
 def rule_firing_counts(dialect: Dialect) -> sa.TextClause:
     """(rule, traces it fired on) over traces.reward_breakdown, a JSON object
     rule -> {"fired", "count", "points"}."""
@@ -300,6 +366,24 @@ def rule_firing_counts(dialect: Dialect) -> sa.TextClause:
             "SELECT b.key AS name, count(*) AS n "
             "FROM traces, jsonb_each(traces.reward_breakdown) AS b "
             "WHERE (b.value->>'fired')::boolean GROUP BY name"
+        )
+    assert_never(dialect)
+
+
+def redaction_counts(dialect: Dialect) -> sa.TextClause:
+    """(kind, secrets redacted) over the traces' metadata.redactions, a JSON object
+    kind -> count written by the ingest path (app/evaluation/redaction.py)."""
+    if dialect == "sqlite":
+        return sa.text(
+            "SELECT r.key AS name, sum(r.value) AS n "
+            "FROM traces, json_each(traces.trace, '$.metadata.redactions') AS r "
+            "WHERE r.type = 'integer' GROUP BY name"
+        )
+    if dialect == "postgresql":
+        return sa.text(
+            "SELECT r.key AS name, sum((r.value #>> '{}')::bigint) AS n "
+            "FROM traces, jsonb_each(traces.trace -> 'metadata' -> 'redactions') AS r "
+            "WHERE jsonb_typeof(r.value) = 'number' GROUP BY name"
         )
     assert_never(dialect)
 

@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 from sqlalchemy import event
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
@@ -26,8 +27,20 @@ def database_url(cfg: TraceServerConfig) -> str:
             "postgresql (e.g. postgresql://user:pass@host:5432/atropos, or set "
             "ATROPOS_TRACE_SERVER__DATABASE_URL)"
         )
-    url = make_url(cfg.database_url)
-    if url.drivername in ("postgresql", "postgres", "postgresql+psycopg2"):
+    try:
+        url = make_url(cfg.database_url)
+    except sa_exc.ArgumentError:
+        # Not echoed: the value may hold a password.
+        raise ConfigError(
+            "config.json: trace_server.database_url: not a database URL; expected "
+            "postgresql://user:pass@host:5432/atropos"
+        ) from None
+    if url.drivername.split("+")[0] not in ("postgresql", "postgres"):
+        raise ConfigError(
+            f"config.json: trace_server.database_url: {url.drivername}:// is not supported; "
+            "use postgresql://user:pass@host:5432/atropos, or storage_backend sqlite"
+        )
+    if url.drivername != "postgresql+asyncpg":
         url = url.set(drivername="postgresql+asyncpg")
     return url.render_as_string(hide_password=False)
 
@@ -47,6 +60,11 @@ def create_engine(cfg: TraceServerConfig) -> AsyncEngine:
     url = database_url(cfg)
 
     if cfg.storage_backend == "sqlite":
+        if Path(cfg.db_path).is_dir():
+            raise ConfigError(
+                f"config.json: trace_server.db_path: {cfg.db_path} is a directory; "
+                f"name a file in it, e.g. {cfg.db_path}/atropos.db"
+            )
         # Created here, private, so that SQLite (which gives its WAL and SHM files the
         # database file's mode) never makes a world-readable one.
         files.make_dir(Path(cfg.db_path).parent)

@@ -4,17 +4,28 @@ A row the database refuses for what it holds (a value a column cannot take, a br
 constraint) is the client's: 422. Anything else is a condition of the hub that may
 pass (a lock held by another process, a timeout, a full disk, a lost connection, a
 restarting server): 503 with Retry-After, so that the client sends it again rather
-than dropping it.
+than dropping it. A database that cannot be opened at start-up is one line saying
+what failed and what to do (`unusable_database`).
 """
 
 from __future__ import annotations
 
+import logging
 import sqlite3
+import time
+import weakref
+from collections import Counter
 
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.errors import HubError, Invalid, Unavailable
+from app.config import TraceServerConfig
+from app.db.engine import database_url
+from app.errors import HubError, Invalid, StartupError, Unavailable
+
+_log = logging.getLogger("atropos.database")
 
 # PostgreSQL SQLSTATE classes of what is wrong with the data: 22 data exception (a NUL
 # in text or jsonb is 22P05), 23 integrity constraint violation.
@@ -47,6 +58,67 @@ def database_error(exc: SQLAlchemyError, retry_after: int = 1) -> HubError:
     )
 
 
+class Outage:
+    """The database failing while the hub runs, said as a person wants to read it: one
+    ERROR line per kind of failure (a lost connection, a full disk, a lock), not one per
+    request or retry, and one line when it works again. One per engine (`outage_of`):
+    every writer, stage and route of the process reports to the same one."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+        self._kinds: Counter[str] = Counter()
+
+    def failed(self, exc: BaseException, doing: str) -> bool:
+        """Note a failure of the database while `doing` something (the first of its
+        kind is logged). False when `exc` is not the database failing: a bug, for the
+        caller to log with its traceback."""
+        said = database_refusal(exc)
+        if said is None:
+            return False
+        kind = failure_kind(exc)
+        if self._since is None:
+            self._since = time.monotonic()
+        self._kinds[kind] += 1
+        if self._kinds[kind] == 1:
+            _log.error("the database is failing (%s, while %s): %s; requests that need it "
+                       "get 503 and the stages wait. Said once per kind of failure until it "
+                       "works again", kind, doing, said)
+        return True
+
+    def works(self) -> None:
+        """The database answered: if it was failing, say that it works again."""
+        if self._since is None:
+            return
+        kinds = ", ".join(f"{n} {kind}" for kind, n in self._kinds.most_common())
+        _log.warning("the database works again after %.1f s (%d failures: %s)",
+                     time.monotonic() - self._since, sum(self._kinds.values()), kinds)
+        self._since = None
+        self._kinds.clear()
+
+
+_outages: weakref.WeakKeyDictionary[Engine, Outage] = weakref.WeakKeyDictionary()
+
+
+def outage_of(engine: AsyncEngine) -> Outage:
+    """The Outage of this engine's database, shared by everything using the engine."""
+    outage = _outages.get(engine.sync_engine)
+    if outage is None:
+        outage = _outages[engine.sync_engine] = Outage()
+    return outage
+
+
+def failure_kind(exc: BaseException) -> str:
+    """A short name for what failed: the driver's own exception class (asyncpg has one
+    per SQLSTATE) or SQLite's result code (SQLITE_BUSY, SQLITE_FULL, ...)."""
+    cause: BaseException = exc.orig if isinstance(exc, DBAPIError) and exc.orig else exc
+    for _ in range(5):  # SQLAlchemy's adapters wrap the driver's exception
+        if cause.__cause__ is None:
+            break
+        cause = cause.__cause__
+    name = getattr(cause, "sqlite_errorname", None)
+    return name if isinstance(name, str) else type(cause).__name__
+
+
 def database_refusal(exc: BaseException) -> str | None:
     """What the database said, in one line, when `exc` is the database refusing or
     failing a statement (locked, disk full, connection lost, no connection free): an
@@ -58,3 +130,45 @@ def database_refusal(exc: BaseException) -> str | None:
     if isinstance(exc, (sa_exc.TimeoutError, OSError)):
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def unusable_database(cfg: TraceServerConfig, exc: BaseException) -> StartupError | None:
+    """One line saying why the database of `cfg` cannot be opened and what to do, when
+    `exc` is the database (or its file, or its server) failing; None for anything
+    else (a bug, to be shown with its traceback). The password is never in it."""
+    reason = _reason(exc)
+    if reason is None:
+        return None
+    if cfg.storage_backend == "sqlite":
+        return StartupError(
+            f"cannot open the SQLite database {cfg.db_path} ({reason}): "
+            "check trace_server.db_path names a file in a writable directory"
+        )
+    url = make_url(database_url(cfg))
+    where = f"{url.host or 'localhost'}:{url.port or 5432}"
+    return StartupError(
+        f"cannot reach PostgreSQL at {where} ({reason}): is it running? "
+        "check trace_server.database_url"
+    )
+
+
+def _reason(exc: BaseException) -> str | None:
+    """What went wrong, in a few words, without the statement or the URL."""
+    if isinstance(exc, sa_exc.DBAPIError):
+        exc = exc.orig if isinstance(exc.orig, BaseException) else exc
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, (TimeoutError, sa_exc.TimeoutError)):
+        return "timed out"
+    if isinstance(exc, OSError):
+        return exc.strerror or type(exc).__name__
+    if isinstance(exc, sa_exc.SQLAlchemyError) or _is_driver_error(exc):
+        # asyncpg and sqlite3 messages name the role or file, never the password.
+        return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+    return None
+
+
+def _is_driver_error(exc: BaseException) -> bool:
+    """asyncpg's and sqlite3's own errors (raised before SQLAlchemy wraps them)."""
+    module = type(exc).__module__
+    return module.startswith(("asyncpg", "sqlite3", "aiosqlite"))

@@ -20,6 +20,11 @@ NAMING_CONVENTION = {
 }
 
 
+# SQLite makes only an INTEGER PRIMARY KEY an alias of the rowid (and so
+# autoincrementing); PostgreSQL wants the wider type.
+_BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
 class Base(DeclarativeBase):
     metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
 
@@ -31,9 +36,9 @@ class TraceRow(Base):
     __tablename__ = "traces"
 
     trace_id: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
-    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp, index=True)
+    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
     updated_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
-    status: Mapped[str] = mapped_column(sa.String(16), index=True)
+    status: Mapped[str] = mapped_column(sa.String(16))
     stage: Mapped[str] = mapped_column(sa.String(32))
     total_tokens: Mapped[int] = mapped_column(sa.Integer)
     compressed_tokens: Mapped[int | None] = mapped_column(sa.Integer)
@@ -48,8 +53,8 @@ class TraceRow(Base):
     scored_with: Mapped[str | None] = mapped_column(sa.String(16))
     # Filters for listing, copied out of the canonical trace.
     source_format: Mapped[str] = mapped_column(sa.String(32))
-    env: Mapped[str | None] = mapped_column(sa.String(200), index=True)
-    model: Mapped[str | None] = mapped_column(sa.String(200), index=True)
+    env: Mapped[str | None] = mapped_column(sa.String(200))
+    model: Mapped[str | None] = mapped_column(sa.String(200))
     agent_name: Mapped[str | None] = mapped_column(sa.String(200))
     policy_version: Mapped[str | None] = mapped_column(sa.String(200))
     # sha256 of the item as received: a resent trace_id is a duplicate only if it matches.
@@ -66,7 +71,16 @@ class TraceRow(Base):
     lease_owner: Mapped[str | None] = mapped_column(sa.String(64))
     lease_expires_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
 
-    __table_args__ = (sa.Index("ix_traces_stage_created_at", "stage", "created_at"),)
+    __table_args__ = (
+        sa.Index("ix_traces_stage_created_at", "stage", "created_at"),
+        # The trace list's orders and its filters in time order (0010).
+        sa.Index("ix_traces_created_at_trace_id", "created_at", "trace_id"),
+        sa.Index("ix_traces_status_created_at", "status", "created_at"),
+        sa.Index("ix_traces_env_created_at", "env", "created_at"),
+        sa.Index("ix_traces_model_created_at", "model", "created_at"),
+        sa.Index("ix_traces_reward_trace_id", "reward", "trace_id"),
+        sa.Index("ix_traces_total_tokens_trace_id", "total_tokens", "trace_id"),
+    )
 
 
 # The Core table, for the set-based statements (group insert, claims, stage moves).
@@ -118,6 +132,55 @@ BATCHES: sa.Table = BatchRow.__table__  # type: ignore[assignment]
 MEMBERS: sa.Table = BatchTraceRow.__table__  # type: ignore[assignment]
 
 
+class ReviewRow(Base):
+    """A person's verdict on a trace (app/db/review_queries.py): one per trace, the latest wins.
+    `reward`, when set, overrides the computed reward: it is what `traces.reward`
+    holds while the review stands."""
+
+    __tablename__ = "reviews"
+
+    trace_id: Mapped[str] = mapped_column(
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), primary_key=True
+    )
+    label: Mapped[str] = mapped_column(sa.String(8), index=True)
+    note: Mapped[str | None] = mapped_column(sa.Text)
+    reward: Mapped[float | None] = mapped_column(sa.Float)
+    reviewer: Mapped[str] = mapped_column(sa.String(200))  # the API key's name
+    reviewed_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+
+
+class ReviewClaimRow(Base):
+    """The review queue's lease on a trace: served to `holder` until `expires_at`."""
+
+    __tablename__ = "review_claims"
+
+    trace_id: Mapped[str] = mapped_column(
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), primary_key=True
+    )
+    holder: Mapped[str] = mapped_column(sa.String(200), index=True)
+    expires_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+
+
+class TraceSearchRow(Base):
+    """The searchable text of a trace (task and final answer, lowercased), filled by a
+    trigger on insert into traces (migration 0010), so that a search never reads the
+    payloads. On SQLite, the FTS5 trigram index `trace_search_index` covers `text`
+    (app/db/dialect.py `search_matches`)."""
+
+    __tablename__ = "trace_search"
+
+    id: Mapped[int] = mapped_column(_BIG_ID, primary_key=True, autoincrement=True)
+    trace_id: Mapped[str] = mapped_column(
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), unique=True
+    )
+    text: Mapped[str] = mapped_column(sa.Text)
+
+
+REVIEWS: sa.Table = ReviewRow.__table__  # type: ignore[assignment]
+REVIEW_CLAIMS: sa.Table = ReviewClaimRow.__table__  # type: ignore[assignment]
+TRACE_SEARCH: sa.Table = TraceSearchRow.__table__  # type: ignore[assignment]
+
+
 class RunRow(Base):
     """One training run (app/runs): a trainer and its environments, started, watched
     and stopped by the hub. The injected model channel (keys, URLs) is never stored."""
@@ -167,11 +230,6 @@ RUN_PROCESSES: sa.Table = RunProcessRow.__table__  # type: ignore[assignment]
 
 # --- the Atropos trajectory API (app/atropos) -------------------------------------
 
-# SQLite makes only an INTEGER PRIMARY KEY an alias of the rowid (and so
-# autoincrementing); PostgreSQL wants the wider type.
-_BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
-
-
 class AtroposStateRow(Base):
     """The run: what the trainer registered, whether it has started, and the step.
 
@@ -194,6 +252,9 @@ class AtroposStateRow(Base):
     starting_step: Mapped[int | None] = mapped_column(sa.Integer)
     num_steps: Mapped[int] = mapped_column(sa.Integer, server_default="-1")
     step: Mapped[int] = mapped_column(sa.BigInteger, server_default="0")
+    # Groups deleted (served, or by /reset_data): with the rows still stored, every
+    # group ever received.
+    groups_dropped: Mapped[int] = mapped_column(sa.BigInteger, server_default="0")
     updated_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
 
 
@@ -323,3 +384,55 @@ class ScheduledTaskRow(Base):
 
 
 SCHEDULED_TASKS: sa.Table = ScheduledTaskRow.__table__  # type: ignore[assignment]
+
+
+# --- OTLP spans waiting to become trajectories (app/ingest/otlp) --------------------
+
+
+class OtlpSpanRow(Base):
+    """One span as received over OTLP, kept until its trajectory is batched (a
+    re-assembly reads every span again; a span resent by an exporter is stored once).
+    The payloads are the OTLP protobuf encoding, secrets redacted: cheap to store,
+    decoded into OTLP/JSON only when the trace is assembled."""
+
+    __tablename__ = "otlp_spans"
+
+    trace_id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)  # 32 hex digits
+    span_id: Mapped[str] = mapped_column(sa.String(16), primary_key=True)  # 16 hex digits
+    start_ns: Mapped[int] = mapped_column(sa.BigInteger)  # start time, Unix nanoseconds
+    # The ResourceSpans (resource, schema_url) and ScopeSpans (scope, schema_url) the
+    # span came in, without their children; the span itself.
+    resource: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    scope: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    span: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    # Secrets replaced in these before they were stored, by kind (null: none); summed
+    # into the trajectory's metadata.redactions.
+    redactions: Mapped[dict[str, int] | None] = mapped_column(JSON_)
+
+
+class OtlpTraceRow(Base):
+    """A trace's assembly: what has arrived, and what the assembly stage made of it.
+
+    state (app/ingest/otlp/store.py TraceState): open (spans the trajectory does not
+    hold yet; due once its root span has ended and otlp.quiet_seconds passed without a
+    span, or otlp.max_wait_seconds after the first one) -> assembled (the trajectory,
+    under the same trace_id in `traces`, holds them) -> sent (it was batched or deleted;
+    its spans are deleted here, and spans arriving later are kept and counted in
+    late_spans) | refused (the spans make no trajectory; `error` says why) -> dropped
+    (their spans deleted, otlp.max_wait_seconds after the last). A new span reopens it."""
+
+    __tablename__ = "otlp_traces"
+
+    trace_id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    state: Mapped[str] = mapped_column(sa.String(16), index=True)
+    spans: Mapped[int] = mapped_column(sa.Integer)  # distinct spans received
+    seen_spans: Mapped[int] = mapped_column(sa.Integer)  # spans the stage has dealt with
+    late_spans: Mapped[int] = mapped_column(sa.Integer)  # arrived after batching
+    root_ended: Mapped[bool] = mapped_column(sa.Boolean)  # its root span has arrived
+    first_span_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    last_span_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    error: Mapped[str | None] = mapped_column(sa.Text)
+
+
+OTLP_SPANS: sa.Table = OtlpSpanRow.__table__  # type: ignore[assignment]
+OTLP_TRACES: sa.Table = OtlpTraceRow.__table__  # type: ignore[assignment]

@@ -1,4 +1,9 @@
-"""Reading traces back: one record, a filtered page with a cursor, and the stats."""
+"""Reading traces back: one record, a filtered and sorted page with a cursor, and the
+stats.
+
+Pages are keyset-paged: the cursor holds the sort key and the trace_id of the last row,
+so a page costs the same however deep it is and stays stable while traces arrive.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,37 @@ import binascii
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.dialect import Dialect, dialect_of, reject_reason_counts, rule_firing_counts
-from app.db.models import BATCHES, TRACES
-from app.domain import BatchState, Stage
+from app.db.dialect import (
+    Dialect,
+    dialect_of,
+    redaction_counts,
+    reject_reason_counts,
+    rejected_by_filter,
+    rule_firing_counts,
+    search_matches,
+    time_bucket,
+)
+from app.db.models import BATCHES, MEMBERS, REVIEWS, TRACE_SEARCH, TRACES
+from app.domain import BatchState, Label, Stage
 from app.errors import BadRequest, NotFound
 
 HISTOGRAM_BUCKET = 5.0
 View = Literal["canonical", "original", "compressed"]
+# A trace's review label, or `unreviewed` for the traces nobody has reviewed yet.
+LabelFilter = Literal["good", "bad", "unreviewed"]
+# The orders a page can come in: a column, descending with a leading "-". Each ties on
+# trace_id, and each has an index that gives the order as it is (migration 0010).
+Sort = Literal["-created_at", "created_at", "-reward", "reward", "-total_tokens", "total_tokens"]
+SORTS: tuple[Sort, ...] = ("-created_at", "created_at", "-reward", "reward",
+                           "-total_tokens", "total_tokens")
 
 SUMMARY_COLUMNS = (
     TRACES.c.trace_id,
@@ -43,10 +64,14 @@ SUMMARY_COLUMNS = (
 
 @dataclass(frozen=True, slots=True)
 class TraceFilter:
+    """The filters of GET /v1/traces and of the dashboard's list, which take the same
+    query parameters."""
+
     stage: str | None = None
     status: str | None = None
     env: str | None = None
     model: str | None = None
+    policy_version: str | None = None
     min_reward: float | None = None
     max_reward: float | None = None
     since: datetime | None = None
@@ -54,10 +79,16 @@ class TraceFilter:
     # The environment's own reward; a bound leaves out traces that carry none.
     min_env_reward: float | None = None
     max_env_reward: float | None = None
+    label: LabelFilter | None = None
+    # The name of a filter among the trace's reject reasons.
+    rejected_by: str | None = None
+    # Words in the task or the final answer (case-insensitive; ASCII only on SQLite).
+    q: str | None = None
 
-    def clauses(self) -> list[sa.ColumnElement[bool]]:
+    def clauses(self, dialect: Dialect) -> list[sa.ColumnElement[bool]]:
         c = TRACES.c
-        equal = {"stage": c.stage, "status": c.status, "env": c.env, "model": c.model}
+        equal = {"stage": c.stage, "status": c.status, "env": c.env, "model": c.model,
+                 "policy_version": c.policy_version}
         clauses = [col == getattr(self, name) for name, col in equal.items()
                    if getattr(self, name) is not None]
         if self.min_reward is not None:
@@ -72,7 +103,29 @@ class TraceFilter:
             clauses.append(c.created_at >= self.since)
         if self.until is not None:
             clauses.append(c.created_at < self.until)
+        if self.label is not None:
+            clauses.append(labelled(self.label))
+        if self.rejected_by is not None:
+            clauses.append(rejected_by_filter(dialect, self.rejected_by))
+        if self.words is not None:
+            clauses.append(c.trace_id.in_(search_matches(dialect, self.words)))
         return clauses
+
+    @property
+    def words(self) -> str | None:
+        """What `q` searches for, as the search text is kept (lowercased)."""
+        words = (self.q or "").strip().lower()
+        return words or None
+
+
+def labelled(label: LabelFilter) -> sa.ColumnElement[bool]:
+    """Traces with this review label (`unreviewed`: with no review)."""
+    # An alias: the outer query may join reviews itself (to show the label).
+    review = REVIEWS.alias("labelled")
+    reviewed = sa.select(review.c.trace_id).where(review.c.trace_id == TRACES.c.trace_id)
+    if label == "unreviewed":
+        return ~reviewed.exists()
+    return reviewed.where(review.c.label == Label(label).value).exists()
 
 
 async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[str, Any]:
@@ -88,7 +141,11 @@ async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[st
                 TRACES.c.compression,
                 TRACES.c.stage_error,
                 payload.label("payload"),
-            ).where(TRACES.c.trace_id == trace_id)
+                *REVIEW_COLUMNS,
+                MEMBERS.c.batch_id,
+            )
+            .select_from(TRACES.outerjoin(REVIEWS).outerjoin(MEMBERS))
+            .where(TRACES.c.trace_id == trace_id)
         )
     ).one_or_none()
     if row is None:
@@ -103,6 +160,8 @@ async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[st
         reward_breakdown=row.reward_breakdown,
         compression=row.compression,
         stage_error=row.stage_error,
+        review=_review(row._mapping),
+        batch_id=row.batch_id,
         view=view,
         trace=row.payload,
     )
@@ -110,35 +169,124 @@ async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[st
 
 
 async def list_traces(
-    conn: AsyncConnection, where: TraceFilter, limit: int, cursor: str | None
+    conn: AsyncConnection,
+    where: TraceFilter,
+    limit: int,
+    cursor: str | None,
+    sort: Sort = "-created_at",
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """Newest first, paged by `newest_first`."""
-    query = sa.select(*SUMMARY_COLUMNS).where(*where.clauses())
-    rows, next_cursor = await newest_first(conn, query, TRACES, limit, cursor)
+    """One page in `sort` order, and the cursor of the next."""
+    order = _order(sort)
+    query = (
+        sa.select(*SUMMARY_COLUMNS, REVIEWS.c.label.label("review_label"))
+        .select_from(TRACES.outerjoin(REVIEWS))
+    )
+    if where.words is None:
+        page = await keyset_page(
+            conn, query.where(*where.clauses(dialect_of(conn))), order, limit, cursor)
+    else:
+        page = await _search_page(conn, query, where, order, limit, cursor)
+    rows, next_cursor = page
     return [_summary(row._mapping) for row in rows], next_cursor
+
+
+# A search first reads this many traces in page order and checks each one's text: a
+# word that common (one trace in 40 for a page of 50) fills the page from them, where
+# a search index would list every match first, tens of thousands. Only a rarer word
+# goes to the index.
+SEARCH_PROBE = 2000
+
+
+async def _search_page(
+    conn: AsyncConnection,
+    query: sa.Select[Any],
+    where: TraceFilter,
+    order: Order,
+    limit: int,
+    cursor: str | None,
+) -> tuple[list[sa.Row[Any]], str | None]:
+    words = where.words
+    assert words is not None
+    others = replace(where, q=None).clauses(dialect_of(conn))
+    window = sa.select(TRACES.c.trace_id).where(*others, order.column.is_not(None))
+    if cursor:
+        window = window.where(_after(order, decode_cursor(cursor, order.name)))
+    window = window.order_by(*_order_by(order)).limit(SEARCH_PROBE)
+    text_has = (
+        sa.select(TRACE_SEARCH.c.trace_id)
+        .where(TRACE_SEARCH.c.trace_id == TRACES.c.trace_id,
+               TRACE_SEARCH.c.text.contains(words, autoescape=True))
+        .exists()
+    )
+    probed = query.where(*others, TRACES.c.trace_id.in_(window), text_has)
+    rows, next_cursor = await keyset_page(conn, probed, order, limit, cursor)
+    if next_cursor is not None:
+        return rows, next_cursor
+    read = await conn.scalar(sa.select(sa.func.count()).select_from(window.subquery()))
+    if (read or 0) < SEARCH_PROBE:
+        return rows, None  # every trace after the cursor was read: that was the last page
+    return await keyset_page(conn, query.where(*where.clauses(dialect_of(conn))), order,
+                             limit, cursor)
+
+
+@dataclass(frozen=True, slots=True)
+class Order:
+    """A page order: by `column`, ties broken by the table's primary key `key`."""
+
+    name: str
+    column: sa.ColumnElement[Any]
+    key: sa.ColumnElement[Any]
+    descending: bool
+
+
+def _order(sort: Sort) -> Order:
+    if sort not in SORTS:
+        raise BadRequest(f"sort must be one of {', '.join(SORTS)}", field="sort")
+    column = TRACES.c[sort.lstrip("-")]
+    return Order(sort, column, TRACES.c.trace_id, sort.startswith("-"))
 
 
 async def newest_first(
     conn: AsyncConnection, query: sa.Select[Any], table: sa.Table, limit: int, cursor: str | None
 ) -> tuple[list[sa.Row[Any]], str | None]:
-    """One page of `query` over `table`, newest first, and the cursor of the next page.
-    The cursor is opaque to clients: (created_at, primary key) of the last row, so
-    paging is stable while new rows arrive."""
+    """One page of `query` over `table`, newest first (keyset_page by created_at)."""
     key = next(iter(table.primary_key.columns))
-    created_at = table.c.created_at
+    order = Order("-created_at", table.c.created_at, key, descending=True)
+    return await keyset_page(conn, query, order, limit, cursor)
+
+
+async def keyset_page(
+    conn: AsyncConnection, query: sa.Select[Any], order: Order, limit: int, cursor: str | None
+) -> tuple[list[sa.Row[Any]], str | None]:
+    """One page of `query` in `order`, and the cursor of the next page. The cursor is
+    opaque to clients: the order's name, and the sort value and key of the last row.
+    Rows whose sort value is NULL have no place in the order and are left out."""
     if cursor:
-        after = decode_cursor(cursor)
-        query = query.where(sa.tuple_(created_at, key) < after)
-    query = query.add_columns(created_at.label("_created_at"), key.label("_key"))
-    query = query.order_by(created_at.desc(), key.desc()).limit(limit + 1)
-    rows = (await conn.execute(query)).all()
+        query = query.where(_after(order, decode_cursor(cursor, order.name)))
+    query = query.where(order.column.is_not(None))
+    query = query.add_columns(order.column.label("_sort"), order.key.label("_key"))
+    rows = (await conn.execute(query.order_by(*_order_by(order)).limit(limit + 1))).all()
     if len(rows) <= limit:
         return list(rows), None
     last = rows[limit - 1]
-    return list(rows[:limit]), encode_cursor(last._created_at, last._key)
+    return list(rows[:limit]), encode_cursor(order.name, last._sort, last._key)
 
 
-async def stats(conn: AsyncConnection) -> dict[str, Any]:
+def _after(order: Order, position: tuple[Any, str]) -> sa.ColumnElement[bool]:
+    """The rows that come after `position` (sort value, key) in `order`."""
+    here = sa.tuple_(order.column, order.key)
+    return here < position if order.descending else here > position
+
+
+def _order_by(order: Order) -> list[sa.UnaryExpression[Any]]:
+    if order.descending:
+        return [order.column.desc(), order.key.desc()]
+    return [order.column.asc(), order.key.asc()]
+
+
+async def stats(conn: AsyncConnection, *, rule_firings: bool = True) -> dict[str, Any]:
+    """The figures of GET /v1/stats. `rule_firings` (a read of every breakdown, the
+    dearest part) may be left out by a caller that does not show them."""
     c = TRACES.c
     totals = (
         await conn.execute(
@@ -169,9 +317,80 @@ async def stats(conn: AsyncConnection) -> dict[str, Any]:
         "batches": await batch_counts(conn),
         "compression": await _compression_stats(conn, by_stage),
         "rejections_by_filter": await _name_counts(conn, reject_reason_counts),
-        "rule_firings": await _name_counts(conn, rule_firing_counts),
+        "rule_firings": await _name_counts(conn, rule_firing_counts) if rule_firings else {},
+        "redactions": {
+            name: int(n) for name, n in (await _name_counts(conn, redaction_counts)).items()
+        },
         "reward_histogram": await _reward_histogram(conn),
     }
+
+
+async def over_time(
+    conn: AsyncConnection, where: TraceFilter, bucket_seconds: int
+) -> list[dict[str, Any]]:
+    """Per time bucket of `bucket_seconds` (by created_at): traces stored, their mean
+    reward, the share rejected, and the mean compression ratio of those compressed."""
+    c = TRACES.c
+    bucket = time_bucket(dialect_of(conn), c.created_at, bucket_seconds).label("bucket")
+    compressed = c.compressed_tokens.is_not(None)
+    rows = await conn.execute(
+        sa.select(
+            bucket,
+            sa.func.count(),
+            sa.func.avg(c.reward),
+            sa.func.count().filter(c.stage == Stage.REJECTED.value),
+            sa.func.avg(sa.cast(c.compressed_tokens, sa.Float) / c.total_tokens).filter(
+                compressed, c.total_tokens > 0),
+        )
+        .where(*where.clauses(dialect_of(conn)))
+        .group_by(bucket)
+        .order_by(bucket)
+    )
+    return [
+        {"start": datetime.fromtimestamp(int(start), UTC), "traces": n,
+         "mean_reward": mean, "rejected_share": rejected / n if n else None,
+         "compression_ratio": ratio}
+        for start, n, mean, rejected, ratio in rows.tuples()
+    ]
+
+
+async def time_span(conn: AsyncConnection) -> tuple[datetime, datetime] | None:
+    """The created_at of the oldest and newest trace (both ends of its index)."""
+    row = (await conn.execute(
+        sa.select(sa.func.min(TRACES.c.created_at), sa.func.max(TRACES.c.created_at))
+    )).one()
+    return None if row[0] is None else (row[0], row[1])
+
+
+async def distinct_values(conn: AsyncConnection, column: str, limit: int = 200) -> list[str]:
+    """The values of an indexed label column (env, model), for the filter forms: one
+    index seek per value (a loose index scan), not a read of every row."""
+    col = TRACES.c[column]
+    first = sa.select(sa.func.min(col)).scalar_subquery()
+    seen = sa.select(first.label("value")).cte("seen", recursive=True)
+    following = sa.select(sa.func.min(col)).where(col > seen.c.value).scalar_subquery()
+    seen = seen.union_all(sa.select(following).where(seen.c.value.is_not(None)))
+    rows = await conn.execute(
+        sa.select(seen.c.value).where(seen.c.value.is_not(None)).limit(limit))
+    return list(rows.scalars())
+
+
+async def summaries(conn: AsyncConnection, trace_ids: list[str]) -> list[dict[str, Any]]:
+    """The listing records of these traces, in the order given (a batch's members)."""
+    rows = await conn.execute(
+        sa.select(*SUMMARY_COLUMNS, REVIEWS.c.label.label("review_label"))
+        .select_from(TRACES.outerjoin(REVIEWS))
+        .where(TRACES.c.trace_id.in_(trace_ids))
+    )
+    found = {row.trace_id: _summary(row._mapping) for row in rows}
+    return [found[t] for t in trace_ids if t in found]
+
+
+async def label_counts(conn: AsyncConnection) -> dict[str, int]:
+    """Reviewed traces by label."""
+    rows = await conn.execute(
+        sa.select(REVIEWS.c.label, sa.func.count()).group_by(REVIEWS.c.label))
+    return {label: n for label, n in rows.tuples()}
 
 
 async def _name_counts(
@@ -232,9 +451,40 @@ async def batch_counts(conn: AsyncConnection) -> dict[str, int]:
     return {**by_state, "total": sum(counted.values())}
 
 
+async def pipeline_counts(conn: AsyncConnection) -> dict[str, Any]:
+    """For /metrics: the count and the oldest created_at of traces by stage and of
+    batches by state, and the tokens stored. Three aggregate queries."""
+    return {
+        "traces": await _count_and_oldest(conn, TRACES.c.stage, TRACES.c.created_at),
+        "trace_tokens": int(
+            await conn.scalar(sa.select(sa.func.coalesce(sa.func.sum(TRACES.c.total_tokens), 0)))
+            or 0
+        ),
+        "batches": await _count_and_oldest(conn, BATCHES.c.state, BATCHES.c.created_at),
+    }
+
+
+async def _count_and_oldest(
+    conn: AsyncConnection, key: sa.Column[Any], created_at: sa.Column[Any]
+) -> dict[str, tuple[int, datetime | None]]:
+    rows = await conn.execute(
+        sa.select(key, sa.func.count(), sa.func.min(created_at)).group_by(key)
+    )
+    return {value: (n, oldest) for value, n, oldest in rows}
+
+
 async def _count_by(conn: AsyncConnection, column: sa.Column[Any]) -> dict[str, int]:
     rows = await conn.execute(sa.select(column, sa.func.count()).group_by(column))
     return {key: count for key, count in rows}
+
+
+REVIEW_COLUMNS = (
+    REVIEWS.c.label.label("review_label"),
+    REVIEWS.c.note.label("review_note"),
+    REVIEWS.c.reward.label("review_reward"),
+    REVIEWS.c.reviewer.label("review_reviewer"),
+    REVIEWS.c.reviewed_at.label("review_reviewed_at"),
+)
 
 
 def _summary(row: Any) -> dict[str, Any]:
@@ -253,18 +503,43 @@ def _summary(row: Any) -> dict[str, Any]:
         "model": row["model"],
         "agent": row["agent_name"],
         "policy_version": row["policy_version"],
+        "label": row["review_label"],
     }
 
 
-def encode_cursor(created_at: datetime, trace_id: str) -> str:
-    raw = orjson.dumps([created_at.isoformat(), trace_id])
+def _review(row: Any) -> dict[str, Any] | None:
+    if row["review_label"] is None:
+        return None
+    return {
+        "label": row["review_label"],
+        "note": row["review_note"],
+        "reward": row["review_reward"],
+        "reviewer": row["review_reviewer"],
+        "reviewed_at": row["review_reviewed_at"].isoformat(),
+    }
+
+
+def encode_cursor(order: str, value: Any, key: str) -> str:
+    if isinstance(value, datetime):
+        value = value.isoformat()
+    raw = orjson.dumps([order, value, key])
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def decode_cursor(cursor: str) -> tuple[datetime, str]:
+def decode_cursor(cursor: str, order: str) -> tuple[Any, str]:
+    """(sort value, key) of the row a page ends on; the cursor must come from a page in
+    the same order."""
     try:
         raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
-        created_at, trace_id = orjson.loads(raw)
-        return datetime.fromisoformat(created_at), str(trace_id)
+        name, value, key = orjson.loads(raw)
+        if name != order:
+            raise BadRequest(
+                f"cursor is from a page sorted by {name}, not {order}: keep the sort "
+                "with its cursor", field="cursor")
+        if order.endswith("created_at"):
+            value = datetime.fromisoformat(value)
+        elif not isinstance(value, int | float):
+            raise ValueError(value)
+        return value, str(key)
     except (binascii.Error, ValueError, TypeError, orjson.JSONDecodeError):
         raise BadRequest("cursor is not one this server gave out", field="cursor") from None

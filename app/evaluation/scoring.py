@@ -130,6 +130,14 @@ class RewardRules:
         return cls(rules, env_reward_weight)
 
 
+def breakdown_total(breakdown: Mapping[str, RuleResult] | None) -> float | None:
+    """The reward a stored breakdown adds up to: the computed reward, whatever a
+    reviewer's override has put in `traces.reward` since."""
+    if breakdown is None:
+        return None
+    return float(sum(line["points"] for line in breakdown.values()))
+
+
 def score(trace: Trace, rules: RewardRules) -> Score:
     """Applies every rule to the trace, then adds the environment's weighted reward;
     the breakdown lists each configured rule, then `env_reward`."""

@@ -26,9 +26,11 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+import orjson
+
 from app.domain import Trace
-from app.errors import Invalid, UnknownFormat
-from app.formats import atif, native, openai, sharegpt
+from app.errors import BadRequest, Invalid, UnknownFormat
+from app.formats import atif, native, openai, otlp, sharegpt
 from app.formats._common import type_name
 from app.formats.spec import Export, Format
 
@@ -42,12 +44,15 @@ __all__ = [
     "Format",
     "detect",
     "export",
+    "load",
     "parse",
     "sniff",
 ]
 
 # The registration: in detection order.
-REGISTERED: tuple[Format, ...] = (atif.FORMAT, openai.FORMAT, sharegpt.FORMAT, native.FORMAT)
+REGISTERED: tuple[Format, ...] = (
+    atif.FORMAT, openai.FORMAT, sharegpt.FORMAT, native.FORMAT, otlp.FORMAT
+)
 
 FORMATS: Mapping[str, Format] = MappingProxyType({f.name: f for f in REGISTERED})
 EXPORTS: Mapping[str, Export] = MappingProxyType(
@@ -102,6 +107,18 @@ def parse(item: Any, fmt: str | None = None) -> Trace:
         named = fmt
     name = detect(item) if named is None else _resolve(named, FORMATS, _ALIASES)
     return FORMATS[name].parse(item)
+
+
+def load(raw: bytes, fmt: str | None) -> Any:
+    """An item that travels as bytes: JSON text, unless the format `fmt` names reads
+    bytes of its own (otlp: a protobuf request, as the assembly stage hands a trace over)."""
+    reader = FORMATS[fmt].load if fmt is not None and fmt in FORMATS else None
+    if reader is not None:
+        return reader(raw)
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the trace is not valid JSON: {exc}", code="malformed_json") from None
 
 
 def export(trace: Trace, fmt: str) -> dict[str, Any]:

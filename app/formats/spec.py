@@ -39,3 +39,5 @@ class Format:
     # limits.max_steps_per_trace before the item is parsed.
     step_lists: tuple[str, ...] = ()
     exports: tuple[Export, ...] = ()
+    # How an item handed over as bytes is read, when not as JSON text (app.formats.load).
+    load: Callable[[bytes], dict[str, Any]] | None = None

@@ -22,14 +22,19 @@ from app.errors import Unavailable
 class Admission:
     def __init__(self, limits: LimitsConfig, write_wait: Callable[[], float]) -> None:
         self._limits = limits
-        self._write_wait = write_wait  # seconds the current write has run; 0 when idle
+        # Each writer's: seconds its current write has run; 0 when idle.
+        self._write_waits = [write_wait]
         self.pending = 0
+
+    def watch(self, write_wait: Callable[[], float]) -> None:
+        """Another writer whose stalls turn work away too (OTLP spans)."""
+        self._write_waits.append(write_wait)
 
     @contextmanager
     def admit(self, traces: int) -> Iterator[None]:
         """Hold `traces` places on the write path for the duration of the block."""
         limits = self._limits
-        waited = self._write_wait()
+        waited = max(write_wait() for write_wait in self._write_waits)
         if waited > limits.max_write_wait_seconds:
             raise Unavailable(
                 f"the database has not finished a write for {waited:.1f} s "

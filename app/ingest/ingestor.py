@@ -12,26 +12,29 @@ import asyncio
 import hashlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import formats
-from app.config import HubConfig, LimitsConfig
+from app.config import HubConfig, LimitsConfig, PrivacyConfig
 from app.db.moves import TRACE_STAGES
 from app.db.types import EncodedJSON, utcnow
 from app.domain import Stage, Trace
-from app.errors import BadRequest, HubError, Invalid
+from app.errors import HubError, Invalid
 from app.evaluation.environment import Environment
+from app.evaluation.redaction import Redacted, Redactor
 from app.ingest.admission import Admission
 from app.ingest.inserter import Stored, TraceInserter, TraceRow
 from app.ingest.limits import check_item, check_trace
 from app.ingest.processes import IngestProcesses
 from app.ingest.tokens import count_parts
+from app.metrics import REJECTIONS, TRACES_INGESTED, Labeled
 
 MAX_TRACE_ID_LENGTH = 200
 # env, agent.model, agent.name, policy_version: String(200) columns, which PostgreSQL
@@ -44,20 +47,36 @@ CHUNK = 32
 
 @dataclass(frozen=True)
 class Preparer:
-    """The row for one item: limits, parse, score, filter and count its tokens. Pure
-    CPU work; pickled into each ingest process (the environment as its config)."""
+    """The row for one item: limits, redact, parse, score, filter and count its tokens.
+    Pure CPU work; pickled into each ingest process (the environment and the redactor
+    as their config)."""
 
     environment: Environment
     limits: LimitsConfig
+    redactor: Redactor = field(default_factory=lambda: Redactor(PrivacyConfig()))
 
-    def row(self, item: Any, fmt: str | None = None) -> dict[str, Any]:
+    def row(
+        self, item: Any, fmt: str | None = None, redacted: Mapping[str, int] | None = None
+    ) -> dict[str, Any]:
+        """`redacted`: the secrets replaced in the item before it came here, by kind."""
         # The limits are checked first, so that a trace over one costs no parsing.
         check_item(item, self.limits)
         canonical = canonical_json(item)  # refuses what the `original` column cannot hold
+        # Secrets go before anything reads the item: the stored original, the
+        # canonical trace and the content hash are all of the redacted item.
+        item, found = self.redactor.redact(item, canonical)
+        if found:
+            canonical = canonical_json(item)
+        redactions = dict(Counter(redacted or {}) + Counter(found))
         digest = hashlib.sha256(canonical).hexdigest()
         if b"\\u0000" in canonical:  # how orjson writes NUL (or the text \\u0000)
             item = _without_nul(item)
         trace = formats.parse(item, fmt)
+        if redactions:
+            trace.metadata["redactions"] = redactions
+        else:
+            # The hub's count alone, so that /v1/stats counts what it redacted.
+            trace.metadata.pop("redactions", None)
         check_trace(trace, self.limits)
         trace_id = _trace_id(trace)
         _fits_columns(trace)
@@ -96,10 +115,17 @@ class Preparer:
 
     def prepare(self, item: Any, fmt: str | None) -> TraceRow | HubError:
         """The item's row, ready to insert, or the HubError that refuses it. An item may
-        come as its JSON text (bytes), which is cheaper to send to a process than the
-        parsed value."""
+        come as bytes (`formats.load`: its JSON text, or an OTLP protobuf request),
+        which is cheaper to send to a process than the parsed value; or `Redacted`
+        (OTLP spans, whose secrets went before they were stored)."""
+        earlier: dict[str, int] = {}
+        if isinstance(item, Redacted):
+            item, earlier = item.item, item.counts
         try:
-            return TraceRow.of(self.row(_decoded(item) if isinstance(item, bytes) else item, fmt))
+            return TraceRow.of(self.row(
+                formats.load(item, fmt) if isinstance(item, bytes) else item, fmt,
+                redacted=earlier,
+            ))
         except HubError as exc:
             return exc
 
@@ -113,15 +139,17 @@ class Ingestor:
         *,
         admission: Admission | None = None,
         processes: int | None = None,
+        privacy: PrivacyConfig | None = None,
     ) -> None:
         """`admission` bounds the work in flight (the HTTP API); without it (`atropos
         import`), callers wait for each chunk and are their own back-pressure.
         `processes`: ingest processes (default: one per CPU, at most 8)."""
         self._inserter = inserter
         self._admission = admission
-        self._processes = IngestProcesses(
-            Preparer(environment, limits or LimitsConfig()), processes or min(_cpus(), 8)
+        preparer = Preparer(
+            environment, limits or LimitsConfig(), Redactor(privacy or PrivacyConfig())
         )
+        self._processes = IngestProcesses(preparer, processes or min(_cpus(), 8))
 
     @property
     def processes(self) -> IngestProcesses:
@@ -139,8 +167,15 @@ class Ingestor:
         with self._admit(1):
             (row,) = await self._processes.rows([item], fmt)
             if isinstance(row, HubError):
+                _counted(row, row, fmt)
                 raise row
-            return await self._inserter.insert(row)
+            try:
+                stored = await self._inserter.insert(row)
+            except HubError as exc:
+                _counted(row, exc, fmt)
+                raise
+            _counted(row, stored, fmt)
+            return stored
 
     async def ingest_many(
         self, items: list[Any], fmt: str | None = None
@@ -150,12 +185,23 @@ class Ingestor:
         one stored. An item may already be a HubError (a bad NDJSON line): it stays."""
         with self._admit(len(items)):
             todo = [item for item in items if not isinstance(item, HubError)]
-            chunks = [todo[i : i + CHUNK] for i in range(0, len(todo), CHUNK)]
-            prepared = await asyncio.gather(*(self._processes.rows(c, fmt) for c in chunks))
-            done = iter([row for rows in prepared for row in rows])
+            done = iter(await self.prepare(todo, fmt))
             rows = [item if isinstance(item, HubError) else next(done) for item in items]
             waiting = [row if isinstance(row, HubError) else self._submit(row) for row in rows]
-            return [w if isinstance(w, HubError) else await _result(w) for w in waiting]
+            results = [w if isinstance(w, HubError) else await _result(w) for w in waiting]
+            for row, result in zip(rows, results):
+                _counted(row, result, fmt)
+            return results
+
+    async def prepare(
+        self, items: list[Any], fmt: str | None = None
+    ) -> list[TraceRow | HubError]:
+        """Each item's row (parsed, scored, filtered, its tokens counted) or the
+        HubError that refuses it, in order, without storing it: for callers that store
+        rows themselves (the OTLP assembly stage)."""
+        chunks = [items[i : i + CHUNK] for i in range(0, len(items), CHUNK)]
+        prepared = await asyncio.gather(*(self._processes.rows(c, fmt) for c in chunks))
+        return [row for rows in prepared for row in rows]
 
     def _admit(self, traces: int) -> AbstractContextManager[None]:
         return self._admission.admit(traces) if self._admission else nullcontext()
@@ -171,6 +217,7 @@ class Ingestor:
 class IngestPath:
     inserter: TraceInserter
     ingestor: Ingestor
+    admission: Admission | None  # the HTTP API's: other writers (OTLP spans) share it
 
 
 @asynccontextmanager
@@ -210,15 +257,43 @@ async def running_ingest(
         config.limits,
         admission=admission,
         processes=config.trace_server.ingest_processes,
+        privacy=config.privacy,
     )
     inserter.start()
     if start:
         ingestor.start()
     try:
-        yield IngestPath(inserter, ingestor)
+        yield IngestPath(inserter, ingestor, admission)
     finally:
         await inserter.stop()  # answers what is queued before the engine goes
         await ingestor.close()
+
+
+_ingested = Labeled(TRACES_INGESTED)
+_rejected_by = Labeled(REJECTIONS)
+
+
+def _counted(row: TraceRow | HubError, result: Stored | HubError, fmt: str | None) -> None:
+    """The trace's outcome in the metrics (app/metrics.py)."""
+    source = row.source_format if isinstance(row, TraceRow) else fmt or "unknown"
+    if isinstance(result, HubError):
+        count_outcome(source, "unavailable" if result.status == 503 else "refused")
+    elif result.duplicate:
+        count_outcome(source, "duplicate")
+    else:
+        count_outcome(source, "rejected" if result.stage == Stage.REJECTED else "accepted",
+                      result.reject_reasons)
+
+
+def count_outcome(
+    source: str, outcome: str, reject_reasons: list[dict[str, Any]] | None = None
+) -> None:
+    """A trace received, in the metrics: here, and where OTLP trajectories are made
+    (app/stages/assembly.py). A rejected one counts for each filter it failed."""
+    if outcome == "rejected":
+        for reason in reject_reasons or ():
+            _rejected_by(str(reason.get("filter"))).inc()
+    _ingested(source, outcome).inc()
 
 
 def _cpus() -> int:
@@ -233,13 +308,6 @@ async def _result(waiting: asyncio.Future[Stored]) -> Stored | HubError:
         return await waiting
     except HubError as exc:
         return exc
-
-
-def _decoded(text: bytes) -> Any:
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the trace is not valid JSON: {exc}", code="malformed_json") from None
 
 
 def canonical_json(item: Any) -> bytes:
@@ -278,9 +346,9 @@ def _fits_columns(trace: Trace) -> None:
         ("agent.name", trace.agent.name),
         ("policy_version", trace.policy_version),
     )
-    for field, value in labels:
+    for name, value in labels:
         if value is not None and len(value) > MAX_LABEL_LENGTH:
-            raise Invalid(f"{field} must be at most {MAX_LABEL_LENGTH} characters", field=field)
+            raise Invalid(f"{name} must be at most {MAX_LABEL_LENGTH} characters", field=name)
 
 
 def _trace_id(trace: Trace) -> str:

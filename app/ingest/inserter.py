@@ -47,12 +47,14 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db.dialect import BulkInsert, OneHop
-from app.db.errors import database_error, database_refusal, refuses_row
+from app.db.errors import database_error, database_refusal, outage_of, refuses_row
 from app.db.models import TRACES
 from app.errors import Conflict, HubError, Unavailable
+from app.metrics import DB_COMMITS
 from app.stages.schedule import claim_if_due
 
 log = logging.getLogger("atropos.ingest")
+_commits = DB_COMMITS.labels("traces")
 
 
 # What a resent trace is answered with: the stored result.
@@ -115,6 +117,9 @@ INSERT = BulkInsert(
 )
 
 
+_SOURCE_FORMAT = INSERT.columns.index("source_format")
+
+
 @dataclass(frozen=True, slots=True)
 class TraceRow:
     """One trace, ready to insert: its `values` (INSERT.columns, in the form
@@ -135,6 +140,11 @@ class TraceRow:
     @property
     def trace_id(self) -> str:
         return self.stored.trace_id
+
+    @property
+    def source_format(self) -> str:
+        source: str = self.values[_SOURCE_FORMAT]
+        return source
 
 
 @dataclass(slots=True)
@@ -177,6 +187,7 @@ class TraceInserter:
         # Why the last write failed; None once one has succeeded.
         self._failure: str | None = None
         self._probe: asyncio.Task[None] | None = None
+        self._outage = outage_of(engine)
         self._hop = OneHop(engine)
         # Sealing (in the hop's thread, on SQLite) and withdrawing (on the event loop)
         # decide a row's fate: one at a time.
@@ -207,8 +218,10 @@ class TraceInserter:
             await claim_if_due(self._engine, "write_probe", timedelta(0))
         except Exception as exc:
             self._failure = database_refusal(exc) or type(exc).__name__
+            self._outage.failed(exc, "probing whether writes work")
         else:
             self._failure = None
+            self._outage.works()
 
     async def insert(self, row: TraceRow) -> Stored:
         """Store one trace row; returns once it is committed (or found already stored).
@@ -271,12 +284,9 @@ class TraceInserter:
             try:
                 await self._write_all(batch)
             except Exception as exc:  # the batch failed as a whole: nobody was acknowledged
-                said = database_refusal(exc)
-                self._failure = said or type(exc).__name__
-                if said is None:
+                self._failure = database_refusal(exc) or type(exc).__name__
+                if not self._outage.failed(exc, "storing traces"):
                     log.exception("storing %d traces failed", len(batch))
-                else:
-                    log.error("storing %d traces failed: %s", len(batch), said)
                 for p in batch:
                     if not p.done.done():
                         p.done.set_exception(
@@ -284,6 +294,8 @@ class TraceInserter:
                         )
             else:
                 self._failure = None
+                self._outage.works()
+                _commits.observe(time.monotonic() - self._writing_since)
             finally:
                 self._writing_since = None
                 for p in batch:

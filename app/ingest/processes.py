@@ -1,6 +1,6 @@
-"""The ingest processes: where parsing, scoring and tokenizing of traces run, and the
-validation and deflating of Atropos groups, beside the event loop rather than
-contending with it for the GIL.
+"""The ingest processes: where parsing, scoring and tokenizing of traces run, the
+validation and deflating of Atropos groups and the reading of OTLP requests, beside
+the event loop rather than contending with it for the GIL.
 
 Each process is fed over a socket pair straight from the event loop (length-prefixed
 pickles; replies come back in the order sent), without the two helper threads of a
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from app.errors import HubError, Invalid, Unavailable
 from app.ingest.tokens import encoding
+from app.metrics import INGEST_RESTARTS
 
 if TYPE_CHECKING:
     from app.ingest.ingestor import Preparer
@@ -52,7 +53,9 @@ _HEAD = struct.Struct("!I")  # frame length; bodies are bounded by limits.max_bo
 # hub's code and loaded the tokenizer once, not as forks of a process that runs an
 # event loop and threads.
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["app.ingest.ingestor", "app.atropos.queue", "app.ingest.preload"])
+_CONTEXT.set_forkserver_preload(
+    ["app.ingest.ingestor", "app.atropos.queue", "app.ingest.otlp.request", "app.ingest.preload"]
+)
 
 
 # What a process is doing, in shared memory: the number of the frame it is on (frames
@@ -196,6 +199,8 @@ class IngestProcesses:
         those are prepared again by the other processes."""
         if proc in self._processes:
             self._processes.remove(proc)
+            if not self._closing:  # replaced at the next trace
+                INGEST_RESTARTS.labels("died" if proc.too_slow is None else "too_slow").inc()
             await asyncio.to_thread(proc.process.join, 5)
             if proc.too_slow is None:
                 log.error(

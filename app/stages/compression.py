@@ -39,10 +39,12 @@ from app.compression import (
     smallest_compressed,
 )
 from app.config import CompressionConfig
+from app.db.errors import outage_of
 from app.db.models import TRACES
 from app.db.moves import TRACE_STAGES
 from app.domain import Stage, Trace
 from app.llm import LLMError
+from app.metrics import COMPRESSION_TOKENS_IN, COMPRESSION_TOKENS_OUT, COMPRESSIONS
 from app.stages.leases import RELEASED, Heartbeat, Lease, claim, held_by, retry_later
 
 log = logging.getLogger("atropos.compression")
@@ -154,9 +156,10 @@ class CompressionStage:
                 async with self._call_slots:
                     outcome = await self._outcome(row)
                 await self._write([(row, outcome)])
-        except Exception:  # the database, most likely: the trace stays leased until then
-            log.exception("trace %s: storing its compression failed; its lease runs out and "
-                          "it is compressed again", row.trace_id)
+        except Exception as exc:  # the trace stays leased until then
+            if not outage_of(self._engine).failed(exc, "storing a compression"):
+                log.exception("trace %s: storing its compression failed; its lease runs out "
+                              "and it is compressed again", row.trace_id)
             return
         self._advanced(1)
 
@@ -196,24 +199,31 @@ class CompressionStage:
     async def _write(self, outcomes: list[tuple[Any, Outcome]]) -> None:
         if not outcomes:
             return
+        finished: list[Compressed | Skipped] = []
+        gave_up = 0
         async with self._engine.begin() as conn:
             for row, result in outcomes:
                 if isinstance(result, Exception):
-                    await self._failed(conn, row, result)
+                    gave_up += await self._failed(conn, row, result)
                 elif isinstance(result, Skipped):
-                    log.info("compression skipped: trace %s: %s", row.trace_id, result.reason)
-                    await self._move(conn, row.trace_id, Stage.COMPRESSION_SKIPPED,
-                                     compression={"skipped": result.reason})
+                    # One per trace: detail for DEBUG, not news for INFO.
+                    log.debug("compression skipped: trace %s: %s", row.trace_id, result.reason,
+                              extra={"trace_id": row.trace_id})
+                    if await self._move(conn, row.trace_id, Stage.COMPRESSION_SKIPPED,
+                                        compression={"skipped": result.reason}):
+                        finished.append(result)
                 else:
                     self._model.compressed(row.trace_id, result)
-                    await self._move(
+                    if await self._move(
                         conn,
                         row.trace_id,
                         Stage.COMPRESSED,
                         compressed=result.trace.model_dump(mode="json", exclude_none=True),
                         compressed_tokens=result.tokens_after,
                         compression=result.record(),
-                    )
+                    ):
+                        finished.append(result)
+        _count(finished, gave_up)
 
     async def _move(
         self, conn: AsyncConnection, trace_id: str, target: Stage, **values: Any
@@ -229,7 +239,8 @@ class CompressionStage:
                         trace_id, target.value)
         return moved
 
-    async def _failed(self, conn: AsyncConnection, row: Any, exc: Exception) -> None:
+    async def _failed(self, conn: AsyncConnection, row: Any, exc: Exception) -> bool:
+        """Retry later, or give up (True)."""
         error = f"{type(exc).__name__}: {exc}"
         policy = self._policy.retry
         delay = await retry_later(
@@ -244,8 +255,8 @@ class CompressionStage:
                 log.info("trace %s: the summary model failed %d times, giving up "
                          "(compression_failed): %s", row.trace_id, row.attempts, error)
             else:
-                log.info("trace %s: the summary model failed (attempt %d of %d), retrying "
-                         "in %.1f s", row.trace_id, row.attempts, policy.max_attempts, delay)
+                log.debug("trace %s: the summary model failed (attempt %d of %d), retrying "
+                          "in %.1f s", row.trace_id, row.attempts, policy.max_attempts, delay)
         elif delay is None:
             # Anything else is a bug in a strategy, logged with its traceback.
             log.error("trace %s: compression failed %d times, giving up: %s",
@@ -254,6 +265,20 @@ class CompressionStage:
             log.warning("trace %s: compression failed (attempt %d of %d), retrying in "
                         "%.1f s: %s", row.trace_id, row.attempts, policy.max_attempts,
                         delay, error, exc_info=exc)
+        return delay is None
+
+
+def _count(finished: list[Compressed | Skipped], gave_up: int) -> None:
+    """What a committed write finished, in the metrics (app/metrics.py)."""
+    if gave_up:
+        COMPRESSIONS.labels("failed").inc(gave_up)
+    for result in finished:
+        if isinstance(result, Skipped):
+            COMPRESSIONS.labels("skipped").inc()
+        else:
+            COMPRESSIONS.labels("compressed").inc()
+            COMPRESSION_TOKENS_IN.labels(result.strategy).inc(result.tokens_before)
+            COMPRESSION_TOKENS_OUT.labels(result.strategy).inc(result.tokens_after)
 
 
 class _ModelHealth:
@@ -286,8 +311,8 @@ class _ModelHealth:
             assert result.fallback is not None
             self.failed(result.fallback)
             self._fallbacks += 1
-            log.info("trace %s: compressed with key_decision_extract: %s",
-                     trace_id, result.fallback)
+            log.debug("trace %s: compressed with key_decision_extract: %s",
+                      trace_id, result.fallback)
         elif result.strategy == "summarize_middle" and self._since is not None:
             log.info("the summary model answers again after %.0f s (%d failed calls, %d "
                      "traces fell back to key_decision_extract)",

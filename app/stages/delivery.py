@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from app.db.moves import BATCH_STATES, TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import BatchState, Stage, Trace
 from app.llm import LLMError
+from app.metrics import DELIVERY_ATTEMPTS
 from app.stages.leases import RELEASED, Heartbeat, Lease, claim, held_by, retry_later
 from app.targets import Batch, BatchItem, DeliveryError, Target
 from app.training import TrainingFailed
@@ -79,6 +81,7 @@ class DeliveryStage:
         if not rows:
             return 0
         row = rows[0]
+        started = time.monotonic()
         try:
             with self._heartbeat.holding([row.batch_id]):
                 batch = await self._load(row)
@@ -86,11 +89,16 @@ class DeliveryStage:
                     batch, lambda r: self._save(batch.batch_id, r)
                 )
         except Exception as exc:  # any failure sinks this attempt only; it is on the row
+            self._attempted("failed", started)
             await self._failed(row.batch_id, row.attempts, exc)
             return 1
+        self._attempted("delivered", started)
         if await self._acknowledge(batch, receipt) and self._on_advance is not None:
             self._on_advance()
         return 1
+
+    def _attempted(self, result: str, started: float) -> None:
+        DELIVERY_ATTEMPTS.labels(self._target.name, result).observe(time.monotonic() - started)
 
     async def _load(self, row: Any) -> Batch:
         c = TRACES.c
@@ -137,7 +145,8 @@ class DeliveryStage:
                 .values(updated_at=now)
             )
         log.info("batch %s delivered to %s (%d traces, attempt %d)", batch.batch_id,
-                 self._target.name, len(batch.items), batch.attempts)
+                 self._target.name, len(batch.items), batch.attempts,
+                 extra={"batch_id": batch.batch_id})
         return True
 
     async def _failed(self, batch_id: str, attempts: int, exc: Exception) -> None:

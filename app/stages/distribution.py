@@ -1,6 +1,7 @@
 """The distribution stage: passing traces become batches of exactly
 distributor.batch_size, oldest first; traces under min_reward_threshold (inclusive:
-reward >= threshold passes) become `below_threshold` and are never batched.
+reward >= threshold passes) become `below_threshold` and are never batched, and
+neither is a trace a reviewer labelled `bad` (app/db/review_queries.py).
 
 A batch is formed in one transaction: pick the oldest eligible traces (passing over
 rows another worker has locked, on PostgreSQL), insert the batch and its members, move
@@ -25,6 +26,7 @@ from app.config import DistributorConfig
 from app.db.dialect import dialect_of, skip_locked
 from app.db.models import BATCHES, MEMBERS, TRACES
 from app.db.moves import BATCH_STATES, TRACE_STAGES
+from app.db.review_queries import not_labelled_bad
 from app.db.types import utcnow
 from app.domain import BatchState, Stage
 
@@ -78,7 +80,8 @@ class DistributionStage:
                 break
             advanced += len(batch.trace_ids)
             log.info("batch %s formed: %d traces (%s .. %s)", batch.batch_id,
-                     len(batch.trace_ids), batch.trace_ids[0], batch.trace_ids[-1])
+                     len(batch.trace_ids), batch.trace_ids[0], batch.trace_ids[-1],
+                     extra={"batch_id": batch.batch_id})
         if advanced and self._on_advance is not None:
             self._on_advance()
         return advanced
@@ -100,7 +103,8 @@ async def form_batch(conn: AsyncConnection, config: DistributorConfig) -> Formed
     c = TRACES.c
     pick = (
         sa.select(c.trace_id)
-        .where(c.stage.in_([s.value for s in ELIGIBLE]), c.reward >= config.min_reward_threshold)
+        .where(c.stage.in_([s.value for s in ELIGIBLE]), c.reward >= config.min_reward_threshold,
+               not_labelled_bad())
         .order_by(c.created_at, c.trace_id)
         .limit(config.batch_size)
     )

@@ -36,6 +36,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import RetryPolicy
 from app.db.dialect import dialect_of, picked_once
+from app.db.errors import outage_of
 from app.db.types import utcnow
 from app.waits import event_set_within
 
@@ -146,7 +147,9 @@ class Heartbeat:
                     renewed = await renew(conn, self._table, held, self._lease)
             except (SQLAlchemyError, OSError) as exc:
                 # The next beat tries again; the lease has two more thirds to run.
-                log.warning("renewing %d %s leases failed: %s", len(held), self._table.name, exc)
+                if not outage_of(self._engine).failed(exc, f"renewing {self._table.name} leases"):
+                    log.warning("renewing %d %s leases failed: %s", len(held), self._table.name,
+                                exc)
                 continue
             for key in held - renewed:
                 if key in self._held:

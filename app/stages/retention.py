@@ -12,6 +12,7 @@ delivered (when the batches tables exist), not one leased by a worker right now.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -73,8 +74,11 @@ async def prune(
     batch_size: int = 1000,
     dry_run: bool = False,
     vacuum: bool = True,
+    on_deleted: Callable[[int, int], None] | None = None,
 ) -> Pruned:
-    """Count the traces `criteria` selects, then (unless `dry_run`) delete them."""
+    """Count the traces `criteria` selects, then (unless `dry_run`) delete them;
+    `on_deleted(n, matched)` after each transaction that deleted n (the command's
+    progress bar)."""
     cutoff = utcnow() - criteria.older_than
     async with engine.connect() as conn:
         where = await _where(conn, criteria, cutoff)
@@ -95,6 +99,8 @@ async def prune(
         if deleted:
             result.deleted += deleted
             result.batches += 1
+            if on_deleted is not None:
+                on_deleted(deleted, result.matched)
         if deleted < batch_size:
             break
     if result.deleted:

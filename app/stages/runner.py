@@ -1,8 +1,9 @@
-"""The background stages (compression, distribution, delivery, retention) and the
-loops that run them: claim -> work -> advance, until there is nothing left, then sleep
-until woken or until flush_interval_seconds has passed (the longest a missed wake-up
-can delay a trace). Each stage runs in a loop of its own, so that none waits for
-another: batches form while summaries are being written, and a training job that
+"""The background stages (compression, distribution, delivery, retention, OTLP
+assembly) and the loops that run them: claim -> work -> advance, until there is
+nothing left, then sleep until woken or until flush_interval_seconds has passed (the
+longest a missed wake-up can delay a trace; a stage whose work comes due with time
+sleeps less). Each stage runs in a loop of its own, so that none waits for another:
+batches form while summaries are being written, and a training job that
 polls for minutes holds up nothing.
 
 A stage may keep work in flight past `run_once` (compression's model calls); it is
@@ -18,6 +19,7 @@ import asyncio
 import logging
 from typing import Protocol, runtime_checkable
 
+from app.db.errors import Outage
 from app.waits import event_set_within
 
 log = logging.getLogger("atropos.worker")
@@ -45,15 +47,23 @@ class Concurrent(Protocol):
 
 
 class StageRunner:
-    def __init__(self, flush_interval: float) -> None:
+    def __init__(self, flush_interval: float, outage: Outage) -> None:
+        """`outage`: where a stage that fails for the database's sake says so."""
         self.stages: list[PipelineStage] = []
+        self._every: dict[str, float] = {}  # a stage's longest sleep, if below flush_interval
         self._flush_interval = flush_interval
+        self._outage = outage
         self._wakes: list[asyncio.Event] = []
         self._tasks: list[asyncio.Task[None]] = []
 
-    def add(self, *stages: PipelineStage) -> None:
-        """Stages in pipeline order."""
+    def add(self, *stages: PipelineStage, every: float | None = None) -> None:
+        """Stages in pipeline order; `every`: their loop also wakes every `every`
+        seconds rather than every flush interval (work that comes due with time, not
+        with a commit: OTLP assembly)."""
         self.stages.extend(stages)
+        if every is not None:
+            for stage in stages:
+                self._every[stage.name] = every
 
     def wake(self) -> None:
         """Called after each ingest commit and stage move: the next stage starts now."""
@@ -92,17 +102,22 @@ class StageRunner:
                 await stage.close()
 
     async def _loop(self, stage: PipelineStage, wake: asyncio.Event) -> None:
+        sleep = min(self._every.get(stage.name, self._flush_interval), self._flush_interval)
         while True:
             wake.clear()
             while await self._run_stage(stage):
                 pass
-            await event_set_within(wake, self._flush_interval)
+            await event_set_within(wake, sleep)
 
     async def _run_stage(self, stage: PipelineStage) -> int:
         try:
-            return await stage.run_once()
-        except Exception:
-            # A stage failing on one item records that on the row itself; this is for
-            # the unexpected (database gone). Log it and let the loop try again later.
-            log.exception("stage %s failed; retrying after the flush interval", stage.name)
+            advanced = await stage.run_once()
+        except Exception as exc:
+            # A stage failing on one item records that on the row itself; this is the
+            # database failing (said once per kind), or a bug (with its traceback). The
+            # loop tries again after the flush interval.
+            if not self._outage.failed(exc, f"running the {stage.name} stage"):
+                log.exception("stage %s failed; retrying after the flush interval", stage.name)
             return 0
+        self._outage.works()
+        return advanced

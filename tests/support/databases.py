@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
+import threading
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import asyncpg
@@ -32,6 +34,15 @@ def create_pg_database() -> str:
 def drop_pg_database(url: str) -> None:
     name = make_url(url).database
     _pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def allow_pg_connections(url: str, allowed: bool) -> None:
+    """A PostgreSQL database lost to its clients (its connections cut, new ones
+    refused), or back; as when the server restarts or the network fails."""
+    name = make_url(url).database
+    _pg_admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(allowed).lower()}')
+    if not allowed:
+        _pg_admin(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'")
 
 
 class EmptyPgDatabases:
@@ -120,3 +131,38 @@ def make_api_key(trace_server: dict[str, Any], *scopes: str, name: str = "test")
             return (await create_key(engine, name, {Scope(s) for s in scopes}))[1]
 
     return asyncio.run(make())
+
+
+@contextmanager
+def write_lock(trace_server: dict[str, Any], table: str = "traces") -> Iterator[None]:
+    """Hold the lock the hub needs to insert traces (or rows of `table`), as another
+    process would (a long `atropos prune`, a psql session); readers are not blocked."""
+    if trace_server["storage_backend"] == "sqlite":
+        conn = sqlite3.connect(trace_server["db_path"], isolation_level=None)
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        finally:
+            conn.execute("ROLLBACK")
+            conn.close()
+        return
+    locked, release = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        conn = await asyncpg.connect(trace_server["database_url"])
+        try:
+            async with conn.transaction():
+                await conn.execute(f"LOCK TABLE {table} IN EXCLUSIVE MODE")
+                locked.set()
+                await asyncio.get_running_loop().run_in_executor(None, release.wait)
+        finally:
+            await conn.close()
+
+    holder = threading.Thread(target=asyncio.run, args=(hold(),))
+    holder.start()
+    assert locked.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join(10)

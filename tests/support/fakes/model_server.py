@@ -7,10 +7,12 @@ over `job_polls` GETs; an `Idempotency-Key` already seen answers the job it crea
 
 Faults are scripted per request (`fake.faults.extend([...])`, consumed in order):
 "401", "403", "404", "500", "502", "no_choices", "echo_key" (a 400 whose body
-repeats the key, as some providers do), ("429", retry_after) and ("slow", seconds). With no fault left, it answers with `fake.reply(request_json)`.
-An outage is `fake.down = fault`: every chat request meets that fault until it is set
-back to None (("slow", 3600): the model hangs). `fake.delay` seconds pass before each
-answer that succeeds (a slow model).
+repeats the key, as some providers do), ("429", retry_after) and ("slow", seconds).
+With no fault left, it answers with `fake.reply(request_json)`: the assistant's text,
+or its whole message (tool calls, for an agent's turn). An outage is
+`fake.down = fault`: every chat request meets that fault until it is set back to None
+(("slow", 3600): the model hangs). `fake.delay` seconds pass before each answer that
+succeeds (a slow model).
 
     fake = FakeModel(key="sk-test")
     with serve(fake) as base_url:   # http://127.0.0.1:PORT
@@ -57,7 +59,8 @@ class FakeModel:
     key: str = "sk-test-key"
     prefix: str = "/v1"
     model: str = "fake-model"
-    reply: Callable[[dict[str, Any]], str] = _summary
+    # The answer's text, or a whole assistant message (with tool_calls, say).
+    reply: Callable[[dict[str, Any]], str | dict[str, Any]] = _summary
     faults: list[Fault] = field(default_factory=list)
     down: Fault | None = None
     delay: float = 0
@@ -79,7 +82,7 @@ class FakeModel:
     def reset(self) -> None:
         """Back to a fresh server's state (one server serves a whole test module)."""
         fresh = FakeModel(key=self.key)
-        for name in ("prefix", "faults", "down", "delay", "received", "in_flight",
+        for name in ("prefix", "reply", "faults", "down", "delay", "received", "in_flight",
                      "most_in_flight", "files", "jobs", "job_polls", "job_outcome", "_polls",
                      "_keys"):
             setattr(self, name, getattr(fresh, name))
@@ -122,6 +125,8 @@ class FakeModel:
             return await _fault(fault)
         if self.delay:
             await asyncio.sleep(self.delay)
+        said = self.reply(body)
+        message = said if isinstance(said, dict) else {"role": "assistant", "content": said}
         return JSONResponse(
             {
                 "id": "chatcmpl-fake",
@@ -130,8 +135,8 @@ class FakeModel:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": self.reply(body)},
-                        "finish_reason": "stop",
+                        "message": message,
+                        "finish_reason": "tool_calls" if message.get("tool_calls") else "stop",
                     }
                 ],
                 "usage": {"prompt_tokens": 100, "completion_tokens": 20, "total_tokens": 120},

@@ -1,0 +1,51 @@
+"""Query parameters that GET /v1/traces and the dashboard's /ui/traces share, so that an
+address of one works on the other (`/ui/traces?<the API's parameters>`)."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from app.db.trace_queries import LabelFilter, Sort, TraceFilter
+from app.domain import Stage, Status
+
+
+class TraceQuery(BaseModel):
+    stage: Stage | None = None
+    status: Status | None = None
+    env: str | None = None
+    model: str | None = None
+    policy_version: str | None = None
+    min_reward: float | None = None
+    max_reward: float | None = None
+    min_env_reward: float | None = Field(
+        None, description="The environment's own reward at least this (traces with none: left out)"
+    )
+    max_env_reward: float | None = Field(
+        None, description="The environment's own reward at most this"
+    )
+    since: datetime | None = Field(None, description="Stored at or after (ISO 8601)")
+    until: datetime | None = Field(None, description="Stored before (ISO 8601)")
+    label: LabelFilter | None = Field(
+        None, description="A reviewer's label; `unreviewed`: traces nobody has reviewed"
+    )
+    rejected_by: str | None = Field(
+        None, description="Rejected by this filter (a name from reject_reasons)"
+    )
+    q: str | None = Field(
+        None, max_length=200, description="Words in the task or the final answer "
+        "(case-insensitive; on SQLite for ASCII letters only)"
+    )
+    sort: Sort = Field(
+        "-created_at", description="By created_at, reward or total_tokens; '-' for descending"
+    )
+    limit: int = Field(50, ge=1, le=1000)
+    cursor: str | None = Field(None, description="next_cursor of the page before")
+
+    def filter(self) -> TraceFilter:
+        """The filters among these parameters (every field TraceFilter has)."""
+        given: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(TraceFilter)}
+        return TraceFilter(**given)

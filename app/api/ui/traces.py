@@ -1,0 +1,124 @@
+"""What a trace's page shows, worked out from its record: the steps with their marks
+(tool errors, non-zero exits, the reject reasons that name them), long outputs cut
+into a shown head and a folded rest, the reward breakdown, and the original and
+compressed steps paired side by side (app/compression/alignment.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.compression.alignment import align
+from app.domain import Step
+from app.evaluation.scoring import breakdown_total
+
+# An output longer than this is shown folded: its head, and the rest behind a toggle.
+FOLD_LINES, FOLD_CHARS = 12, 1500
+# In the side-by-side comparison, each side shows less before folding.
+COMPARE_LINES, COMPARE_CHARS = 4, 400
+
+
+@dataclass
+class StepView:
+    index: int
+    type: str
+    role: str | None
+    tool: str | None
+    call_id: str | None
+    head: str
+    rest: str
+    arguments: Any
+    error: str | None  # an error text other than the output itself
+    tool_error: bool
+    exit_code: int | None
+    rejections: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def rest_lines(self) -> int:
+        return self.rest.count("\n") + 1 if self.rest else 0
+
+
+def fold(text: str, lines: int = FOLD_LINES, chars: int = FOLD_CHARS) -> tuple[str, str]:
+    """(head, rest): `text` cut after `lines` lines or `chars` characters, at a line
+    break where there is one; rest is empty when nothing needs folding."""
+    if len(text) <= chars and text.count("\n") < lines:
+        return text, ""
+    cut = min(chars, len(text))
+    newline = -1
+    for _ in range(lines):
+        newline = text.find("\n", newline + 1, cut)
+        if newline < 0:
+            break
+    if newline > 0:
+        cut = newline + 1
+    else:
+        at = text.rfind("\n", 0, cut)
+        cut = at + 1 if at > chars // 2 else cut
+    return text[:cut], text[cut:]
+
+
+def step_view(index: int, step: dict[str, Any], lines: int = FOLD_LINES,
+              chars: int = FOLD_CHARS) -> StepView:
+    content = step.get("content") or ""
+    error = step.get("error")
+    exit_code = step.get("exit_code")
+    head, rest = fold(content, lines, chars)
+    return StepView(
+        index=index,
+        type=step.get("type", "message"),
+        role=step.get("role"),
+        tool=step.get("tool"),
+        call_id=step.get("call_id"),
+        head=head,
+        rest=rest,
+        arguments=step.get("arguments"),
+        error=error if error and error != content else None,
+        tool_error=error is not None,
+        exit_code=exit_code if exit_code not in (None, 0) else None,
+    )
+
+
+def trace_view(record: dict[str, Any], compressed: dict[str, Any] | None) -> dict[str, Any]:
+    trace = record["trace"] or {}
+    raw_steps: list[dict[str, Any]] = trace.get("steps") or []
+    steps = [step_view(i, s) for i, s in enumerate(raw_steps)]
+    unplaced = []
+    for reason in record["reject_reasons"]:
+        index = reason.get("step_index")
+        if isinstance(index, int) and 0 <= index < len(steps):
+            steps[index].rejections.append(reason)
+        else:
+            unplaced.append(reason)
+    breakdown = record["reward_breakdown"] or {}
+    computed = breakdown_total(breakdown) if breakdown else None
+    task_head, task_rest = fold(trace.get("task") or "")
+    return {
+        "task": {"head": task_head, "rest": task_rest,
+                 "rest_lines": task_rest.count("\n") + 1 if task_rest else 0},
+        "outcome": trace.get("outcome") or {},
+        "tools": trace.get("tools"),
+        "steps": steps,
+        "errors": sum(1 for s in steps if s.tool_error or s.exit_code is not None),
+        "unplaced": unplaced,
+        "breakdown": sorted(breakdown.items(), key=lambda kv: (not kv[1]["fired"], kv[0])),
+        "computed": computed,
+        "compare": _compare(raw_steps, compressed) if compressed is not None else None,
+    }
+
+
+def _compare(original: list[dict[str, Any]], compressed: dict[str, Any]) -> dict[str, Any]:
+    kept: list[dict[str, Any]] = compressed.get("steps") or []
+    pairs = align([Step.model_validate(s) for s in original],
+                  [Step.model_validate(s) for s in kept])
+    rows = []
+    for pair in pairs:
+        rows.append({
+            "change": pair.change,
+            "original": None if pair.original is None else step_view(
+                pair.original, original[pair.original], COMPARE_LINES, COMPARE_CHARS),
+            "compressed": None if pair.compressed is None else step_view(
+                pair.compressed, kept[pair.compressed], COMPARE_LINES, COMPARE_CHARS),
+        })
+    counts = {change: sum(1 for p in pairs if p.change == change)
+              for change in ("kept", "rewritten", "removed", "added")}
+    return {"rows": rows, "counts": counts}

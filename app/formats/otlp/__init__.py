@@ -1,0 +1,236 @@
+"""OTLP traces: the spans of one agent run (one OTel trace) as one trajectory.
+
+    {"resourceSpans": [{"resource", "scopeSpans": [{"scope", "spans": [...]}]}]}
+
+This is what the assembly stage (app/stages/assembly.py) stores as a trajectory's
+original: OTLP/JSON of every span the hub received for the trace. An item of a batch
+in this shape is read the same way, as one whole run. docs/otlp.md documents the
+mapping with an example per convention; in short:
+
+- Model calls (GenAI `chat` spans in any of their forms, OpenInference LLM spans) and
+  tool runs (`execute_tool`, OpenInference TOOL) make one conversation, each message
+  once and in order (app/formats/otlp/conversation.py); it is then read as OpenAI
+  chat messages are (app/formats/openai.py): the first user message is the task, the
+  last assistant text the final answer.
+- trace_id is the OTel trace id (32 hex digits). Model: `gen_ai.request.model` (or
+  `llm.model_name`); agent: `gen_ai.agent.name` (or `agent.name`); env: an
+  `atropos.env` attribute, else the resource's `service.name`.
+- Outcome: an `atropos.outcome.status` attribute on any span (the root's first), else
+  failure when the root span's status is ERROR, else unknown. Reward: `atropos.reward`,
+  else the score of a `gen_ai.evaluation.result` event (the root span's first, else
+  the last); it is the environment's reward, carried as the top-level `reward` every
+  format reads.
+- A trace without its root span (assembled after otlp.max_wait_seconds) is marked
+  `metadata.incomplete`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.domain import Trace
+from app.formats import _common as c
+from app.formats import openai
+from app.formats.otlp import genai, openinference, wire
+from app.formats.otlp.conversation import Exchange, ToolRun, one_conversation, openai_messages
+from app.formats.otlp.spans import Span, read
+from app.formats.spec import Format
+
+NAME = "otlp"
+EVALUATION_EVENT = "gen_ai.evaluation.result"
+_NO_CONTENT = (
+    "the spans of trace {trace_id} carry no messages, tool runs or agent input: nothing "
+    "to make a trajectory of (is message capture on? e.g. "
+    "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_AND_EVENT with "
+    "OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental)"
+)
+
+
+def looks_like(item: dict[str, Any]) -> bool:
+    return "resourceSpans" in item
+
+
+def load(raw: bytes) -> dict[str, Any]:
+    """An OTLP protobuf ExportTraceServiceRequest (the assembly stage's item) as OTLP/JSON."""
+    return wire.to_json(wire.from_protobuf(raw))
+
+
+def parse(item: dict[str, Any]) -> Trace:
+    spans = read(item)
+    if not spans:
+        c.fail("resourceSpans", "holds no spans")
+    trace_ids = sorted({span.trace_id for span in spans})
+    if len(trace_ids) > 1:
+        c.fail("resourceSpans", f"holds the spans of {len(trace_ids)} traces; a trajectory "
+               "is the spans of one trace")
+    trace_id = trace_ids[0]
+    exchanges: list[Exchange] = []
+    runs: list[ToolRun] = []
+    offered: list[Any] = []
+    for span in spans:
+        said = genai.exchange(span) or openinference.exchange(span)
+        if said is not None:
+            exchanges.append(said)
+        run = genai.tool_run(span) or openinference.tool_run(span)
+        if run is not None:
+            runs.append(run)
+        offered += genai.tools(span) + openinference.tools(span)
+    messages = openai_messages(one_conversation(exchanges, runs))
+    _agent_io(spans, messages)
+    if not messages:
+        c.fail(None, _NO_CONTENT.format(trace_id=trace_id))
+    roots = [span for span in spans if span.root]
+    first = roots + [span for span in spans if not span.root]
+    record: dict[str, Any] = {
+        "trace_id": trace_id,
+        "messages": messages,
+        "agent": {"name": _first(first, "gen_ai.agent.name", "agent.name"),
+                  "model": _first(first, "gen_ai.request.model", "llm.model_name",
+                                  "gen_ai.response.model")},
+        "env": _first(first, "atropos.env") or _service(first),
+        "policy_version": _first(first, "atropos.policy_version"),
+        "metadata": _metadata(spans, roots),
+        "outcome": _outcome(first, roots),
+    }
+    tools = _tools(offered, runs)
+    if tools:
+        record["tools"] = tools
+    reward = _reward(first, roots)
+    if reward is not None:
+        record["reward"] = reward
+    return openai.parse(record).model_copy(update={"source_format": NAME})
+
+
+def _agent_io(spans: list[Span], messages: list[dict[str, Any]]) -> None:
+    """The outermost AGENT (or CHAIN) span's input and output stand for the task and
+    the answer when no model call carried them."""
+    agents = [s for s in spans if openinference.kind(s) in ("AGENT", "CHAIN")]
+    if not agents:
+        return
+    outer = next((s for s in agents if s.root), agents[0])
+    task = openinference.task(outer)
+    if task and not any(m["role"] == "user" for m in messages):
+        leading = next((i for i, m in enumerate(messages) if m["role"] != "system"),
+                       len(messages))
+        messages.insert(leading, {"role": "user", "content": task})
+    answer = openinference.answer(outer)
+    last = messages[-1] if messages else None
+    said_last = last is not None and last["role"] == "assistant" and not last.get("tool_calls")
+    if answer and not said_last:
+        messages.append({"role": "assistant", "content": answer})
+
+
+def _first(spans: list[Span], *keys: str) -> str | None:
+    for key in keys:
+        for span in spans:
+            value = span.attrs.get(key)
+            if value is not None and value != "":
+                return str(value)
+    return None
+
+
+def _service(spans: list[Span]) -> str | None:
+    for span in spans:
+        name = span.resource.get("service.name")
+        # The SDK's default when the agent set none says nothing about the environment.
+        if isinstance(name, str) and name and not name.startswith("unknown_service"):
+            return name
+    return None
+
+
+def _outcome(spans: list[Span], roots: list[Span]) -> dict[str, Any]:
+    stated = _first(spans, "atropos.outcome.status")
+    if stated is not None:
+        return {"status": c.status(stated, "atropos.outcome.status").value}
+    failed = next((span for span in roots if span.failed), None)
+    if failed is not None:
+        return {"status": "failure", "reason": failed.status_message or None}
+    return {}
+
+
+def _reward(spans: list[Span], roots: list[Span]) -> float | None:
+    for span in spans:
+        if "atropos.reward" in span.attrs:
+            return _number(span.attrs["atropos.reward"], "atropos.reward")
+    scores = [
+        (not span.root, -event.time, event.attrs["gen_ai.evaluation.score.value"])
+        for span in spans
+        for event in span.events
+        if event.name == EVALUATION_EVENT and "gen_ai.evaluation.score.value" in event.attrs
+    ]
+    if not scores:
+        return None
+    # The root span's verdict on the run first; else the latest one.
+    return _number(min(scores, key=lambda s: (s[0], s[1]))[2], "gen_ai.evaluation.score.value")
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            c.fail(where, f"expected a number, got {value[:40]!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        c.fail(where, f"expected a number, got {c.type_name(value)}")
+    return float(value)
+
+
+def _metadata(spans: list[Span], roots: list[Span]) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"spans": len(spans)}
+    if not roots:
+        metadata["incomplete"] = True
+    conversation_id = _first(spans, "gen_ai.conversation.id", "session.id")
+    if conversation_id:
+        metadata["conversation_id"] = conversation_id
+    evaluations = [
+        {key.removeprefix("gen_ai.evaluation."): value for key, value in event.attrs.items()
+         if key.startswith("gen_ai.evaluation.")}
+        for span in spans
+        for event in span.events
+        if event.name == EVALUATION_EVENT
+    ]
+    if evaluations:
+        metadata["evaluations"] = evaluations
+    usage = {"input_tokens": 0, "output_tokens": 0}
+    for span in spans:
+        a = span.attrs
+        # Model calls only: an agent span may repeat the sum of its calls.
+        if a.get("gen_ai.operation.name") not in genai.MODEL_CALLS and (
+            openinference.kind(span) != "LLM"
+        ):
+            continue
+        usage["input_tokens"] += _count(a.get("gen_ai.usage.input_tokens",
+                                              a.get("llm.token_count.prompt")))
+        usage["output_tokens"] += _count(a.get("gen_ai.usage.output_tokens",
+                                               a.get("llm.token_count.completion")))
+    if any(usage.values()):
+        metadata["usage"] = usage
+    return metadata
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _tools(offered: list[Any], runs: list[ToolRun]) -> list[Any]:
+    """Each tool once: its schema where a model call was offered one, else its name."""
+    seen: dict[str, Any] = {}
+    for schema in offered:
+        inner = schema.get("function") if isinstance(schema.get("function"), dict) else schema
+        name = inner.get("name")
+        if isinstance(name, str) and name not in seen:
+            seen[name] = schema
+    for run in runs:
+        seen.setdefault(run.name, run.name)
+    return list(seen.values())
+
+
+FORMAT = Format(
+    NAME,
+    parse,
+    looks_like,
+    detected_by="'resourceSpans'",
+    # A trajectory in OTLP is the spans it was assembled from; it is exported in the
+    # other formats.
+    load=load,
+)

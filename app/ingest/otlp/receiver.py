@@ -1,0 +1,219 @@
+"""OTLP/HTTP traces on the ingest path: which bodies are OTLP, and storing their spans.
+
+A body is OTLP when its Content-Type is `application/x-protobuf` (an
+ExportTraceServiceRequest), or when it is JSON whose top level has `resourceSpans`
+(OTLP/JSON); anything else is left to the hub's own formats. It is read in an ingest
+process (app/ingest/otlp/request.py: decoded, its spans counted, their secrets
+redacted), and its spans are committed before the answer (one transaction, in one hop:
+app/db/dialect.OneHop); a span resent by an exporter retrying is stored once. Spans
+that cannot be used (no valid trace or span id) are counted and reported, and the
+others stored: OTLP's partial success.
+
+The same limits as any ingest: limits.max_body_bytes (read_body), a place on the write
+path per span up to what one request of traces may take (limits.max_queued_traces,
+503), the writer's stalls and each request's wait for its commit bounded by
+limits.max_write_wait_seconds (503), limits.max_item_seconds on the reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from functools import partial
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from app.config import LimitsConfig, OtlpConfig, PrivacyConfig
+from app.db.dialect import OneHop
+from app.db.errors import outage_of
+from app.db.types import utcnow
+from app.errors import Unavailable
+from app.formats.otlp import wire
+from app.ingest.admission import Admission
+from app.ingest.body import NDJSON_TYPES
+from app.ingest.otlp import store
+from app.ingest.otlp.request import Encoding, read
+from app.ingest.processes import IngestProcesses
+
+log = logging.getLogger("atropos.otlp")
+
+PROTOBUF_TYPES = ("application/x-protobuf", "application/protobuf")
+# How many reasons a partial success lists; the count covers them all.
+_REASONS = 3
+# Spans per transaction at most (bounds its memory; requests are never split).
+_MAX_SPANS_PER_COMMIT = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class OtlpBody:
+    """A request body that is OTLP, or JSON that may be (read() says), not yet read."""
+
+    encoding: Encoding  # also the encoding of the answer
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    rejected: int  # spans left out
+    message: str  # why, for partial_success.error_message; "" when nothing was rejected
+
+
+def otlp_body(body: bytes, content_type: str) -> OtlpBody | None:
+    """The body as OTLP, or None when it is surely not OTLP (the hub's own formats).
+    JSON is OTLP when its top level has `resourceSpans`: what the ingest process that
+    reads it finds out (a fast look here for the key anywhere)."""
+    media = content_type.split(";")[0].strip().lower()
+    if media in PROTOBUF_TYPES:
+        return OtlpBody("protobuf", body)
+    if media in NDJSON_TYPES or b'"resourceSpans"' not in body:
+        return None
+    return OtlpBody("json", body)
+
+
+@dataclass(slots=True)
+class _Waiting:
+    records: list[wire.SpanRecord]
+    done: asyncio.Future[None]
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+
+
+class SpanReceiver:
+    """Group commit, as for traces (app/ingest/inserter.py): the spans of the requests
+    that queued while a transaction ran are written together in the next one, so that
+    concurrent exporters share its fsync; each request is answered once it committed."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        processes: IngestProcesses,
+        admission: Admission | None,
+        limits: LimitsConfig,
+        config: OtlpConfig,
+        privacy: PrivacyConfig,
+    ) -> None:
+        """`processes`: where requests are read; `admission`: the HTTP API's, which
+        then also counts this writer's stalls."""
+        self._hop = OneHop(engine)
+        self._outage = outage_of(engine)
+        self._processes = processes
+        self._admission = admission
+        self._limits = limits
+        self._config = config
+        # Sent to the processes as its JSON, compiled there once (redactor_for).
+        self._privacy = privacy.model_dump_json()
+        self._queue: deque[_Waiting] = deque()
+        self._writer: asyncio.Task[None] | None = None
+        self._writing_since: float | None = None
+        if admission is not None:
+            admission.watch(self.write_wait)
+
+    def write_wait(self) -> float:
+        """How long the write in progress has run (0.0 when idle)."""
+        since = self._writing_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    async def receive(self, body: OtlpBody) -> Receipt | None:
+        """Store the request's usable spans; returns once they are committed. None for
+        JSON that is not OTLP after all."""
+        with self._admit(1):  # a stalled writer or a full write path: 503 before any work
+            decoded = await self._processes.call(
+                read, body.payload, body.encoding, self._config.max_spans_per_request,
+                self._privacy,
+            )
+        if decoded is None:
+            return None
+        records, reasons = decoded.records, decoded.rejected
+        # A place on the write path per span, up to what one request of traces may
+        # take: the same back-pressure (503) as other ingest.
+        with self._admit(min(len(records), self._limits.max_traces_per_request)):
+            if records:
+                await self._store(records)
+        if reasons:
+            log.info("OTLP: %d spans rejected: %s", len(reasons), "; ".join(reasons[:_REASONS]))
+        return Receipt(len(reasons), _message(reasons))
+
+    def _admit(self, places: int) -> AbstractContextManager[None]:
+        return self._admission.admit(places) if self._admission else nullcontext()
+
+    async def _store(self, records: list[wire.SpanRecord]) -> None:
+        loop = asyncio.get_running_loop()
+        waiting = _Waiting(records, loop.create_future())
+        if self._admission is not None:
+            waiting.timer = loop.call_later(
+                self._limits.max_write_wait_seconds, self._too_late, waiting
+            )
+        self._queue.append(waiting)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write(), name="otlp-span-writer")
+        await asyncio.shield(waiting.done)  # a client gone mid-write does not stop it
+
+    def _too_late(self, waiting: _Waiting) -> None:
+        """Its deadline (limits.max_write_wait_seconds): 503, and no longer written if
+        still queued. A transaction already writing it may still commit it: harmless,
+        since the exporter's retry is then stored once."""
+        if not waiting.done.done():
+            waiting.done.set_exception(Unavailable(
+                f"the database did not commit these spans within "
+                f"{self._limits.max_write_wait_seconds:g} s (limits.max_write_wait_seconds); "
+                "send them again",
+                retry_after=self._limits.retry_after_seconds,
+                code="overloaded",
+                field="limits.max_write_wait_seconds",
+            ))
+
+    async def _write(self) -> None:
+        while self._queue:
+            batch: list[_Waiting] = []
+            spans = 0
+            while self._queue and (not batch or spans < _MAX_SPANS_PER_COMMIT):
+                waiting = self._queue.popleft()
+                if waiting.done.done():
+                    continue  # answered 503 at its deadline: not written
+                batch.append(waiting)
+                spans += len(waiting.records)
+            if not batch:
+                continue
+            records = [record for waiting in batch for record in waiting.records]
+            self._writing_since = time.monotonic()
+            try:
+                await self._hop.run(partial(store.add_spans, records=records, now=utcnow()))
+            except Exception as exc:  # the batch failed as a whole: nobody was acknowledged
+                # Said once per kind of failure (app/db/errors.Outage), never with the
+                # statement's parameters (the spans).
+                if not self._outage.failed(exc, "storing OTLP spans"):
+                    log.exception("storing %d spans failed", len(records))
+                self._settle(batch, Unavailable("the database did not accept the spans; retry",
+                                                retry_after=self._limits.retry_after_seconds))
+            else:
+                self._outage.works()
+                self._settle(batch, None)
+            finally:
+                self._writing_since = None
+
+    @staticmethod
+    def _settle(batch: list[_Waiting], failure: Exception | None) -> None:
+        for waiting in batch:
+            if waiting.timer is not None:
+                waiting.timer.cancel()
+            if waiting.done.done():
+                continue
+            if failure is None:
+                waiting.done.set_result(None)
+            else:
+                waiting.done.set_exception(failure)
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            await self._writer  # what was queued is committed (and answered) first
+        await self._hop.close()
+
+
+def _message(reasons: list[str]) -> str:
+    if not reasons:
+        return ""
+    more = f" (and {len(reasons) - _REASONS} more)" if len(reasons) > _REASONS else ""
+    return f"{len(reasons)} spans rejected: " + "; ".join(reasons[:_REASONS]) + more

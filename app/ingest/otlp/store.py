@@ -1,0 +1,236 @@
+"""The statements on otlp_spans and otlp_traces (app/db/models.py says what each row
+means): spans stored once each, traces coming due, and what the assembly made of them."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import StrEnum
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from app.db.dialect import dialect_of, insert, insert_ignoring_conflicts
+from app.db.models import OTLP_SPANS, OTLP_TRACES, TRACES
+from app.db.moves import StateMachine
+from app.domain import Stage
+from app.formats.otlp.wire import SpanRecord
+
+_SPAN_COLUMNS = ("trace_id", "span_id", "start_ns", "resource", "scope", "span", "redactions")
+
+
+class TraceState(StrEnum):
+    """Where a trace's assembly is (the otlp_traces.state column).
+
+    open -> assembled | refused; assembled -> sent once its trajectory is batched (or
+    deleted); refused -> dropped otlp.max_wait_seconds after its last span. A new span
+    makes any of them open again; one for a sent trace is counted late."""
+
+    OPEN = "open"  # it has spans its trajectory does not hold yet
+    ASSEMBLED = "assembled"  # its trajectory holds every span; they are kept to assemble again
+    SENT = "sent"  # its trajectory was batched or deleted: its spans are deleted
+    REFUSED = "refused"  # its spans make no trajectory; `error` says why
+    DROPPED = "dropped"  # refused, and its spans deleted since
+
+
+# The moves the stage makes (app/db/moves.py). Every state reopens when a new span
+# arrives: the receiver's insert-or-update does that, the one write of this column that
+# is not a move (an upsert has no WHERE on the state).
+TRANSITIONS: dict[TraceState, frozenset[TraceState]] = {
+    TraceState.OPEN: frozenset({TraceState.ASSEMBLED, TraceState.REFUSED, TraceState.SENT}),
+    TraceState.ASSEMBLED: frozenset({TraceState.SENT, TraceState.OPEN}),
+    TraceState.SENT: frozenset({TraceState.OPEN}),
+    TraceState.REFUSED: frozenset({TraceState.DROPPED, TraceState.OPEN}),
+    TraceState.DROPPED: frozenset({TraceState.OPEN}),
+}
+TRACE_STATES: StateMachine[TraceState] = StateMachine(
+    "OTLP trace", OTLP_TRACES.c.state, TRANSITIONS, entries={TraceState.OPEN}
+)
+
+# A trajectory in these stages went to training: it is not replaced any more.
+FINAL_STAGES = (Stage.BATCHED.value, Stage.DELIVERED.value)
+
+
+@dataclass(frozen=True, slots=True)
+class Due:
+    trace_id: str
+    spans: int
+
+
+def add_spans(conn: sa.Connection, records: Sequence[SpanRecord], now: datetime) -> int:
+    """Store the spans not stored yet and open their traces; returns how many were new.
+    (A synchronous connection: the receiver writes in one hop, app/db/dialect.OneHop.)"""
+    if not records:
+        return 0
+    dialect = dialect_of(conn)
+    once = insert_ignoring_conflicts(dialect, OTLP_SPANS, "trace_id", "span_id")
+    new = conn.execute(
+        once.returning(OTLP_SPANS.c.trace_id, OTLP_SPANS.c.span_id),
+        [{name: getattr(r, name) for name in _SPAN_COLUMNS} for r in records],
+    ).all()
+    if not new:
+        return 0  # all resent: nothing changes, no trace reopens
+    per_trace = Counter(row.trace_id for row in new)
+    fresh = {(row.trace_id, row.span_id) for row in new}
+    roots = {r.trace_id for r in records if r.root and (r.trace_id, r.span_id) in fresh}
+    t = OTLP_TRACES.c
+    upsert = insert(dialect, OTLP_TRACES)
+    excluded = upsert.excluded
+    conn.execute(
+        upsert.on_conflict_do_update(
+            index_elements=["trace_id"],
+            set_={
+                "state": TraceState.OPEN.value,
+                "spans": t.spans + excluded.spans,
+                "root_ended": sa.or_(t.root_ended, excluded.root_ended),
+                "last_span_at": excluded.last_span_at,
+                "error": None,
+            },
+        ),
+        [
+            {"trace_id": trace_id, "state": TRACE_STATES.enter(TraceState.OPEN), "spans": count,
+             "seen_spans": 0, "late_spans": 0, "root_ended": trace_id in roots,
+             "first_span_at": now, "last_span_at": now, "error": None}
+            for trace_id, count in per_trace.items()
+        ],
+    )
+    return len(new)
+
+
+async def due(
+    conn: AsyncConnection, now: datetime, quiet: float, max_wait: float, limit: int
+) -> list[Due]:
+    """Open traces whose root span has ended and that have been quiet for `quiet`
+    seconds, or whose first span came `max_wait` seconds ago; oldest first."""
+    t = OTLP_TRACES.c
+    rows = await conn.execute(
+        sa.select(t.trace_id, t.spans)
+        .where(
+            t.state == TraceState.OPEN.value,
+            sa.or_(
+                sa.and_(t.root_ended, t.last_span_at <= now - timedelta(seconds=quiet)),
+                t.first_span_at <= now - timedelta(seconds=max_wait),
+            ),
+        )
+        .order_by(t.first_span_at)
+        .limit(limit)
+    )
+    return [Due(row.trace_id, row.spans) for row in rows]
+
+
+@dataclass(slots=True)
+class TraceSpans:
+    """A trace's stored spans, as (resource, scope, span) in start order, and the
+    secrets redacted from them before they were stored."""
+
+    spans: list[tuple[bytes, bytes, bytes]] = field(default_factory=list)
+    redactions: Counter[str] = field(default_factory=Counter)
+
+
+async def spans_of(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, TraceSpans]:
+    s = OTLP_SPANS.c
+    rows = await conn.execute(
+        sa.select(s.trace_id, s.resource, s.scope, s.span, s.redactions)
+        .where(s.trace_id.in_(trace_ids))
+        .order_by(s.trace_id, s.start_ns, s.span_id)
+    )
+    out = {trace_id: TraceSpans() for trace_id in trace_ids}
+    for row in rows:
+        found = out[row.trace_id]
+        found.spans.append((row.resource, row.scope, row.span))
+        if row.redactions:
+            found.redactions.update(row.redactions)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What the assembly made of a trace's first `seen` spans."""
+
+    trace_id: str
+    seen: int
+    state: TraceState
+    late: bool = False  # the spans since the last assembly came after it was batched
+    error: str | None = None
+
+
+async def settle(conn: AsyncConnection, settled: list[Settled]) -> None:
+    """Record each trace's outcome. One that received spans meanwhile stays open (and
+    due), with what was done counted; late spans are counted."""
+    if not settled:
+        return
+    t = OTLP_TRACES.c
+    seen = sa.bindparam("b_seen", type_=sa.Integer)
+    done = {
+        "seen_spans": seen,
+        "error": sa.bindparam("b_error", type_=sa.Text),
+        "late_spans": t.late_spans + sa.case(
+            (sa.bindparam("b_late", type_=sa.Boolean), seen - t.seen_spans), else_=0
+        ),
+    }
+    this_trace = t.trace_id == sa.bindparam("b_trace_id", type_=sa.String)
+    params = {s.trace_id: {"b_trace_id": s.trace_id, "b_seen": s.seen, "b_error": s.error,
+                           "b_late": s.late} for s in settled}
+    for state in {s.state for s in settled}:
+        move = TRACE_STATES.move(state, expected=[TraceState.OPEN])
+        await conn.execute(move.where(this_trace, t.spans == seen).values(done),
+                           [params[s.trace_id] for s in settled if s.state is state])
+    await conn.execute(
+        sa.update(OTLP_TRACES).where(this_trace, t.spans != seen).values(done),
+        list(params.values()),
+    )
+
+
+async def forget(conn: AsyncConnection, now: datetime, max_wait: float, limit: int) -> int:
+    """Delete the spans no trajectory needs any more: those of traces whose trajectory
+    was batched or deleted (-> sent), and those of refused traces `max_wait` seconds
+    after their last span (-> dropped). Returns how many traces. The state moves first:
+    a span arriving meanwhile reopens its trace after this commits, and stays."""
+    t, traces = OTLP_TRACES.c, TRACES.c
+    final = (
+        sa.select(t.trace_id)
+        .outerjoin(TRACES, traces.trace_id == t.trace_id)
+        .where(t.state == TraceState.ASSEMBLED.value,
+               sa.or_(traces.trace_id.is_(None), traces.stage.in_(FINAL_STAGES)))
+        .limit(limit)
+    )
+    stale = (
+        sa.select(t.trace_id)
+        .where(t.state == TraceState.REFUSED.value,
+               t.last_span_at <= now - timedelta(seconds=max_wait))
+        .limit(limit)
+    )
+    forgotten = 0
+    for picked, was, becomes in ((final, TraceState.ASSEMBLED, TraceState.SENT),
+                                 (stale, TraceState.REFUSED, TraceState.DROPPED)):
+        moved = await conn.execute(
+            TRACE_STATES.move(becomes, expected=[was])
+            .where(t.trace_id.in_(picked.scalar_subquery()))
+            .returning(t.trace_id)
+        )
+        trace_ids = list(moved.scalars())
+        if trace_ids:
+            await conn.execute(sa.delete(OTLP_SPANS).where(OTLP_SPANS.c.trace_id.in_(trace_ids)))
+        forgotten += len(trace_ids)
+    return forgotten
+
+
+async def counts(conn: AsyncConnection) -> dict[str, int]:
+    """For /v1/stats: traces by assembly state, spans received, spans that came late."""
+    t = OTLP_TRACES.c
+    rows = await conn.execute(
+        sa.select(t.state, sa.func.count(), sa.func.sum(t.spans), sa.func.sum(t.late_spans))
+        .group_by(t.state)
+    )
+    # sent counts as assembled, dropped as refused: their spans are gone, not their fate.
+    shown = {TraceState.SENT.value: TraceState.ASSEMBLED.value,
+             TraceState.DROPPED.value: TraceState.REFUSED.value}
+    out = {f"{state}_traces": 0 for state in ("open", "assembled", "refused")}
+    out.update(spans=0, late_spans=0)
+    for state, traces, spans, late in rows:
+        out[f"{shown.get(state, state)}_traces"] += traces
+        out["spans"] += int(spans or 0)
+        out["late_spans"] += int(late or 0)
+    return out

@@ -1,0 +1,211 @@
+"""The assembly stage: the spans of each OTLP trace that has come due become one
+trajectory, which goes through the ingest pipeline as any trace does (parsed by the
+otlp format, scored, filtered, its tokens counted, in the ingest processes) and is
+stored under the trace's id.
+
+A trace is due once its root span has ended and no span has come for
+otlp.quiet_seconds, or otlp.max_wait_seconds after its first span. Every step is in
+the database (app/ingest/otlp/store.py): spans acknowledged before a crash are
+assembled after the restart, and the trajectory and the trace's assembly state are
+written in one transaction. A trace that receives spans again is assembled again: its
+trajectory is replaced and scored again (its background stages start over) unless it
+was batched already; then the new spans are kept and counted as late.
+
+Once a trajectory is batched (or deleted), the spans it was made of are deleted from
+otlp_spans: its original holds them. Those of refused traces go otlp.max_wait_seconds
+after their last span.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from app.config import OtlpConfig
+from app.db.dialect import dialect_of, insert_ignoring_conflicts
+from app.db.models import TRACES
+from app.db.moves import TRACE_STAGES
+from app.db.types import utcnow
+from app.domain import Stage
+from app.errors import HubError
+from app.evaluation.redaction import Redacted
+from app.formats.otlp import NAME, wire
+from app.ingest.ingestor import count_outcome
+from app.ingest.inserter import INSERT, TraceRow
+from app.ingest.otlp import store
+from app.ingest.otlp.store import FINAL_STAGES, Settled, TraceState
+
+log = logging.getLogger("atropos.otlp")
+
+Prepare = Callable[[list[Any], str | None], Awaitable[list[TraceRow | HubError]]]
+# What a re-assembled trajectory's background stages had made of its previous version.
+_STARTED_OVER = {
+    "compressed": None,
+    "compression": None,
+    "stage_error": None,
+    "lease_owner": None,
+    "lease_expires_at": None,
+}
+# How often, at most, the spans no trajectory needs any more are deleted: every few
+# quiet periods, and at least every half minute.
+FORGET_EVERY_QUIET_PERIODS = 3
+FORGET_EVERY_SECONDS = 30
+
+
+class AssemblyStage:
+    name = "assembly"
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        config: OtlpConfig,
+        prepare: Prepare,
+        *,
+        batch: int = 64,
+        on_advance: Callable[[], None] | None = None,
+    ) -> None:
+        self._engine = engine
+        self._config = config
+        self._prepare = prepare  # Ingestor.prepare: the ingest pipeline but the insert
+        self._batch = batch
+        self._on_advance = on_advance
+        self._forgot_at = 0.0
+
+    @property
+    def poll_seconds(self) -> float:
+        """How often to look for traces come due: a trajectory appears at most this
+        long after it is due."""
+        return min(1.0, self._config.quiet_seconds / 4)
+
+    async def run_once(self) -> int:
+        async with self._engine.connect() as conn:
+            due = await store.due(
+                conn, utcnow(), self._config.quiet_seconds, self._config.max_wait_seconds,
+                self._batch,
+            )
+            if not due:
+                return await self._forget()
+            stored = await _stored(conn, [d.trace_id for d in due])
+            todo = [d.trace_id for d in due if d.trace_id not in stored
+                    or (stored[d.trace_id].source_format == NAME
+                        and stored[d.trace_id].stage not in FINAL_STAGES)]
+            spans = await store.spans_of(conn, todo)
+        # The spans' secrets went before they were stored: their counts go with them.
+        items = [Redacted(wire.join(_groups(spans[trace_id].spans)),
+                          dict(spans[trace_id].redactions)) for trace_id in todo]
+        rows = dict(zip(todo, [r if isinstance(r, HubError) else INSERT.row(r.values)
+                               for r in await self._prepare(items, NAME)]))
+        outcomes: Counter[str] = Counter()
+        settled: list[Settled] = []
+        async with self._engine.begin() as conn:
+            new = await _insert(conn, [r for r in rows.values() if not isinstance(r, HubError)])
+            for d in due:
+                outcome, error = await _outcome(conn, d.trace_id, rows.get(d.trace_id),
+                                                stored.get(d.trace_id), new)
+                outcomes[outcome] += 1
+                if outcome == "again":
+                    continue  # left open, and due: the next round takes it
+                if error is not None:
+                    log.warning("OTLP trace %s makes no trajectory: %s", d.trace_id, error)
+                state = {"late": TraceState.SENT, "refused": TraceState.REFUSED}.get(
+                    outcome, TraceState.ASSEMBLED)
+                settled.append(Settled(d.trace_id, d.spans, state, late=outcome == "late",
+                                       error=error))
+            await store.settle(conn, settled)
+        for trace_id in new:  # received, as far as the metrics go, once made
+            made = rows[trace_id]
+            assert not isinstance(made, HubError)
+            count_outcome(NAME, "rejected" if made["stage"] == Stage.REJECTED else "accepted",
+                          made["reject_reasons"])
+        for _ in range(outcomes["refused"]):
+            count_outcome(NAME, "refused")
+        log.info("OTLP: %d traces assembled (%s)", len(due),
+                 ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())))
+        if (outcomes["new"] or outcomes["replaced"]) and self._on_advance is not None:
+            self._on_advance()
+        return len(due)
+
+    async def _forget(self) -> int:
+        """Now and then, when nothing is due: delete the spans no trajectory needs."""
+        every = min(FORGET_EVERY_SECONDS, FORGET_EVERY_QUIET_PERIODS * self._config.quiet_seconds)
+        if time.monotonic() - self._forgot_at < every:
+            return 0
+        async with self._engine.begin() as conn:
+            forgotten = await store.forget(conn, utcnow(), self._config.max_wait_seconds,
+                                           limit=1000)
+        if forgotten < 1000:
+            self._forgot_at = time.monotonic()  # else: more to do, at once
+        if forgotten:
+            log.info("OTLP: the spans of %d traces deleted (batched, deleted or refused)",
+                     forgotten)
+        return forgotten
+
+
+async def _outcome(
+    conn: AsyncConnection,
+    trace_id: str,
+    row: dict[str, Any] | HubError | None,
+    stored: Any,
+    new: set[str],
+) -> tuple[str, str | None]:
+    """What became of a trace come due, and why it makes no trajectory if it does not:
+    new | replaced (scored again) | unchanged | late (batched already: kept as it is) |
+    refused | again (its trajectory moved meanwhile: it stays due)."""
+    if stored is not None and stored.source_format != NAME:
+        return "refused", (f"trace_id {trace_id} is already stored, from another format; "
+                           "its spans are kept but make no trajectory")
+    if row is None or (stored is not None and stored.stage in FINAL_STAGES):
+        return "late", None
+    if isinstance(row, HubError):
+        return "refused", row.message
+    if trace_id in new:
+        return "new", None
+    if stored.content_hash == row["content_hash"]:
+        return "unchanged", None  # assembled again from the same spans (after a restart)
+    c = TRACES.c
+    current, target = Stage(stored.stage), Stage(row["stage"])
+    content = {k: v for k, v in row.items() if k not in ("trace_id", "created_at", "stage")}
+    # A move of the trace's stage (app/db/moves.py), unless it stays where it is.
+    update = (sa.update(TRACES).where(c.stage == current.value) if current is target
+              else TRACE_STAGES.move(target, expected=[current]))
+    replaced = await conn.execute(
+        update.where(c.trace_id == trace_id).values(**content, **_STARTED_OVER)
+    )
+    if replaced.rowcount == 1:
+        return "replaced", None
+    # Its stage moved since the look above: batched (then these spans are late), or on
+    # through the pipeline (then the next round replaces it).
+    stage = await conn.scalar(sa.select(c.stage).where(c.trace_id == trace_id))
+    return ("late" if stage in FINAL_STAGES else "again"), None
+
+
+async def _stored(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, Any]:
+    """The trajectories already stored under these ids: their stage and format."""
+    c = TRACES.c
+    rows = await conn.execute(
+        sa.select(c.trace_id, c.stage, c.source_format, c.content_hash)
+        .where(c.trace_id.in_(trace_ids))
+    )
+    return {row.trace_id: row for row in rows}
+
+
+async def _insert(conn: AsyncConnection, rows: list[dict[str, Any]]) -> set[str]:
+    """Insert the trajectories not stored yet; returns their trace_ids."""
+    if not rows:
+        return set()
+    insert = insert_ignoring_conflicts(dialect_of(conn), TRACES, "trace_id")
+    return set((await conn.execute(insert.returning(TRACES.c.trace_id), rows)).scalars())
+
+
+def _groups(spans: list[tuple[bytes, bytes, bytes]]) -> list[tuple[bytes, bytes, list[bytes]]]:
+    """Spans by the resource and scope they came with, each group in start order."""
+    groups: dict[tuple[bytes, bytes], list[bytes]] = {}
+    for resource, scope, span in spans:
+        groups.setdefault((resource, scope), []).append(span)
+    return [(resource, scope, members) for (resource, scope), members in groups.items()]
