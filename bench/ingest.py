@@ -13,8 +13,9 @@ acknowledged trace is then looked up in the hub's database: one missing fails th
     python bench/ingest.py --db postgresql       # a fresh database on $ATROPOS_TEST_DATABASE_URL
     python bench/ingest.py --hubs 2 --no-minimal # two hubs on one database, each half the clients
 
-The clients run in this process (asyncio, one connection each) and use CPU of the same
-two cores: their own CPU per request is printed too. With --db postgresql the
+Figures measured on the development machine, before and after, and what they mean:
+docs/ingest.md. The clients run in this process (asyncio, one connection each) and use
+CPU of the same two cores: their own CPU per request is printed too. With --db postgresql the
 database server's CPU is not counted in the hub's figure; the minimal endpoint always
 writes SQLite.
 """
