@@ -50,21 +50,23 @@ def check_trace(trace: Trace, limits: LimitsConfig) -> None:
 
 def json_depth(value: Any, stop_after: int) -> int:
     """Nesting depth of decoded JSON (a scalar is 0, `{}` is 1), counted without
-    recursion and only up to `stop_after` + 1: the walk stops once that is reached."""
+    recursion, a level at a time, and only up to `stop_after` + 1: the walk stops once
+    that is reached."""
     if not isinstance(value, (dict, list)):
         return 0
-    deepest = 1
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        node, depth = stack.pop()
-        children = node.values() if isinstance(node, dict) else node
-        for child in children:
-            if isinstance(child, (dict, list)):
-                if depth + 1 > stop_after:
-                    return depth + 1
-                deepest = max(deepest, depth + 1)
-                stack.append((child, depth + 1))
-    return deepest
+    level: list[Any] = [value]
+    depth = 0
+    while level:
+        depth += 1
+        if depth > stop_after:
+            return depth
+        below: list[Any] = []
+        for node in level:
+            for child in node.values() if isinstance(node, dict) else node:
+                if isinstance(child, (dict, list)):
+                    below.append(child)
+        level = below
+    return depth
 
 
 def _chars(arguments: Any) -> int:
