@@ -35,7 +35,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.upstream_atroposlib import install_atroposlib, start_run_api  # noqa: E402
+from tests.support.atroposlib import install_atroposlib, start_run_api  # noqa: E402
 
 Starter = Callable[[int], subprocess.Popen[bytes]]
 

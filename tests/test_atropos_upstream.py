@@ -10,15 +10,18 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import random
 import socket
 import subprocess
 import sys
+import tempfile
 import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -59,7 +62,32 @@ def test_atroposlib_api_tests_pass_against_the_hub(
     ini = tmp_path / "pytest.ini"
     ini.write_text("[pytest]\n")
     junit = tmp_path / "junit.xml"
-    result = subprocess.run(
+    with _port_8000_held():
+        result = _run_upstream(files, ini, junit, atroposlib_dir, dialect, tmp_path)
+    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in tmp_path.glob("hub-*.log"))
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:] + logs
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite is not None
+    counts = {k: int(suite.get(k, "0")) for k in ("tests", "failures", "errors", "skipped")}
+    print(f"atroposlib {dialect}: {counts['tests'] - counts['skipped']}/{counts['tests']} passed")
+    assert counts["tests"] == 36 and counts["failures"] == counts["errors"] == 0
+    assert counts["skipped"] == 0
+
+
+@contextmanager
+def _port_8000_held() -> Iterator[None]:
+    """atroposlib's tests talk to localhost:8000, a fixed port: one run of them at a
+    time on this machine (the sqlite and postgresql variants run on two xdist workers;
+    they collided there)."""
+    lock = Path(tempfile.gettempdir()) / "atropos-upstream-port-8000.lock"
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # bounded by pytest-timeout
+        yield
+
+
+def _run_upstream(files: list[Path], ini: Path, junit: Path, atroposlib_dir: Path,
+                  dialect: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -87,14 +115,6 @@ def test_atroposlib_api_tests_pass_against_the_hub(
         text=True,
         timeout=300,
     )
-    logs = "".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in tmp_path.glob("hub-*.log"))
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-2000:] + logs
-    suite = ET.parse(junit).getroot().find("testsuite")
-    assert suite is not None
-    counts = {k: int(suite.get(k, "0")) for k in ("tests", "failures", "errors", "skipped")}
-    print(f"atroposlib {dialect}: {counts['tests'] - counts['skipped']}/{counts['tests']} passed")
-    assert counts["tests"] == 36 and counts["failures"] == counts["errors"] == 0
-    assert counts["skipped"] == 0
 
 
 # --- the same requests to run-api and to the hub -------------------------------------

@@ -350,7 +350,7 @@ async def over_time(
         {"start": datetime.fromtimestamp(int(start), UTC), "traces": n,
          "mean_reward": mean, "rejected_share": rejected / n if n else None,
          "compression_ratio": ratio}
-        for start, n, mean, rejected, ratio in rows.tuples()
+        for start, n, mean, rejected, ratio in rows
     ]
 
 
@@ -390,7 +390,7 @@ async def label_counts(conn: AsyncConnection) -> dict[str, int]:
     """Reviewed traces by label."""
     rows = await conn.execute(
         sa.select(REVIEWS.c.label, sa.func.count()).group_by(REVIEWS.c.label))
-    return {label: n for label, n in rows.tuples()}
+    return {label: n for label, n in rows}
 
 
 async def _name_counts(

@@ -174,9 +174,16 @@ class InProcessHub(HubUnderTest):
             server.should_exit = True
             await serving
             return
+        async def per_request_state(scope: Any, receive: Any, send: Any) -> None:
+            # As uvicorn: each request gets a copy of the lifespan's state, so what one
+            # request keeps in request.state is not seen by the next (asgi-lifespan's
+            # manager.app hands every request the one dict).
+            scope["state"] = dict(self._state)
+            await app(scope, receive, send)
+
         async with LifespanManager(app_keeping_state, startup_timeout=60,
-                                   shutdown_timeout=60) as manager:
-            self._app = manager.app
+                                   shutdown_timeout=60):
+            self._app = per_request_state
             self.url = ASGI_URL
             ready.set()
             try:
