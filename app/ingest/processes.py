@@ -334,7 +334,8 @@ def _rows(items: list[Any], fmt: str | None) -> Reply:
 def _serve(sock: socket.socket, preparer: Preparer, progress: Any) -> None:
     """An ingest process: reads (work, args), answers work(*args), until EOF (the
     serving process closed its end or died). The frames that arrived together are
-    answered together, in one write. Notes in `progress` which item it is on (a call
+    answered together, in one write, unless the first answer would wait longer than
+    _HOLD_SECONDS. Notes in `progress` which item it is on (a call
     that is not `rows` is one item)."""
     global _preparer, _progress
     _preparer, _progress = preparer, progress
@@ -355,6 +356,7 @@ def _serve(sock: socket.socket, preparer: Preparer, progress: Any) -> None:
                 received += chunk
                 continue
             replies: list[bytes] = []
+            held_since = time.monotonic()
             start = 0
             while end := _frame_at(received, start):
                 work, args = pickle.loads(received[start + _HEAD.size : end])
@@ -364,10 +366,18 @@ def _serve(sock: socket.socket, preparer: Preparer, progress: Any) -> None:
                 replies += _answer(work, args)
                 progress[_SINCE] = 0.0
                 frames += 1
+                if time.monotonic() - held_since > _HOLD_SECONDS:
+                    sock.sendall(b"".join(replies))
+                    replies, held_since = [], time.monotonic()
             del received[:start]
-            sock.sendall(b"".join(replies))
+            if replies:
+                sock.sendall(b"".join(replies))
 
 
+# How long answers may wait for the others that arrived with them: a few small traces
+# go back in one write, while a batch's chunks, each ~10 ms of work, go back as they
+# are done (the group commit takes the first while the others are prepared).
+_HOLD_SECONDS = 0.002
 # How much a process reads at once: a large batch arrives in few reads.
 _READ = 1 << 20
 
