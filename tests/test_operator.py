@@ -351,7 +351,9 @@ def test_a_database_lost_while_serving_is_said_once_per_kind_and_its_return(
         kinds = [line.split("the database is failing (")[1].split(",")[0] for line in failing]
         assert len(kinds) == len(set(kinds)) < 5, hub.log  # per kind, not per request
         assert all(" ERROR atropos.database: " in line for line in failing)
-        assert sum("the database works again" in line for line in hub.lines) == 1
+        # Each return is said once; on a loaded machine the outage may flap (a pooled
+        # connection fails after another worked), each flap with its own kind.
+        assert 1 <= sum("the database works again" in line for line in hub.lines) <= len(kinds)
         assert "Traceback" not in hub.log and len(hub.lines) < 30, hub.log
     finally:
         drop_pg_database(url)

@@ -84,7 +84,7 @@ def test_a_stop_taken_by_another_hub_is_carried_out(runs_env: RunsEnv) -> None:
         assert o.delete(f"/v1/runs/{first}").json()["status"] == "stopping"
         assert wait_status(o, first, "stopped")["processes"][0]["exit_code"] == -15
         assert not any(alive(pid) for pid in pids)
-        assert f"run {first}: stopped" in watcher.log
+        watcher.wait_for_log(f"run {first}: stopped")  # logged as the move commits
 
         second = start(w, spec(runs_env.child("t2"), runs_env.child("e2")))
         pids = [p["pid"] for p in wait_status(w, second, "running")["processes"]]
@@ -93,7 +93,7 @@ def test_a_stop_taken_by_another_hub_is_carried_out(runs_env: RunsEnv) -> None:
         run = wait_status(o, second, "stopped")
     assert [p["exit_code"] for p in run["processes"]] == [-15, -15]
     assert not any(alive(pid) for pid in pids)
-    assert f"run {second}: stopped" in other.log
+    other.wait_for_log(f"run {second}: stopped")
 
 
 def test_a_stop_cut_short_by_a_hub_crash_is_finished_by_the_next_hub(
