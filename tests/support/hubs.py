@@ -28,6 +28,7 @@ import uvicorn
 from asgi_lifespan import LifespanManager
 
 from app.api.app import create_app
+from app.api.server import server_config
 from app.config import load_compression, load_config, load_tinker
 from app.evaluation.environment import Environment
 from app.hub import Hub, Settings, open_database
@@ -158,9 +159,10 @@ class InProcessHub(HubUnderTest):
 
         if self.listen:
             ts = settings.config.trace_server
-            server = uvicorn.Server(uvicorn.Config(
-                app_keeping_state, host=ts.host, port=ts.port, log_config=None,
-                access_log=False, timeout_graceful_shutdown=30))
+            # uvicorn configured as `atropos serve` configures it (app/api/server.py).
+            server = uvicorn.Server(server_config(
+                app_keeping_state, ts, log_config=None, access_log=False,
+                timeout_graceful_shutdown=30))
             serving = asyncio.create_task(server.serve())
             await wait_until_async(lambda: server.started or serving.done(), 60,
                                    what="uvicorn to start", poll=0.01)
