@@ -456,6 +456,11 @@ class OtlpConfig(_Section):
     # ... or this long after its first span at the latest (root span or not; marked
     # incomplete when the root span is missing).
     max_wait_seconds: float = Field(600, gt=0)
+    # When the traces come due faster than they are assembled (the machine's CPU is
+    # the limit), new spans get 503 with Retry-After once the oldest trace due has
+    # waited this long, until the assembly catches up: exporters retry, and a
+    # trajectory appears within about quiet_seconds + this after its run ends.
+    max_assembly_lag_seconds: float = Field(1, gt=0)
     # Spans in one request (and groups of them: resource and scope), counted before
     # any is read; past it, 413. Exporters send 512 at a time by default.
     max_spans_per_request: int = Field(10_000, gt=0)

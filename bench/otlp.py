@@ -161,25 +161,35 @@ class Sent:
 
 
 async def sender(port: int, path: str, stream: Stream, until: float, sent: Sent) -> None:
+    """Posts batch after batch; a batch refused with 429/503 is sent again after its
+    Retry-After, as exporters do."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    body, done = stream.batch()
     while time.perf_counter() < until:
-        body, done = stream.batch()
         head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                 f"Content-Type: application/x-protobuf\r\nContent-Length: {len(body)}\r\n\r\n")
         writer.write(head.encode() + body)
         status = int((await reader.readline()).split()[1])
-        length = 0
+        length, retry_after = 0, 1.0
         while (line := await reader.readline()) not in (b"\r\n", b""):
-            if line.lower().startswith(b"content-length:"):
-                length = int(line.split(b":")[1])
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+            elif name.lower() == b"retry-after":
+                retry_after = float(value)
         await reader.readexactly(length)
         if status == 200:
             sent.spans += BATCH
             now = time.time()
             sent.finished.update((tid, now) for tid in done)
-        else:  # an exporter retries later; these spans are not acknowledged
-            sent.errors[status] = sent.errors.get(status, 0) + 1
+            body, done = stream.batch()
+            continue
+        sent.errors[status] = sent.errors.get(status, 0) + 1
+        if status in (429, 503):
+            await asyncio.sleep(min(retry_after, until - time.perf_counter()))
+        else:  # not retryable: these spans are dropped, as an exporter drops them
             stream.pending = []  # the half-sent runs would never complete
+            body, done = stream.batch()
     writer.close()
 
 
@@ -273,7 +283,8 @@ def run_hub(args: argparse.Namespace, template: list[bytes], work: Path) -> None
     )
     qs = statistics.quantiles(delays, n=100) if len(delays) > 1 else [float("nan")] * 99
     print(f"atropos-hub: {sent.spans / sent.seconds:,.0f} spans/s acknowledged, "
-          f"{stored:,} of {sent.spans:,} stored when acknowledged; errors {sent.errors}")
+          f"{stored:,} of {sent.spans:,} stored when acknowledged; "
+          f"refused (status: requests) {sent.errors}")
     print(f"  runs: {runs:,} complete, {len(delays):,} assembled; trajectory after its last "
           f"span: p50 {qs[49]:.1f} s, p99 {qs[98]:.1f} s "
           f"(target: quiet_seconds {args.quiet_seconds:g} + 5 s)")
@@ -306,7 +317,7 @@ def run_phoenix(args: argparse.Namespace, template: list[bytes], work: Path) -> 
         proc.wait(60)
     print(f"arize-phoenix: {sent.spans / sent.seconds:,.0f} spans/s acknowledged, "
           f"{stored:,} of {sent.spans:,} stored when acknowledged "
-          f"({later:,} {args.settle:g} s later); errors {sent.errors}")
+          f"({later:,} {args.settle:g} s later); refused (status: requests) {sent.errors}")
     loading, total = spent(cpu[0], cpu[1]), spent(cpu[0], cpu[2])
     print(f"  CPU: {sent.spans / loading:,.0f} spans acknowledged per CPU-second while the "
           f"load ran ({loading:.1f} s); {later / total:,.0f} stored per CPU-second "

@@ -67,7 +67,7 @@ class AssemblyStage:
         config: OtlpConfig,
         prepare: Prepare,
         *,
-        batch: int = 64,
+        batch: int = 256,
         on_advance: Callable[[], None] | None = None,
     ) -> None:
         self._engine = engine

@@ -12,19 +12,24 @@ others stored: OTLP's partial success.
 The same limits as any ingest: limits.max_body_bytes (read_body), a place on the write
 path per span up to what one request of traces may take (limits.max_queued_traces,
 503), the writer's stalls and each request's wait for its commit bounded by
-limits.max_write_wait_seconds (503), limits.max_item_seconds on the reading.
+limits.max_write_wait_seconds (503), limits.max_item_seconds on the reading. And spans
+are taken no faster than the assembly stage makes trajectories of them: while it is
+more than otlp.max_assembly_lag_seconds behind, 503.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import deque
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import LimitsConfig, OtlpConfig, PrivacyConfig
@@ -44,6 +49,8 @@ log = logging.getLogger("atropos.otlp")
 PROTOBUF_TYPES = ("application/x-protobuf", "application/protobuf")
 # How many reasons a partial success lists; the count covers them all.
 _REASONS = 3
+# How often, at most, a receiver looks how far the assembly is behind.
+_LOOK_EVERY_SECONDS = 0.25
 # Spans per transaction at most (bounds its memory; requests are never split).
 _MAX_SPANS_PER_COMMIT = 8192
 
@@ -97,6 +104,7 @@ class SpanReceiver:
     ) -> None:
         """`processes`: where requests are read; `admission`: the HTTP API's, which
         then also counts this writer's stalls."""
+        self._engine = engine
         self._hop = OneHop(engine)
         self._outage = outage_of(engine)
         self._processes = processes
@@ -105,6 +113,8 @@ class SpanReceiver:
         self._config = config
         # Sent to the processes as its JSON, compiled there once (redactor_for).
         self._privacy = privacy.model_dump_json()
+        self._oldest_due: datetime | None = None  # of the open traces, at the last look
+        self._looked_at = -math.inf
         self._queue: deque[_Waiting] = deque()
         self._writer: asyncio.Task[None] | None = None
         self._writing_since: float | None = None
@@ -119,6 +129,7 @@ class SpanReceiver:
     async def receive(self, body: OtlpBody) -> Receipt | None:
         """Store the request's usable spans; returns once they are committed. None for
         JSON that is not OTLP after all."""
+        await self._keeping_up()
         with self._admit(1):  # a stalled writer or a full write path: 503 before any work
             decoded = await self._processes.call(
                 read, body.payload, body.encoding, self._config.max_spans_per_request,
@@ -135,6 +146,34 @@ class SpanReceiver:
         if reasons:
             log.info("OTLP: %d spans rejected: %s", len(reasons), "; ".join(reasons[:_REASONS]))
         return Receipt(len(reasons), _message(reasons))
+
+    async def _keeping_up(self) -> None:
+        """Spans are taken only as fast as they become trajectories: while the assembly
+        is more than otlp.max_assembly_lag_seconds behind, 503 (exporters retry), so
+        that a trajectory still appears soon after its run ends and the backlog does
+        not grow without end. How far behind is read from the database, where every
+        hub's receivers see the one backlog, whichever hubs assemble it."""
+        if time.monotonic() - self._looked_at >= _LOOK_EVERY_SECONDS:
+            self._looked_at = time.monotonic()  # the requests meanwhile use the last look
+            try:
+                async with self._engine.connect() as conn:
+                    self._oldest_due = await store.oldest_due(
+                        conn, utcnow(), self._config.quiet_seconds, self._config.max_wait_seconds
+                    )
+            except SQLAlchemyError:
+                pass  # the spans' write finds out, and answers for it
+        if self._oldest_due is None:
+            return
+        behind = (utcnow() - self._oldest_due).total_seconds()
+        most = self._config.max_assembly_lag_seconds
+        if behind > most:
+            raise Unavailable(
+                f"the assembly of trajectories is {behind:.1f} s behind (more than "
+                f"otlp.max_assembly_lag_seconds, {most:g} s); send these spans again later",
+                retry_after=math.ceil(most),  # it catches up in about that long
+                code="overloaded",
+                field="otlp.max_assembly_lag_seconds",
+            )
 
     def _admit(self, places: int) -> AbstractContextManager[None]:
         return self._admission.admit(places) if self._admission else nullcontext()

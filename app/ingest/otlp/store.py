@@ -120,6 +120,23 @@ async def due(
     return [Due(row.trace_id, row.spans) for row in rows]
 
 
+async def oldest_due(
+    conn: AsyncConnection, now: datetime, quiet: float, max_wait: float
+) -> datetime | None:
+    """When the trace due longest, of those `due` returns, came due; None if none is."""
+    t = OTLP_TRACES.c
+    quiet_for, max_wait_for = timedelta(seconds=quiet), timedelta(seconds=max_wait)
+    open_ = t.state == TraceState.OPEN.value
+    last, first = (await conn.execute(sa.select(
+        sa.select(sa.func.min(t.last_span_at))
+        .where(open_, t.root_ended, t.last_span_at <= now - quiet_for).scalar_subquery(),
+        sa.select(sa.func.min(t.first_span_at))
+        .where(open_, t.first_span_at <= now - max_wait_for).scalar_subquery(),
+    ))).one()
+    candidates = [at + wait for at, wait in ((last, quiet_for), (first, max_wait_for)) if at]
+    return min(candidates, default=None)
+
+
 @dataclass(slots=True)
 class TraceSpans:
     """A trace's stored spans, as (resource, scope, span) in start order, and the
