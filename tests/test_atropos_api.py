@@ -510,10 +510,12 @@ def test_nan_and_infinity_are_refused(api: httpx.Client) -> None:
                      headers=json_body)
         assert r.status_code == 422 and r.json()["error"]["field"] == "advantages.0.0", number
     # Where a group takes any JSON (messages, overrides), too.
-    body = (b'{"tokens": [[1]], "masks": [[1]], "scores": [1], '
-            b'"messages": [[{"role": "user", "content": NaN}]]}')
-    r = api.post("/scored_data", content=body, headers=json_body)
-    assert r.status_code == 422 and "NaN" in r.json()["error"]["message"]
+    for field in (b'"messages": [[{"role": "user", "content": NaN}]]',
+                  b'"overrides": [{"weights": [1.0, {"x": -Infinity}]}]',
+                  b'"group_overrides": {"temperature": 1e400}'):
+        body = b'{"tokens": [[1]], "masks": [[1]], "scores": [1], ' + field + b"}"
+        r = api.post("/scored_data", content=body, headers=json_body)
+        assert r.status_code == 422 and "NaN" in r.json()["error"]["message"], field
     assert api.get("/latest_example").json()["scores"] != [None]
 
 

@@ -52,6 +52,7 @@ def create_app(
     )
     install_error_handlers(app, page=ui.error_page)
     app.router.routes.append(traces.ingest_route(config.trace_server.endpoint))
+    app.router.routes.extend(atropos.submission_routes(config.atropos.require_key))
     app.include_router(atropos.router(config.atropos.require_key))
     app.include_router(traces.router(config.trace_server.endpoint))
     app.include_router(batches.router)

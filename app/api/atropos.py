@@ -22,6 +22,7 @@ from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from app.access.keys import Scope
 from app.api.auth import requires
 from app.api.deps import HubDep
+from app.api.direct import DirectRoute
 from app.api.gzipped import GzipRoute, wants_gzip
 from app.api.openapi import errors
 from app.api.responses import JSONResponse
@@ -62,6 +63,30 @@ _ROOT_REDIRECT: dict[int | str, dict[str, Any]] = {
 }
 _ACK_ERRORS = errors(400, 404, 413, 415, 422, 503)
 M = TypeVar("M", bound=BaseModel)
+
+
+def submission_routes(require_key: bool = False) -> list[DirectRoute]:
+    """POST /scored_data and /scored_data_list, the environments' hot path (thousands
+    of groups a second), answered without FastAPI's dependency solving
+    (app/api/direct.py). Added to the app itself, first, as the trace ingest route is.
+    Their answers are a few bytes: never gzipped."""
+
+    async def scored_data(request: Request, hub: HubDep) -> Response:
+        # Validated (as ScoredData) where it is deflated: in an ingest process.
+        return JSONResponse(await hub.atropos.scored_data(await _body(request, hub)))
+
+    async def scored_data_list(request: Request, hub: HubDep) -> Response:
+        return JSONResponse(await hub.atropos.scored_data_list(await _body(request, hub)))
+
+    scopes = (Scope.INGEST,) if require_key else None
+    return [
+        DirectRoute("/scored_data", scored_data, scopes=scopes, methods=["POST"],
+                    tags=["atropos"], response_model=GroupReceived,
+                    openapi_extra=_body_doc(ScoredData), responses=_QUEUE_ERRORS),
+        DirectRoute("/scored_data_list", scored_data_list, scopes=scopes, methods=["POST"],
+                    tags=["atropos"], response_model=GroupsReceived,
+                    openapi_extra=_body_doc(ScoredData, many=True), responses=_QUEUE_ERRORS),
+    ]
 
 
 def router(require_key: bool = False) -> APIRouter:
@@ -114,27 +139,6 @@ def router(require_key: bool = False) -> APIRouter:
     async def disconnect_env(request: Request, hub: HubDep) -> JSONResponse:
         body = _parse(EnvIdentifier, await _body(request, hub))
         return JSONResponse(await hub.atropos.disconnect_env(body.env_id))
-
-    @api.post(
-        "/scored_data",
-        dependencies=env,
-        response_model=GroupReceived,
-        openapi_extra=_body_doc(ScoredData),
-        responses=_QUEUE_ERRORS,
-    )
-    async def scored_data(request: Request, hub: HubDep) -> JSONResponse:
-        # Validated (as ScoredData) where it is deflated: in an ingest process.
-        return JSONResponse(await hub.atropos.scored_data(await _body(request, hub)))
-
-    @api.post(
-        "/scored_data_list",
-        dependencies=env,
-        response_model=GroupsReceived,
-        openapi_extra=_body_doc(ScoredData, many=True),
-        responses=_QUEUE_ERRORS,
-    )
-    async def scored_data_list(request: Request, hub: HubDep) -> JSONResponse:
-        return JSONResponse(await hub.atropos.scored_data_list(await _body(request, hub)))
 
     @api.get(
         "/batch",

@@ -1,5 +1,5 @@
-"""Routes answered without FastAPI's per-request machinery, for the hot path (POST
-/v1/traces, thousands of requests a second).
+"""Routes answered without FastAPI's per-request machinery, for the hot paths (POST
+/v1/traces, POST /scored_data: thousands of requests a second).
 
 A `DirectRoute` is an APIRoute like any other for the OpenAPI document, the app's
 exception handlers and the middleware around the router; but each request goes
@@ -30,9 +30,13 @@ Endpoint = Callable[[Request, Hub], Awaitable[Response]]
 
 class DirectRoute(APIRoute):
     def __init__(
-        self, path: str, endpoint: Endpoint, *, scopes: tuple[KeyScope, ...], **options: Any
+        self, path: str, endpoint: Endpoint, *, scopes: tuple[KeyScope, ...] | None,
+        **options: Any,
     ) -> None:
-        super().__init__(path, endpoint, dependencies=[requires(*scopes)], **options)
+        """`scopes`: a key holding one of them is required (auth.enabled), and the rate
+        limit applies; None: the route is open (the Atropos API without require_key)."""
+        guard = [] if scopes is None else [requires(*scopes)]
+        super().__init__(path, endpoint, dependencies=guard, **options)
         declared = {d.call for d in self.dependant.dependencies} - {get_hub}
         if self.dependant.query_params or self.dependant.body_params or len(declared) > 1:
             raise TypeError(f"{path}: a DirectRoute's endpoint takes the request and the hub only")
@@ -43,6 +47,7 @@ class DirectRoute(APIRoute):
     async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive, send)
         hub: Hub = scope["state"]["hub"]  # as get_hub reads it
-        await authorize(request, hub, self._scopes)
+        if self._scopes is not None:
+            await authorize(request, hub, self._scopes)
         response = await self._endpoint(request, hub)
         await response(scope, receive, send)

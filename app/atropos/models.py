@@ -14,9 +14,9 @@ error (3 GB for a million `{}`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
-import orjson
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -106,6 +106,11 @@ class ScoredData(BaseModel):
         return value
 
 
+# The fields of a group that take any JSON: the only ones that hold strings (so secrets)
+# or numbers that are not checked as they are parsed. The others are numbers.
+ANY_JSON_FIELDS = ("messages", "generation_params", "overrides", "group_overrides", "images")
+
+
 class InvalidGroups(ValueError):
     """Why groups were refused: at most MAX_ERRORS pydantic errors, each `loc` opening
     with the group's index in its list (none for a single group)."""
@@ -121,7 +126,7 @@ def parse_group(text: bytes) -> ScoredData:
         group = ScoredData.model_validate_json(text)
     except ValidationError as exc:
         raise InvalidGroups(exc.errors(include_url=False)[:MAX_ERRORS]) from None
-    _refuse_non_json_numbers(text)
+    _refuse_non_json_numbers(group)
     return group
 
 
@@ -142,14 +147,22 @@ def parse_groups(texts: list[bytes]) -> list[ScoredData]:
     return groups
 
 
-def _refuse_non_json_numbers(text: bytes) -> None:
-    """NaN and Infinity where the model takes any JSON (messages, overrides): pydantic
-    reads them, orjson would store them as null. The substring test keeps the full
-    check for the groups that may hold one."""
-    if b"NaN" not in text and b"Infinity" not in text:
-        return
-    try:
-        orjson.loads(text)
-    except orjson.JSONDecodeError as exc:
-        message = f"not valid JSON ({exc}); NaN and Infinity are not JSON numbers"
-        raise InvalidGroups([{"type": "json_invalid", "loc": (), "msg": message}]) from None
+def _refuse_non_json_numbers(group: ScoredData) -> None:
+    """NaN and Infinity (or a number too large for a float) where the model takes any
+    JSON: pydantic reads them, orjson would store them as null. The typed fields refuse
+    them already (allow_inf_nan=False); these hold a few hundred values, not the
+    tokens, so walking them costs less than searching the request's text."""
+    for name in ANY_JSON_FIELDS:
+        stack = [getattr(group, name)]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, float):
+                if not math.isfinite(value):
+                    message = (f"not valid JSON ({value} in {name}); NaN and Infinity are "
+                               "not JSON numbers")
+                    raise InvalidGroups([{"type": "json_invalid", "loc": (name,),
+                                          "msg": message}])
+            elif isinstance(value, dict):
+                stack.extend(value.values())
+            elif isinstance(value, list):
+                stack.extend(value)

@@ -25,7 +25,13 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 
-from app.atropos.models import InvalidGroups, ScoredData, parse_group, parse_groups
+from app.atropos.models import (
+    ANY_JSON_FIELDS,
+    InvalidGroups,
+    ScoredData,
+    parse_group,
+    parse_groups,
+)
 from app.atropos.packing import groups_summing_to
 from app.atropos.presence import Presence, record
 from app.atropos.segments import Segment, deflate
@@ -81,9 +87,12 @@ class NewGroup:
             # An integer past 64 bits, an unpaired surrogate, nesting past 254 levels:
             # bad input, not a server fault.
             raise Invalid(f"the group cannot be stored as JSON: {exc}") from None
-        redacted, redactions = redactor.redact(data.__dict__, raw)
+        # Secrets are looked for where there are strings: not in the token ids and the
+        # other numbers, most of the group's bytes.
+        texts = {name: data.__dict__[name] for name in ANY_JSON_FIELDS}
+        redacted, redactions = redactor.redact(texts)
         if redactions:
-            raw = orjson.dumps(redacted)
+            raw = orjson.dumps({**data.__dict__, **redacted})
         return cls(
             env_id=data.env_id,
             size=len(data.tokens),
