@@ -38,9 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.config import TraceServerConfig  # noqa: E402
-from app.db import migrate  # noqa: E402
+from app.db import migrate, search  # noqa: E402
 from app.db.engine import create_engine  # noqa: E402
 from app.db.models import BATCHES, MEMBERS, REVIEWS, TRACES  # noqa: E402
+from app.db.search import search_text  # noqa: E402
+from app.domain import Trace  # noqa: E402
 
 ENVS = ["swe-bench", "alfworld", "gaia", "tau-airline", "hotpotqa"]
 MODELS = ["llama-4-maverick", "gpt-4o", "qwen3-32b", "hermes-3-70b"]
@@ -149,6 +151,10 @@ async def fill(server: dict[str, Any], traces: int, kb: int) -> None:
                         "reviewed_at": r["created_at"]} for r in rows if rng.random() < 0.02]
             async with engine.begin() as conn:
                 await conn.execute(sa.insert(TRACES), rows)
+                # What the hub writes beside each trace it stores (app/db/search.py).
+                texts = [(r["trace_id"], search_text(Trace.model_validate(r["trace"])))
+                         for r in rows]
+                await conn.run_sync(search.index, texts)
                 if reviews:
                     await conn.execute(sa.insert(REVIEWS), reviews)
             batched += [r["trace_id"] for r in rows if r["stage"] in ("batched", "delivered")]

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from app.config import EnvironmentConfig, LimitsConfig, TraceServerConfig
 from app.db import migrate
 from app.db.engine import create_engine
-from app.db.models import TRACES
+from app.db.models import TRACE_SEARCH, TRACES
 from app.db.types import EncodedJSON
 from app.errors import Conflict, Invalid
 from app.evaluation.environment import Environment
@@ -79,12 +79,15 @@ async def test_rows_read_back_as_prepared_and_sqlite_keeps_the_seed_timestamp_te
             await inserter.insert(TraceRow.of(row))
         async with engine.connect() as conn:
             read = {r.trace_id: r._mapping for r in await conn.execute(sa.select(TRACES))}
+            texts = dict((await conn.execute(
+                sa.select(TRACE_SEARCH.c.trace_id, TRACE_SEARCH.c.text))).all())
             ages = dict((await conn.execute(sa.text(
                 "SELECT trace_id, created_at FROM traces WHERE created_at < "
                 + ("datetime('now', '+1 minute')" if engine.dialect.name == "sqlite"
                    else "now() + interval '1 minute'")))).all())
         for trace_id, row in rows.items():
             stored = read[trace_id]
+            assert texts[trace_id] == row.pop("search_text")  # written with the trace
             for column, value in row.items():
                 if isinstance(value, EncodedJSON):
                     value = orjson.loads(value.text)

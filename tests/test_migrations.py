@@ -155,8 +155,10 @@ async def test_0008_deflates_atropos_groups_and_back(engine: Any) -> None:
 
 async def test_the_search_text_is_filled_for_stored_and_new_traces(engine: Any) -> None:
     """0010 fills trace_search for the traces already stored, its trigger for every new
-    one (task and last final answer, lowercased), and deleting a trace takes its text."""
-    from app.db.dialect import dialect_of, search_matches
+    one (task and last final answer, lowercased), and deleting a trace takes its text.
+    0013 drops the trigger (the hub writes the text: tests/test_reviews.py) and keeps
+    the texts; down from it, the trigger is back."""
+    from app.db.search import matching
 
     def insert(conn: Any, trace_id: str, trace: dict[str, Any]) -> Any:
         return conn.execute(sa.text(
@@ -169,7 +171,7 @@ async def test_the_search_text_is_filled_for_stored_and_new_traces(engine: Any) 
     async with engine.begin() as conn:
         await insert(conn, "old", {"task": "Count LINES", "steps": [
             {"type": "final", "content": "Twelve"}]})
-    await migrate.upgrade(engine)
+    await migrate.upgrade(engine, "0012")
     async with engine.begin() as conn:
         await insert(conn, "new", {"task": "Find the Capital", "steps": [
             {"type": "final", "content": "first try"}, {"type": "thought", "content": "hm"},
@@ -178,7 +180,7 @@ async def test_the_search_text_is_filled_for_stored_and_new_traces(engine: Any) 
 
     async def found(words: str) -> list[str]:
         async with engine.connect() as conn:
-            query = search_matches(dialect_of(conn), words)
+            query = matching(words)
             return sorted((await conn.execute(query)).scalars())
 
     async with engine.connect() as conn:
@@ -193,3 +195,12 @@ async def test_the_search_text_is_filled_for_stored_and_new_traces(engine: Any) 
     async with engine.begin() as conn:  # the same id stored again gets its text again
         await insert(conn, "old", {"task": "Lines again", "steps": []})
     assert await found("lines") == ["old"]
+
+    await migrate.upgrade(engine)
+    async with engine.begin() as conn:
+        await insert(conn, "by hand", {"task": "Lines by hand", "steps": []})
+    assert await found("lines") == ["old"] and await found("paris") == ["new"]
+    await migrate.downgrade(engine, "0012")
+    async with engine.begin() as conn:
+        await insert(conn, "by hand again", {"task": "Lines by hand", "steps": []})
+    assert await found("by hand") == ["by hand again"]

@@ -118,7 +118,7 @@ async def test_the_inserter_logs_a_bug_with_its_traceback_and_a_refusal_in_one_l
         try:
             with caplog.at_level(logging.ERROR, "atropos.ingest"), pytest.raises(Unavailable):
                 # No values at all: the insert's own code fails (a bug, not the database).
-                await inserter.insert(TraceRow(None, _answer("t-0"), "hash"))  # type: ignore[arg-type]
+                await inserter.insert(TraceRow(None, "", _answer("t-0"), "hash"))  # type: ignore[arg-type]
         finally:
             await inserter.stop()
     [bug] = [r for r in caplog.records if r.name == "atropos.ingest"]
@@ -139,9 +139,9 @@ async def test_the_inserter_logs_a_bug_with_its_traceback_and_a_refusal_in_one_l
     inserter.start()
     try:
         with caplog.at_level(logging.ERROR, "atropos"), pytest.raises(Unavailable):
-            await inserter.insert(TraceRow(("t-1",), _answer("t-1"), "hash"))
+            await inserter.insert(TraceRow(("t-1",), "", _answer("t-1"), "hash"))
         with pytest.raises(Unavailable):
-            await inserter.insert(TraceRow(("t-2",), _answer("t-2"), "hash"))
+            await inserter.insert(TraceRow(("t-2",), "", _answer("t-2"), "hash"))
     finally:
         await inserter.stop()
         await engine.dispose()

@@ -171,18 +171,21 @@ def test_the_list_searches_sorts_and_pages(client: httpx.Client) -> None:
     answered = native_trace(trace_id="s4", task="Say hi")
     answered["steps"][-1]["content"] = "The answer is Kilimanjaro."
     assert client.post("/v1/traces", json=answered).status_code == 202
+    unicode = native_trace(trace_id="s5", task="Öffne die DATEI")
+    assert client.post("/v1/traces", json=unicode).status_code == 202
 
     assert ids(client, q="flaky") == ["s1"]  # case folded
     assert ids(client, q="KILIMANJARO") == ["s4"]  # the final answer too
     assert ids(client, q="100%") == ["s3"] and ids(client, q="x_y") == ["s3"]
     assert ids(client, q="0% of xy") == []
     assert ids(client, q="notes.txt", status="failure") == []
+    assert ids(client, q="ÖFFNE die") == ["s5"]  # beyond ASCII, on both databases
 
     tokens = {t["trace_id"]: t["total_tokens"] for t in client.get("/v1/traces").json()["traces"]}
     by_tokens = ids(client, sort="-total_tokens")
     assert [tokens[t] for t in by_tokens] == sorted(tokens.values(), reverse=True)
     assert by_tokens[0] == "s2"
-    assert ids(client, sort="created_at") == ["s0", "s1", "s2", "s3", "s4"]
+    assert ids(client, sort="created_at") == ["s0", "s1", "s2", "s3", "s4", "s5"]
 
     seen: list[str] = []
     params: dict[str, Any] = {"sort": "total_tokens", "limit": 2}

@@ -14,7 +14,6 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.engine import create_thread_engine
-from app.db.models import TRACE_SEARCH
 from app.db.types import EncodedJSON, UtcTimeStamp, utc_text
 
 Dialect = Literal["sqlite", "postgresql"]
@@ -313,26 +312,6 @@ def time_bucket(dialect: Dialect, column: sa.ColumnElement[Any], seconds: int) -
         return (epoch // seconds) * seconds
     if dialect == "postgresql":
         return sa.func.floor(sa.extract("epoch", column) / seconds) * seconds
-    assert_never(dialect)
-
-
-def search_matches(dialect: Dialect, words: str) -> sa.Select[Any]:
-    """The trace_ids whose search text (trace_search, lowercased) contains `words`
-    (lowercased).
-
-    SQLite: the FTS5 trigram index finds the candidates without reading every row
-    (its LIKE cannot take an ESCAPE clause and keep using the index, so a % or _ in
-    the words widens the candidates), then the text is checked exactly. PostgreSQL:
-    the narrow table is scanned."""
-    exact = TRACE_SEARCH.c.text.contains(words, autoescape=True)
-    if dialect == "sqlite":
-        candidates = sa.text(
-            "SELECT rowid FROM trace_search_index WHERE text LIKE :search_pattern"
-        ).bindparams(search_pattern=f"%{words}%").columns(sa.column("rowid", sa.Integer))
-        return sa.select(TRACE_SEARCH.c.trace_id).where(
-            TRACE_SEARCH.c.id.in_(candidates), exact)
-    if dialect == "postgresql":
-        return sa.select(TRACE_SEARCH.c.trace_id).where(exact)
     assert_never(dialect)
 
 

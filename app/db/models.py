@@ -162,10 +162,8 @@ class ReviewClaimRow(Base):
 
 
 class TraceSearchRow(Base):
-    """The searchable text of a trace (task and final answer, lowercased), filled by a
-    trigger on insert into traces (migration 0010), so that a search never reads the
-    payloads. On SQLite, the FTS5 trigram index `trace_search_index` covers `text`
-    (app/db/dialect.py `search_matches`)."""
+    """The searchable text of a trace (task and final answer, lowercased), written with
+    the trace (app/db/search.py), so that a search never reads the payloads."""
 
     __tablename__ = "trace_search"
 

@@ -20,6 +20,7 @@ import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from app.db import search
 from app.db.dialect import (
     Dialect,
     dialect_of,
@@ -27,7 +28,6 @@ from app.db.dialect import (
     reject_reason_counts,
     rejected_by_filter,
     rule_firing_counts,
-    search_matches,
     time_bucket,
 )
 from app.db.models import BATCHES, MEMBERS, REVIEWS, TRACE_SEARCH, TRACES
@@ -108,7 +108,7 @@ class TraceFilter:
         if self.rejected_by is not None:
             clauses.append(rejected_by_filter(dialect, self.rejected_by))
         if self.words is not None:
-            clauses.append(c.trace_id.in_(search_matches(dialect, self.words)))
+            clauses.append(c.trace_id.in_(search.matching(self.words)))
         return clauses
 
     @property
@@ -215,7 +215,7 @@ async def _search_page(
     text_has = (
         sa.select(TRACE_SEARCH.c.trace_id)
         .where(TRACE_SEARCH.c.trace_id == TRACES.c.trace_id,
-               TRACE_SEARCH.c.text.contains(words, autoescape=True))
+               search.has_words(words))
         .exists()
     )
     probed = query.where(*others, TRACES.c.trace_id.in_(window), text_has)

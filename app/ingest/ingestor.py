@@ -24,6 +24,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app import formats
 from app.config import HubConfig, LimitsConfig, PrivacyConfig
 from app.db.moves import TRACE_STAGES
+from app.db.search import search_text
 from app.db.types import EncodedJSON, utcnow
 from app.domain import Stage, Trace
 from app.errors import HubError, Invalid
@@ -111,6 +112,8 @@ class Preparer:
                 )
             ),
             "attempts": 0,
+            # Not a column of traces: trace_search's (app/db/search.py).
+            "search_text": search_text(trace),
         }
 
     def prepare(self, item: Any, fmt: str | None) -> TraceRow | HubError:

@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -46,6 +46,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from app.db import search
 from app.db.dialect import BulkInsert, OneHop
 from app.db.errors import database_error, database_refusal, outage_of, refuses_row
 from app.db.models import TRACES
@@ -123,19 +124,21 @@ _SOURCE_FORMAT = INSERT.columns.index("source_format")
 @dataclass(frozen=True, slots=True)
 class TraceRow:
     """One trace, ready to insert: its `values` (INSERT.columns, in the form
-    BulkInsert takes) and its answer once stored."""
+    BulkInsert takes), its search text, and its answer once stored."""
 
     values: tuple[Any, ...]
+    search_text: str
     stored: Stored
     content_hash: str
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (TraceRow, (self.values, self.stored, self.content_hash))
+        return (TraceRow, (self.values, self.search_text, self.stored, self.content_hash))
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> TraceRow:
-        """From the row as column -> value (`Preparer.row`)."""
-        return cls(INSERT.values(row), _stored(row, duplicate=False), row["content_hash"])
+        """From the row as column -> value, and its search_text (`Preparer.row`)."""
+        return cls(INSERT.values(row), row["search_text"], _stored(row, duplicate=False),
+                   row["content_hash"])
 
     @property
     def trace_id(self) -> str:
@@ -371,7 +374,7 @@ class TraceInserter:
     def _insert_all(
         self, batch: list[_Pending], first: dict[str, _Pending], conn: sa.Connection
     ) -> tuple[set[str], dict[str, tuple[Stored, str]]]:
-        new_ids = INSERT.run(conn, [p.row.values for p in first.values()])
+        new_ids = insert_traces(conn, [p.row for p in first.values()])
         known = _lookup(conn, [tid for tid in first if tid not in new_ids])
         self._seal(batch)
         return new_ids, known
@@ -390,7 +393,7 @@ class TraceInserter:
         for tid, p in first.items():
             try:
                 with conn.begin_nested():
-                    new_ids |= INSERT.run(conn, [p.row.values])
+                    new_ids |= insert_traces(conn, [p.row])
             except SQLAlchemyError as exc:
                 if not refuses_row(exc):
                     raise
@@ -399,6 +402,15 @@ class TraceInserter:
         known = _lookup(conn, [tid for tid in first if tid not in new_ids and tid not in refused])
         self._seal(batch)
         return new_ids, known
+
+
+def insert_traces(conn: sa.Connection, rows: Sequence[TraceRow]) -> set[str]:
+    """Insert the rows (distinct trace_ids) not stored yet, each with its search text;
+    returns the trace_ids that were new."""
+    new_ids: set[str] = INSERT.run(conn, [row.values for row in rows])
+    search.index(conn, [(row.trace_id, row.search_text) for row in rows
+                        if row.trace_id in new_ids])
+    return new_ids
 
 
 def _lookup(conn: sa.Connection, trace_ids: list[str]) -> dict[str, tuple[Stored, str]]:

@@ -28,6 +28,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import OtlpConfig
+from app.db import search
 from app.db.dialect import dialect_of, insert_ignoring_conflicts
 from app.db.models import TRACES
 from app.db.moves import TRACE_STAGES
@@ -99,14 +100,19 @@ class AssemblyStage:
         # The spans' secrets went before they were stored: their counts go with them.
         items = [Redacted(wire.join(_groups(spans[trace_id].spans)),
                           dict(spans[trace_id].redactions)) for trace_id in todo]
-        rows = dict(zip(todo, [r if isinstance(r, HubError) else INSERT.row(r.values)
-                               for r in await self._prepare(items, NAME)]))
+        prepared = dict(zip(todo, await self._prepare(items, NAME)))
+        rows = {trace_id: r if isinstance(r, HubError) else INSERT.row(r.values)
+                for trace_id, r in prepared.items()}
+        texts = {trace_id: r.search_text for trace_id, r in prepared.items()
+                 if not isinstance(r, HubError)}
         outcomes: Counter[str] = Counter()
         settled: list[Settled] = []
         async with self._engine.begin() as conn:
             new = await _insert(conn, [r for r in rows.values() if not isinstance(r, HubError)])
+            await conn.run_sync(search.index, [(trace_id, texts[trace_id]) for trace_id in new])
             for d in due:
                 outcome, error = await _outcome(conn, d.trace_id, rows.get(d.trace_id),
+                                                texts.get(d.trace_id, ""),
                                                 stored.get(d.trace_id), new)
                 outcomes[outcome] += 1
                 if outcome == "again":
@@ -151,10 +157,12 @@ async def _outcome(
     conn: AsyncConnection,
     trace_id: str,
     row: dict[str, Any] | HubError | None,
+    text: str,
     stored: Any,
     new: set[str],
 ) -> tuple[str, str | None]:
-    """What became of a trace come due, and why it makes no trajectory if it does not:
+    """What became of a trace come due (`text`: its search text), and why it makes no
+    trajectory if it does not:
     new | replaced (scored again) | unchanged | late (batched already: kept as it is) |
     refused | again (its trajectory moved meanwhile: it stays due)."""
     if stored is not None and stored.source_format != NAME:
@@ -178,6 +186,7 @@ async def _outcome(
         update.where(c.trace_id == trace_id).values(**content, **_STARTED_OVER)
     )
     if replaced.rowcount == 1:
+        await conn.run_sync(search.index, [(trace_id, text)])
         return "replaced", None
     # Its stage moved since the look above: batched (then these spans are late), or on
     # through the pipeline (then the next round replaces it).

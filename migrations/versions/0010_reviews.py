@@ -15,7 +15,8 @@ Create Date: 2026-12-02
   whoever writes (ingest, import, a user's own INSERT); this revision fills it for the
   traces already stored. On SQLite an FTS5 trigram index over it
   (`trace_search_index`, kept in step by triggers) finds the rows that contain a
-  word without reading them all.
+  word without reading them all. (0013 drops the trigger and the index: the hub
+  writes the text, and a search reads the narrow table.)
 - Indexes that give each sort order of the list as it is ((created_at, trace_id),
   (reward, trace_id), (total_tokens, trace_id)) and the list's common filters in time
   order ((status, created_at), (env, created_at), (model, created_at)), replacing the
@@ -115,6 +116,62 @@ def upgrade() -> None:
     for name in _REPLACED:
         op.drop_index(name, "traces")
     if op.get_bind().dialect.name == "postgresql":
+        op.execute(f"INSERT INTO trace_search (trace_id, text) "
+                   f"SELECT t.trace_id, {_PG_TEXT} FROM traces AS t")
+        create_fill_trigger()
+    else:
+        create_fts_index()
+        op.execute(f"INSERT INTO trace_search (trace_id, text) "
+                   f"SELECT t.trace_id, {_SQLITE_TEXT} FROM traces AS t")
+        create_fill_trigger()
+
+
+def downgrade() -> None:
+    drop_fill_trigger()
+    if op.get_bind().dialect.name != "postgresql":
+        drop_fts_index()
+    for name in _REPLACED:
+        op.create_index(name, "traces", [_REPLACED[name]])
+    for name in _INDEXES:
+        op.drop_index(name, "traces")
+    op.drop_table("trace_search")
+    op.drop_table("review_claims")
+    op.drop_index("ix_reviews_label", "reviews")
+    op.drop_table("reviews")
+
+
+# What 0013 takes away, and puts back on its way down.
+
+
+def create_fts_index() -> None:
+    """SQLite: the FTS5 trigram index over trace_search, kept in step by triggers."""
+    op.execute("""
+        CREATE VIRTUAL TABLE trace_search_index USING fts5(
+            text, content='trace_search', content_rowid='id', tokenize='trigram')
+    """)
+    op.execute("""
+        CREATE TRIGGER trace_search_indexed AFTER INSERT ON trace_search BEGIN
+            INSERT INTO trace_search_index (rowid, text) VALUES (NEW.id, NEW.text);
+        END
+    """)
+    op.execute("""
+        CREATE TRIGGER trace_search_unindexed AFTER DELETE ON trace_search BEGIN
+            INSERT INTO trace_search_index (trace_search_index, rowid, text)
+            VALUES ('delete', OLD.id, OLD.text);
+        END
+    """)
+
+
+def drop_fts_index() -> None:
+    op.execute("DROP TRIGGER IF EXISTS trace_search_indexed")
+    op.execute("DROP TRIGGER IF EXISTS trace_search_unindexed")
+    op.execute("DROP TABLE IF EXISTS trace_search_index")
+
+
+def create_fill_trigger() -> None:
+    """The trigger that filled trace_search on every insert into traces, until 0013
+    (which also calls this, on its way down)."""
+    if op.get_bind().dialect.name == "postgresql":
         op.execute(f"""
             CREATE FUNCTION trace_search_fill() RETURNS trigger AS $$
             BEGIN
@@ -128,27 +185,11 @@ def upgrade() -> None:
             CREATE TRIGGER traces_search_fill AFTER INSERT ON traces
             FOR EACH ROW EXECUTE FUNCTION trace_search_fill()
         """)
-        op.execute(f"INSERT INTO trace_search (trace_id, text) "
-                   f"SELECT t.trace_id, {_PG_TEXT} FROM traces AS t")
     else:
-        op.execute("""
-            CREATE VIRTUAL TABLE trace_search_index USING fts5(
-                text, content='trace_search', content_rowid='id', tokenize='trigram')
-        """)
-        op.execute("""
-            CREATE TRIGGER trace_search_indexed AFTER INSERT ON trace_search BEGIN
-                INSERT INTO trace_search_index (rowid, text) VALUES (NEW.id, NEW.text);
-            END
-        """)
-        op.execute("""
-            CREATE TRIGGER trace_search_unindexed AFTER DELETE ON trace_search BEGIN
-                INSERT INTO trace_search_index (trace_search_index, rowid, text)
-                VALUES ('delete', OLD.id, OLD.text);
-            END
-        """)
         # A trace_id deleted by hand with foreign keys off (the sqlite3 shell's
-        # default) may have left its row: deleted first (through the trigger above,
-        # which REPLACE would skip), so a new trace under that id still stores.
+        # default) may have left its row: deleted first (through
+        # trace_search_unindexed, which REPLACE would skip), so a new trace under that
+        # id still stores.
         op.execute(f"""
             CREATE TRIGGER traces_search_fill AFTER INSERT ON traces BEGIN
                 DELETE FROM trace_search WHERE trace_id = NEW.trace_id;
@@ -157,24 +198,11 @@ def upgrade() -> None:
                 FROM (SELECT NEW.trace_id AS trace_id, NEW.trace AS trace) AS t;
             END
         """)
-        op.execute(f"INSERT INTO trace_search (trace_id, text) "
-                   f"SELECT t.trace_id, {_SQLITE_TEXT} FROM traces AS t")
 
 
-def downgrade() -> None:
+def drop_fill_trigger() -> None:
     if op.get_bind().dialect.name == "postgresql":
         op.execute("DROP TRIGGER IF EXISTS traces_search_fill ON traces")
         op.execute("DROP FUNCTION IF EXISTS trace_search_fill()")
     else:
         op.execute("DROP TRIGGER IF EXISTS traces_search_fill")
-        op.execute("DROP TRIGGER IF EXISTS trace_search_indexed")
-        op.execute("DROP TRIGGER IF EXISTS trace_search_unindexed")
-        op.execute("DROP TABLE IF EXISTS trace_search_index")
-    for name in _REPLACED:
-        op.create_index(name, "traces", [_REPLACED[name]])
-    for name in _INDEXES:
-        op.drop_index(name, "traces")
-    op.drop_table("trace_search")
-    op.drop_table("review_claims")
-    op.drop_index("ix_reviews_label", "reviews")
-    op.drop_table("reviews")
