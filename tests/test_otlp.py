@@ -607,36 +607,50 @@ def test_spans_are_taken_no_faster_than_they_become_trajectories(
     start_hub: Any, trace_server: dict[str, Any]
 ) -> None:
     """Nothing assembles (a --no-workers hub before its worker starts): once a run has
-    been due for longer than otlp.max_assembly_lag_seconds, exporters get 503 with
-    Retry-After, in their encoding, and nothing of theirs is stored; once the worker has
-    assembled the backlog, spans are taken again."""
+    been due for longer than otlp.max_assembly_lag_seconds, an export waits, and once
+    the worker has assembled the backlog it is taken."""
+    hub = start_hub(trace_server, "--no-workers", otlp={**QUIET, "max_assembly_lag_seconds": 0.5})
+    tid = trace_id()
+    with hub.client() as client, ThreadPoolExecutor(1) as pool:
+        assert client.post("/v1/traces", content=protobuf(document(weather_run(tid))),
+                           headers=PROTOBUF).status_code == 200
+        wait_until(lambda: hub.run(lambda h: h.spans.assembly_behind()) > 0.5,
+                   what="the run waiting for its assembly")
+
+        def export() -> int:
+            with hub.client() as c:
+                return c.post("/v1/traces", content=protobuf(document(weather_run(trace_id()))),
+                              headers=PROTOBUF).status_code
+
+        held = pool.submit(export)
+        hub.drain()  # the worker catches up
+        assert held.result(30) == 200
+        assert trajectory(client, tid)["trace_id"] == tid
+
+
+def test_an_export_that_waits_too_long_for_the_assembly_is_a_503_with_retry_after(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    """...up to limits.max_write_wait_seconds, then 503 with Retry-After, in the
+    request's encoding, and nothing of it is stored."""
     hub = start_hub(trace_server, "--no-workers",
-                    otlp={**QUIET, "max_assembly_lag_seconds": 0.5})
+                    otlp={**QUIET, "max_assembly_lag_seconds": 0.5},
+                    limits={"max_write_wait_seconds": 0.5})
     tid = trace_id()
     with hub.client() as client:
         assert client.post("/v1/traces", content=protobuf(document(weather_run(tid))),
                            headers=PROTOBUF).status_code == 200
-        later = protobuf(document(weather_run(trace_id())))
-        nothing = protobuf(document([]))  # asks without adding to the backlog
-        refused = wait_until(
-            lambda: (r := client.post("/v1/traces", content=nothing, headers=PROTOBUF))
-            .status_code == 503 and r,
-            what="exports refused while the run waits for its assembly",
-        )
-        assert client.post("/v1/traces", content=later, headers=PROTOBUF).status_code == 503
-        assert refused.headers["retry-after"] == "1"
+        wait_until(lambda: hub.run(lambda h: h.spans.assembly_behind()) > 0.5,
+                   what="the run waiting for its assembly")
+        refused = client.post("/v1/traces", content=protobuf(document(weather_run(trace_id()))),
+                              headers=PROTOBUF)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         status = status_pb2.Status.FromString(refused.content)
         assert status.code == 14 and "otlp.max_assembly_lag_seconds" in status.message
         as_json = client.post("/v1/traces", json=document(weather_run(trace_id())))
         assert as_json.status_code == 503
         assert as_json.json()["error"]["field"] == "otlp.max_assembly_lag_seconds"
         assert otlp_stats(client)["spans"] == len(weather_run(tid))  # the first run's alone
-
-        hub.drain()  # the worker catches up
-        assert trajectory(client, tid)["trace_id"] == tid
-        wait_until(lambda: client.post("/v1/traces", content=later,
-                                       headers=PROTOBUF).status_code == 200,
-                   what="spans taken again")
 
 
 def test_spans_not_committed_within_the_write_wait_are_a_503_and_stored_once_when_resent(

@@ -18,10 +18,12 @@ after their last span.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -40,7 +42,7 @@ from app.formats.otlp import NAME, wire
 from app.ingest.ingestor import count_outcome
 from app.ingest.inserter import INSERT, TraceRow
 from app.ingest.otlp import store
-from app.ingest.otlp.store import FINAL_STAGES, Settled, TraceState
+from app.ingest.otlp.store import FINAL_STAGES, Due, Settled, TraceState
 
 log = logging.getLogger("atropos.otlp")
 
@@ -57,6 +59,17 @@ _STARTED_OVER = {
 # quiet periods, and at least every half minute.
 FORGET_EVERY_QUIET_PERIODS = 3
 FORGET_EVERY_SECONDS = 30
+
+
+@dataclass(slots=True)
+class _Pass:
+    """Traces come due, read, and their trajectories in preparation (`made`: each
+    item of `todo`'s row or refusal)."""
+
+    due: list[Due]
+    stored: dict[str, Any]  # their trajectories already stored
+    todo: list[str]  # those to make (again)
+    made: asyncio.Future[list[TraceRow | HubError]]
 
 
 class AssemblyStage:
@@ -77,6 +90,7 @@ class AssemblyStage:
         self._batch = batch
         self._on_advance = on_advance
         self._forgot_at = 0.0
+        self._next: _Pass | None = None  # the batch in preparation
 
     @property
     def poll_seconds(self) -> float:
@@ -85,13 +99,40 @@ class AssemblyStage:
         return min(1.0, self._config.quiet_seconds / 4)
 
     async def run_once(self) -> int:
+        """Writes the traces prepared meanwhile, once the next ones are being prepared:
+        the ingest processes work on one batch while the serving process writes the
+        other (done in turn, each waited for the other, and both were half idle)."""
+        current, self._next = self._next, None
+        if current is None:
+            current = await self._look(exclude=[])
+            if current is None:
+                return await self._forget()
+        made = await current.made
+        self._next = await self._look(exclude=[d.trace_id for d in current.due])
+        await self._write(current, made)
+        return len(current.due)
+
+    async def settle(self) -> None:
+        """(`Concurrent`) Nothing is left unwritten between passes that drain() waits for:
+        a pass that finds nothing due has nothing in preparation either."""
+
+    async def close(self) -> None:
+        """The batch in preparation is dropped: its traces stay open, and due."""
+        if self._next is not None:
+            self._next.made.cancel()
+            await asyncio.gather(self._next.made, return_exceptions=True)
+            self._next = None
+
+    async def _look(self, exclude: list[str]) -> _Pass | None:
+        """The next traces due (but those in `exclude`), their spans read, and their
+        preparation started."""
         async with self._engine.connect() as conn:
             due = await store.due(
                 conn, utcnow(), self._config.quiet_seconds, self._config.max_wait_seconds,
-                self._batch,
+                self._batch, exclude,
             )
             if not due:
-                return await self._forget()
+                return None
             stored = await _stored(conn, [d.trace_id for d in due])
             todo = [d.trace_id for d in due if d.trace_id not in stored
                     or (stored[d.trace_id].source_format == NAME
@@ -100,7 +141,12 @@ class AssemblyStage:
         # The spans' secrets went before they were stored: their counts go with them.
         items = [Redacted(wire.join(_groups(spans[trace_id].spans)),
                           dict(spans[trace_id].redactions)) for trace_id in todo]
-        prepared = dict(zip(todo, await self._prepare(items, NAME)))
+        made = asyncio.ensure_future(self._prepare(items, NAME))
+        return _Pass(due, stored, todo, made)
+
+    async def _write(self, current: _Pass, made: list[TraceRow | HubError]) -> None:
+        due, stored = current.due, current.stored
+        prepared = dict(zip(current.todo, made))
         rows = {trace_id: r if isinstance(r, HubError) else INSERT.row(r.values)
                 for trace_id, r in prepared.items()}
         texts = {trace_id: r.search_text for trace_id, r in prepared.items()
@@ -125,17 +171,16 @@ class AssemblyStage:
                                        error=error))
             await store.settle(conn, settled)
         for trace_id in new:  # received, as far as the metrics go, once made
-            made = rows[trace_id]
-            assert not isinstance(made, HubError)
-            count_outcome(NAME, "rejected" if made["stage"] == Stage.REJECTED else "accepted",
-                          made["reject_reasons"])
+            row = rows[trace_id]
+            assert not isinstance(row, HubError)
+            count_outcome(NAME, "rejected" if row["stage"] == Stage.REJECTED else "accepted",
+                          row["reject_reasons"])
         for _ in range(outcomes["refused"]):
             count_outcome(NAME, "refused")
         log.info("OTLP: %d traces assembled (%s)", len(due),
                  ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())))
         if (outcomes["new"] or outcomes["replaced"]) and self._on_advance is not None:
             self._on_advance()
-        return len(due)
 
     async def _forget(self) -> int:
         """Now and then, when nothing is due: delete the spans no trajectory needs."""

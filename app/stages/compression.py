@@ -94,7 +94,9 @@ class CompressionStage:
             # group off the event loop so the API keeps answering. It makes no I/O, so a
             # private loop in the worker thread is enough.
             with self._heartbeat.holding(row.trace_id for row in rows):
-                outcomes = await asyncio.to_thread(asyncio.run, self._outcomes(rows))
+                # The coroutine is made in the thread: made here, it would never be
+                # awaited if the stage stopped before the thread took it.
+                outcomes = await asyncio.to_thread(lambda: asyncio.run(self._outcomes(rows)))
                 await self._write(list(zip(rows, outcomes)))
             self._advanced(len(rows))
             return len(rows)

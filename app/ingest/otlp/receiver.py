@@ -14,7 +14,7 @@ path per span up to what one request of traces may take (limits.max_queued_trace
 503), the writer's stalls and each request's wait for its commit bounded by
 limits.max_write_wait_seconds (503), limits.max_item_seconds on the reading. And spans
 are taken no faster than the assembly stage makes trajectories of them: while it is
-more than otlp.max_assembly_lag_seconds behind, 503.
+more than otlp.max_assembly_lag_seconds behind, a request waits, then gets 503.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ PROTOBUF_TYPES = ("application/x-protobuf", "application/protobuf")
 # How many reasons a partial success lists; the count covers them all.
 _REASONS = 3
 # How often, at most, a receiver looks how far the assembly is behind.
-_LOOK_EVERY_SECONDS = 0.25
+_LOOK_EVERY_SECONDS = 0.1
 # Spans per transaction at most (bounds its memory; requests are never split).
 _MAX_SPANS_PER_COMMIT = 8192
 
@@ -149,12 +149,33 @@ class SpanReceiver:
 
     async def _keeping_up(self) -> None:
         """Spans are taken only as fast as they become trajectories: while the assembly
-        is more than otlp.max_assembly_lag_seconds behind, 503 (exporters retry), so
-        that a trajectory still appears soon after its run ends and the backlog does
-        not grow without end. How far behind is read from the database, where every
-        hub's receivers see the one backlog, whichever hubs assemble it."""
+        is more than otlp.max_assembly_lag_seconds behind, a request waits (up to
+        limits.max_write_wait_seconds, as for its commit), then gets 503 (exporters
+        retry), so that a trajectory still appears soon after its run ends and the
+        backlog does not grow without end. Waiting rather than refusing at once keeps
+        the exporters sending as soon as the assembly catches up, where a refusal idles
+        them for a whole Retry-After."""
+        most = self._config.max_assembly_lag_seconds
+        give_up = time.monotonic() + self._limits.max_write_wait_seconds
+        while (behind := await self.assembly_behind()) > most:
+            if time.monotonic() >= give_up:
+                raise Unavailable(
+                    f"the assembly of trajectories is {behind:.1f} s behind (more than "
+                    f"otlp.max_assembly_lag_seconds, {most:g} s); send these spans again "
+                    "later",
+                    retry_after=math.ceil(most),  # it catches up in about that long
+                    code="overloaded",
+                    field="otlp.max_assembly_lag_seconds",
+                )
+            await asyncio.sleep(_LOOK_EVERY_SECONDS)
+
+    async def assembly_behind(self) -> float:
+        """How long the trace due longest has waited for its assembly, in seconds. Read
+        from the database, where every hub's receivers see the one backlog, whichever
+        hubs assemble it; at most every _LOOK_EVERY_SECONDS (the requests meanwhile
+        use the last look)."""
         if time.monotonic() - self._looked_at >= _LOOK_EVERY_SECONDS:
-            self._looked_at = time.monotonic()  # the requests meanwhile use the last look
+            self._looked_at = time.monotonic()
             try:
                 async with self._engine.connect() as conn:
                     self._oldest_due = await store.oldest_due(
@@ -163,17 +184,8 @@ class SpanReceiver:
             except SQLAlchemyError:
                 pass  # the spans' write finds out, and answers for it
         if self._oldest_due is None:
-            return
-        behind = (utcnow() - self._oldest_due).total_seconds()
-        most = self._config.max_assembly_lag_seconds
-        if behind > most:
-            raise Unavailable(
-                f"the assembly of trajectories is {behind:.1f} s behind (more than "
-                f"otlp.max_assembly_lag_seconds, {most:g} s); send these spans again later",
-                retry_after=math.ceil(most),  # it catches up in about that long
-                code="overloaded",
-                field="otlp.max_assembly_lag_seconds",
-            )
+            return 0.0
+        return (utcnow() - self._oldest_due).total_seconds()
 
     def _admit(self, places: int) -> AbstractContextManager[None]:
         return self._admission.admit(places) if self._admission else nullcontext()

@@ -100,14 +100,17 @@ def add_spans(conn: sa.Connection, records: Sequence[SpanRecord], now: datetime)
 
 
 async def due(
-    conn: AsyncConnection, now: datetime, quiet: float, max_wait: float, limit: int
+    conn: AsyncConnection, now: datetime, quiet: float, max_wait: float, limit: int,
+    exclude: Sequence[str] = (),
 ) -> list[Due]:
     """Open traces whose root span has ended and that have been quiet for `quiet`
-    seconds, or whose first span came `max_wait` seconds ago; oldest first."""
+    seconds, or whose first span came `max_wait` seconds ago; oldest first; but those
+    in `exclude` (in preparation already)."""
     t = OTLP_TRACES.c
     rows = await conn.execute(
         sa.select(t.trace_id, t.spans)
         .where(
+            t.trace_id.not_in(exclude),
             t.state == TraceState.OPEN.value,
             sa.or_(
                 sa.and_(t.root_ended, t.last_span_at <= now - timedelta(seconds=quiet)),
