@@ -16,6 +16,7 @@ from app.config import LimitsConfig
 from app.errors import Invalid, PayloadTooLarge
 from app.ingest.limits import check_item, json_depth
 from tests.support.builders import native_trace
+from tests.support.waiting import wait_until
 
 LIMITS = {"max_traces_per_request": 3, "max_steps_per_trace": 6, "max_step_chars": 300,
           "max_json_depth": 8, "max_queued_traces": 50}
@@ -122,7 +123,10 @@ def test_item_count_bombs_are_refused_before_anything_is_built(
          "atropos.max_groups_per_request"),
     ]
     with hub.client() as client:
-        client.get("/healthz")
+        # The hub answers before it loads its tokenizer and starts its ingest processes:
+        # measured from once it has, the memory below is what the requests took.
+        wait_until(lambda: any("pipeline ready" in line for line in hub.lines),
+                   what="the hub's background started")
         before = _kb(hub.proc.pid, "VmRSS")
         for path, body, media, limit in bombs:
             r = client.post(path, content=gzip.compress(body),
