@@ -380,6 +380,8 @@ def test_a_span_after_assembly_scores_the_trajectory_again(otlp_hub: InProcessHu
         assert again["reward"] != first["reward"]
         assert weather_steps(again["trace"]) == WEATHER_STEPS
         assert otlp_stats(client)["late_spans"] == 0
+        found = client.get("/v1/traces", params={"q": "WEATHER in paris"}).json()["traces"]
+        assert [t["trace_id"] for t in found] == [tid]  # its search text, written again
 
 
 def test_a_span_after_batching_is_kept_and_counted_late(

@@ -26,7 +26,8 @@ _ROWS = BulkInsert(TRACE_SEARCH, "trace_id", ("trace_id", "text"))
 
 
 def search_text(trace: Trace) -> str:
-    """Python's lower() folds all of Unicode, as the words searched for are folded."""
+    """The text `trace` is found by. Python's lower() folds all of Unicode, as the words
+    searched for are folded (app/db/trace_queries.py TraceFilter.words)."""
     final = next((s.content for s in reversed(trace.steps) if s.type is StepType.FINAL), None)
     return f"{trace.task[:SEARCH_CHARS]}\n{(final or '')[:SEARCH_CHARS]}".lower()
 

@@ -31,7 +31,6 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import OtlpConfig
 from app.db import search
-from app.db.dialect import dialect_of, insert_ignoring_conflicts
 from app.db.models import TRACES
 from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
@@ -40,7 +39,7 @@ from app.errors import HubError
 from app.evaluation.redaction import Redacted
 from app.formats.otlp import NAME, wire
 from app.ingest.ingestor import count_outcome
-from app.ingest.inserter import INSERT, TraceRow
+from app.ingest.inserter import INSERT, TraceRow, insert_traces
 from app.ingest.otlp import store
 from app.ingest.otlp.store import FINAL_STAGES, Due, Settled, TraceState
 
@@ -154,8 +153,8 @@ class AssemblyStage:
         outcomes: Counter[str] = Counter()
         settled: list[Settled] = []
         async with self._engine.begin() as conn:
-            new = await _insert(conn, [r for r in rows.values() if not isinstance(r, HubError)])
-            await conn.run_sync(search.index, [(trace_id, texts[trace_id]) for trace_id in new])
+            new = await conn.run_sync(insert_traces, [r for r in made
+                                                      if not isinstance(r, HubError)])
             for d in due:
                 outcome, error = await _outcome(conn, d.trace_id, rows.get(d.trace_id),
                                                 texts.get(d.trace_id, ""),
@@ -247,14 +246,6 @@ async def _stored(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, Any]
         .where(c.trace_id.in_(trace_ids))
     )
     return {row.trace_id: row for row in rows}
-
-
-async def _insert(conn: AsyncConnection, rows: list[dict[str, Any]]) -> set[str]:
-    """Insert the trajectories not stored yet; returns their trace_ids."""
-    if not rows:
-        return set()
-    insert = insert_ignoring_conflicts(dialect_of(conn), TRACES, "trace_id")
-    return set((await conn.execute(insert.returning(TRACES.c.trace_id), rows)).scalars())
 
 
 def _groups(spans: list[tuple[bytes, bytes, bytes]]) -> list[tuple[bytes, bytes, list[bytes]]]:
