@@ -59,15 +59,18 @@ class Preparer:
     def row(
         self, item: Any, fmt: str | None = None, redacted: Mapping[str, int] | None = None
     ) -> dict[str, Any]:
-        """`redacted`: the secrets replaced in the item before it came here, by kind."""
+        """`redacted`: the item's secrets went before it came here (OTLP spans are
+        redacted as they are stored), and these were replaced, by kind."""
         # The limits are checked first, so that a trace over one costs no parsing.
         check_item(item, self.limits)
         canonical = canonical_json(item)  # refuses what the `original` column cannot hold
         # Secrets go before anything reads the item: the stored original, the
         # canonical trace and the content hash are all of the redacted item.
-        item, found = self.redactor.redact(item, canonical)
-        if found:
-            canonical = canonical_json(item)
+        found: dict[str, int] = {}
+        if redacted is None:
+            item, found = self.redactor.redact(item, canonical)
+            if found:
+                canonical = canonical_json(item)
         redactions = dict(Counter(redacted or {}) + Counter(found))
         digest = hashlib.sha256(canonical).hexdigest()
         if b"\\u0000" in canonical:  # how orjson writes NUL (or the text \\u0000)
@@ -121,7 +124,7 @@ class Preparer:
         come as bytes (`formats.load`: its JSON text, or an OTLP protobuf request),
         which is cheaper to send to a process than the parsed value; or `Redacted`
         (OTLP spans, whose secrets went before they were stored)."""
-        earlier: dict[str, int] = {}
+        earlier: Mapping[str, int] | None = None
         if isinstance(item, Redacted):
             item, earlier = item.item, item.counts
         try:
