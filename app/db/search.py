@@ -33,10 +33,9 @@ def search_text(trace: Trace) -> str:
 
 
 def index(conn: sa.Connection, texts: Sequence[tuple[str, str]]) -> None:
-    """Store these (trace_id, search text), replacing any the trace_ids had. A row left
-    behind by a trace deleted with foreign keys off (the sqlite3 shell's default) goes
-    too, through the trigger that takes it out of the FTS5 index (an INSERT OR REPLACE
-    would skip that trigger)."""
+    """Store these (trace_id, search text), replacing any the trace_ids had: a trace
+    assembled again, or a row left behind by a trace deleted with foreign keys off
+    (the sqlite3 shell's default)."""
     if not texts:
         return
     trace_ids = [trace_id for trace_id, _ in texts]
