@@ -10,14 +10,14 @@ import orjson
 import sqlalchemy as sa
 
 from app.config import EnvironmentConfig, LimitsConfig, TraceServerConfig
-from app.db import migrate
+from app.db import migrate, search
 from app.db.engine import create_engine
 from app.db.models import TRACE_SEARCH, TRACES
 from app.db.types import EncodedJSON
 from app.errors import Conflict, Invalid
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Preparer
-from app.ingest.inserter import INSERT, Stored, TraceInserter, TraceRow
+from app.ingest.inserter import INSERT, Stored, TraceInserter, TraceRow, insert_traces
 from tests.support.builders import native_trace
 
 PREPARER = Preparer(Environment.from_config(EnvironmentConfig()), LimitsConfig())
@@ -124,6 +124,28 @@ async def test_resends_in_and_across_batches(trace_server: dict[str, Any]) -> No
         assert together[0] == one.stored
     finally:
         await inserter.stop()
+        await engine.dispose()
+
+
+async def test_a_search_text_written_again_replaces_the_stored_one(
+    trace_server: dict[str, Any],
+) -> None:
+    """A trajectory assembled again (OTLP) gets its new text, in the statement that
+    stores the texts of others."""
+    engine = create_engine(TraceServerConfig(**trace_server))
+    await migrate.upgrade(engine)
+    try:
+        rows = [TraceRow.of(PREPARER.row(native_trace(trace_id=tid))) for tid in ("a", "b")]
+        async with engine.begin() as conn:
+            await conn.run_sync(insert_traces, rows)
+            await conn.execute(sa.delete(TRACE_SEARCH).where(TRACE_SEARCH.c.trace_id == "b"))
+        async with engine.begin() as conn:
+            await conn.run_sync(search.index, [("a", "written again"), ("b", "new")])
+        async with engine.connect() as conn:
+            texts = dict((await conn.execute(
+                sa.select(TRACE_SEARCH.c.trace_id, TRACE_SEARCH.c.text))).all())
+        assert texts == {"a": "written again", "b": "new"}
+    finally:
         await engine.dispose()
 
 

@@ -124,20 +124,31 @@ class BulkInsert:
     in a transaction begun IMMEDIATE (`OneHop`), whose write lock keeps what the lookup
     found true until commit. PostgreSQL: one statement over the columns as arrays
     (unnest), RETURNING the keys it inserted; concurrent writers are settled by the
-    conflict clause."""
+    conflict clause.
 
-    def __init__(self, table: sa.Table, key: str, columns: Sequence[str]) -> None:
+    `replace`: a row whose key is stored already replaces the stored values instead
+    (ON CONFLICT DO UPDATE), and `run` answers every key; on both databases one
+    statement, with no lookup before it."""
+
+    def __init__(
+        self, table: sa.Table, key: str, columns: Sequence[str], *, replace: bool = False
+    ) -> None:
         self.table = table
         self.key = key
         self.columns = tuple(columns)
+        self._replace = replace
         self._key_index = self.columns.index(key)
         types = [table.c[name].type for name in self.columns]
         self._times = {i for i, t in enumerate(types) if isinstance(t, UtcTimeStamp)}
         self._json = {i for i, t in enumerate(types) if isinstance(t, sa.JSON)}
         names = ", ".join(self.columns)
+        conflict = f"ON CONFLICT ({key}) DO NOTHING"
+        if replace:
+            conflict = f"ON CONFLICT ({key}) DO UPDATE SET " + ", ".join(
+                f"{name} = excluded.{name}" for name in self.columns if name != key)
         self._sqlite = (
             f"INSERT INTO {table.name} ({names}) VALUES ({', '.join('?' * len(types))}) "
-            f"ON CONFLICT ({key}) DO NOTHING"
+            f"{conflict}"
         )
         # The keys among those of a JSON array that the table holds already.
         self._sqlite_there = (
@@ -155,7 +166,7 @@ class BulkInsert:
         self._postgresql = (
             f"INSERT INTO {table.name} ({names}) SELECT {', '.join(selected)} "
             f"FROM unnest({', '.join(arrays)}) AS v({names}) "
-            f"ON CONFLICT ({key}) DO NOTHING RETURNING {key}"
+            f"{conflict} RETURNING {key}"
         )
 
     def values(self, row: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -193,6 +204,9 @@ class BulkInsert:
         k = self._key_index
         dialect = dialect_of(conn)
         if dialect == "sqlite":
+            if self._replace:
+                conn.exec_driver_sql(self._sqlite, list(rows))
+                return {row[k] for row in rows}
             keys = orjson.dumps([row[k] for row in rows]).decode()
             there = set(conn.exec_driver_sql(self._sqlite_there, (keys,)).scalars())
             new = [row for row in rows if row[k] not in there]
