@@ -222,12 +222,14 @@ def _started(proc: subprocess.Popen[str], what: str) -> int:
     raise SystemExit(f"{what} did not start")
 
 
-def start_hub(config: dict[str, object], workdir: Path) -> tuple[subprocess.Popen[str], int]:
+def start_hub(config: dict[str, object], workdir: Path,
+              tree: Path = ROOT) -> tuple[subprocess.Popen[str], int]:
+    """`atropos serve` of the checkout `tree` (this one by default)."""
     path = workdir / "config.json"
     path.write_text(json.dumps(config))
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--config", str(path), "--no-workers"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
         stderr=subprocess.PIPE, text=True,
     )
     return proc, _started(proc, "the hub")
