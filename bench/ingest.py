@@ -263,18 +263,25 @@ def load_arguments(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--trace-kb", type=int, default=5)
     parser.add_argument("--db", choices=["sqlite", "postgresql"], default="sqlite")
     parser.add_argument("--database-url", default=os.environ.get("ATROPOS_TEST_DATABASE_URL"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help="a trace_server key for the hub, e.g. --set ingest_processes=3")
     return parser
 
 
 def trace_server(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
-    """config.json's trace_server section for --db: a SQLite file in `workdir`, or the
-    PostgreSQL database --database-url names."""
+    """config.json's trace_server section for --db (a SQLite file in `workdir`, or the
+    PostgreSQL database --database-url names), with --set's keys."""
     server: dict[str, object] = {"host": "127.0.0.1", "port": 0}
     if args.db == "sqlite":
-        return server | {"storage_backend": "sqlite", "db_path": str(workdir / "bench.db")}
-    if not args.database_url:
+        server |= {"storage_backend": "sqlite", "db_path": str(workdir / "bench.db")}
+    elif not args.database_url:
         raise SystemExit("--db postgresql needs --database-url")
-    return server | {"storage_backend": "postgresql", "database_url": args.database_url}
+    else:
+        server |= {"storage_backend": "postgresql", "database_url": args.database_url}
+    for setting in args.set:
+        key, _, value = setting.partition("=")
+        server[key] = json.loads(value)
+    return server
 
 
 def _pg(url: str, sql: str, *args: object) -> object:
@@ -330,8 +337,6 @@ def main() -> None:
                         help="hub, minimal, hub, minimal...: the median ratio is printed")
     parser.add_argument("--no-rules", action="store_true",
                         help="no reward rules or filters: the cost of scoring, by difference")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                        help="a trace_server key for the hub, e.g. --set ingest_processes=3")
     args = parser.parse_args()
     print(f"ingest: {args.db}, {args.hubs} hub(s), {args.clients} clients, "
           f"{len(Body(args.trace_kb, 1).template) / 1000:.1f} KB traces, "
@@ -372,9 +377,6 @@ def hub_round(args: argparse.Namespace, workdir: Path) -> tuple[list[Figures], i
     """--hubs hubs on one database under load; their figures and how many of the traces
     they acknowledged are not in the database."""
     server = trace_server(args, workdir)
-    for setting in args.set:
-        key, _, value = setting.partition("=")
-        server[key] = json.loads(value)
     hubs = []
     for n in range(args.hubs):
         (workdir / str(n)).mkdir()

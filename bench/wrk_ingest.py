@@ -122,7 +122,8 @@ def main() -> None:
             lost = missing(server, acked_ids)
     acked = max(result["acked"], 1)
     print(f"wrk ingest: {args.db}, {args.clients} connections, "
-          f"{trace_kb:.1f} KB traces, {args.seconds:g} s, hub of {args.tree}")
+          f"{trace_kb:.1f} KB traces, {args.seconds:g} s, hub of {args.tree}"
+          + "".join(f", {s}" for s in args.set))
     print(f"  {result['acked'] / elapsed:.0f} acked traces/s  p50 {result['p50']:.1f} ms  "
           f"p99 {result['p99']:.1f} ms  CPU {cpu * 1000 / acked:.2f} ms/trace "
           f"({cpu / elapsed:.2f} cores; serving {serving * 1000 / acked:.2f})  "

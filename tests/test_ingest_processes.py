@@ -19,7 +19,7 @@ from app.errors import HubError, Invalid, Unavailable
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Preparer
 from app.ingest.inserter import INSERT, TraceRow
-from app.ingest.processes import IngestProcesses
+from app.ingest.processes import _LONG_ITEM_SECONDS, _SINCE, IngestProcesses
 from app.metrics import INGEST_RESTARTS, total
 from tests.support.builders import native_trace
 from tests.support.processes import HubProcess
@@ -29,8 +29,8 @@ PREPARER = Preparer(Environment.from_config(EnvironmentConfig()), LimitsConfig()
 
 
 def in_flight(processes: IngestProcesses) -> int:
-    """Items written to the ingest processes and not yet answered."""
-    return sum(proc.items for proc in processes._processes)
+    """Calls sent to the ingest processes and not yet answered."""
+    return sum(len(proc.waiting) for proc in processes._processes)
 
 
 def long_trace(n: int) -> dict[str, Any]:
@@ -62,7 +62,7 @@ async def test_a_killed_process_fails_what_it_held_and_is_replaced() -> None:
         (pid,) = processes.pids
         assert pid is not None
         held = asyncio.create_task(processes.rows([long_trace(n) for n in range(200)], None))
-        await wait_until_async(lambda: in_flight(processes) == 200, 10,
+        await wait_until_async(lambda: in_flight(processes) == 1, 10,
                                what="the process busy with it")
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(Unavailable) as refused:
@@ -94,7 +94,7 @@ async def test_close_kills_a_process_still_busy_after_the_timeout() -> None:
     await processes.rows([native_trace()], None)
     (pid,) = processes.pids
     held = asyncio.create_task(processes.rows([long_trace(n) for n in range(400)], None))
-    await wait_until_async(lambda: in_flight(processes) == 400, 10, what="the process busy")
+    await wait_until_async(lambda: in_flight(processes) == 1, 10, what="the process busy")
     await processes.close(timeout=0.2)
     with pytest.raises(Unavailable):
         await held
@@ -147,6 +147,26 @@ async def test_the_watchdog_stops_a_call_behind_others_answered_together() -> No
         assert processes.pids != [pid]
     finally:
         await processes.close()
+
+
+async def test_calls_pass_over_a_process_that_is_long_on_one_item() -> None:
+    """Calls go to the first process while it keeps up; one that has been on a single
+    item for long is passed over, so that a slow item holds up no other call."""
+    processes = IngestProcesses(PREPARER, 2)
+    try:
+        await processes.call(time.sleep, 0)  # both processes started
+        slow = asyncio.ensure_future(processes.call(time.sleep, 30))
+        first = processes._processes[0]
+        await wait_until_async(lambda: first.progress[_SINCE] and len(first.waiting) == 1,
+                               what="the first process on the slow call")
+        await wait_until_async(
+            lambda: time.monotonic() - first.progress[_SINCE] > _LONG_ITEM_SECONDS,
+            what="the slow call past _LONG_ITEM_SECONDS")
+        await asyncio.wait_for(processes.call(time.sleep, 0), 10)
+        assert not slow.done()
+    finally:
+        await processes.close(timeout=0.5)
+    assert isinstance(slow.exception(), Unavailable)  # killed at close, never answered
 
 
 def _sqlite(tmp_path: Path) -> dict[str, Any]:
