@@ -1,9 +1,11 @@
 """The HTTP server against slow clients (app/api/server.py), with real sockets against a
 real `atropos serve`: half-sent requests are answered 408 and closed once their
-timeout passes, and meanwhile the hub still answers."""
+timeout passes, and meanwhile the hub still answers; and a response leaves in one
+send()."""
 
 from __future__ import annotations
 
+import asyncio
 import resource
 import socket
 import time
@@ -11,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from app.api.server import _OneWritePerTurn
 
 HEADERS_HALF_SENT = b"POST /v1/traces HTTP/1.1\r\nHost: hub\r\nContent-Le"
 BODY_HALF_SENT = (b"POST /v1/traces HTTP/1.1\r\nHost: hub\r\nContent-Type: application/json\r\n"
@@ -107,3 +111,56 @@ def test_a_slow_but_steady_body_is_read_and_headers_past_the_bound_are_refused(
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: hub\r\n" + b"X-Filler: " + b"a" * 70_000)
         answer = _read_to_eof(sock, time.monotonic() + 30)
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+
+
+async def test_the_writes_of_one_turn_leave_in_one_send() -> None:
+    """uvicorn writes a response's head, then its body: they leave together. A
+    SOCK_SEQPACKET socket keeps each send() apart, so the peer sees how many there were."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    # Told it is a stream socket, which asyncio requires; its sends keep their bounds.
+    ours = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=ours.detach())
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.connect_accepted_socket(_Closing, ours)
+    joined = _OneWritePerTurn(transport, loop)  # type: ignore[arg-type]
+    theirs.settimeout(10)
+    with theirs:
+        joined.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n")
+        joined.write(b"done")
+        assert joined.get_write_buffer_size() == 0  # the transport's own, passed through
+        sent = loop.create_future()
+        loop.call_soon(sent.set_result, None)  # runs after the turn's writes have left
+        await sent
+        assert theirs.recv(4096) == b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\ndone"
+        joined.write(b"last")
+        joined.close()  # sends what it holds first
+        await protocol.lost
+        assert theirs.recv(4096) == b"last"
+        assert theirs.recv(4096) == b""
+
+
+class _Closing(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.lost = asyncio.get_running_loop().create_future()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost.set_result(exc)
+
+
+def test_pipelined_requests_are_answered_whole_and_in_order(
+    start_hub_process: Any, tmp_path: Path
+) -> None:
+    hub = start_hub_process({"storage_backend": "sqlite", "db_path": str(tmp_path / "t.db")})
+    host, port = hub.url.removeprefix("http://").split(":")
+    body = b'{"trace_id": "piped", "task": "answer in order", "steps": []}'
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/traces HTTP/1.1\r\nHost: hub\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            + b"GET /v1/traces/piped HTTP/1.1\r\nHost: hub\r\n\r\n"
+            + b"GET /healthz HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n"
+        )
+        answer = _read_to_eof(sock, time.monotonic() + 30)
+    stored, found, health = answer.split(b"HTTP/1.1 ")[1:]
+    assert stored.startswith(b"202 ") and b'"trace_id":"piped"' in stored, stored
+    assert found.startswith(b"200 ") and b'"task":"answer in order"' in found, found
+    assert health.startswith(b"200 ") and health.endswith(b'{"status":"ok"}'), health

@@ -11,7 +11,10 @@ left /healthz unreachable). Its protocol is extended here with:
 - a bound on the size of the headers (httptools sets none);
 
 each answered 408 (431 for the size) with `Connection: close`; a connection that never
-sent a byte is just closed. `trace_server.max_connections` caps connections: requests
+sent a byte is just closed. And uvicorn writes a response's status line and headers,
+then its body, as two writes: two send() calls, each of which runs the client's side
+of loopback TCP and wakes it. The writes of one turn of the event loop go out as one
+(`_OneWritePerTurn`). `trace_server.max_connections` caps connections: requests
 past it get 503 (uvicorn's limit_concurrency), and the process may open that many
 files (its soft limit is raised, within the hard one).
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import uvicorn
@@ -88,7 +91,10 @@ class _Guard(asyncio.Protocol):
     _known_cycle: Any = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
+        # uvloop's transports are not asyncio.Transport subclasses, only alike; and so is
+        # the wrapper.
+        joined = _OneWritePerTurn(cast(asyncio.Transport, transport), self.loop)
+        super().connection_made(cast(asyncio.Transport, joined))
         self._wait("headers", self.header_timeout)
 
     def data_received(self, data: bytes) -> None:
@@ -179,6 +185,40 @@ class _Guard(asyncio.Protocol):
                 f"connection: close\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body
             )
         self.transport.close()
+
+
+class _OneWritePerTurn:
+    """A connection's transport whose writes are joined until the end of the turn of
+    the event loop they were made in: a response's head and body (written one after
+    the other, with nothing awaited between) leave in one send(). Everything else is
+    the transport's own; closing sends what is held first."""
+
+    __slots__ = ("_transport", "_loop", "_held")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._held:
+            self._loop.call_soon(self._send)
+        self._held.append(data)
+
+    def close(self) -> None:
+        self._send()
+        self._transport.close()
+
+    def _send(self) -> None:
+        if not self._held:
+            return
+        data = b"".join(self._held)
+        self._held.clear()
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def _allow_files(needed: int) -> None:
