@@ -7,6 +7,12 @@ checks that every trace answered 202 is in the database.
     python bench/wrk_ingest.py                    # ~5 KB traces, SQLite
     python bench/wrk_ingest.py --db postgresql    # a fresh database on $ATROPOS_TEST_DATABASE_URL
     python bench/wrk_ingest.py --tree ../old      # the hub of another checkout (a before)
+    python bench/wrk_ingest.py --against ../old   # both hubs at once, half the connections each
+
+--against runs the two hubs side by side, each loaded by its own wrk with half the
+connections, over the same seconds: this machine's speed moves by tens of percent
+within minutes, and two hubs measured together see the same machine, so the ratio of
+their figures holds where runs one after the other do not.
 
 wrk's own CPU is small (C), so the hub has more of the two cores than under
 bench/ingest.py's Python clients. Needs `wrk` on PATH (Debian: apt-get install wrk).
@@ -14,6 +20,7 @@ bench/ingest.py's Python clients. Needs `wrk` on PATH (Debian: apt-get install w
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -22,6 +29,9 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from ingest import (
@@ -72,19 +82,40 @@ end
 """
 
 
-def wrk(port: int, seconds: float, connections: int, template: Path, prefix: str,
-        script: Path) -> tuple[dict[str, float], list[str]]:
-    """wrk's figures, and the trace_ids it was answered 202 for."""
-    ids = template.parent / prefix
-    out = subprocess.run(
-        ["wrk", "-t2", f"-c{connections}", f"-d{seconds:g}s", "-s", str(script),
-         f"http://127.0.0.1:{port}/v1/traces", "--", str(template), prefix, str(ids)],
-        capture_output=True, text=True, check=True,
-    ).stdout
+@dataclass
+class Hub:
+    tree: Path
+    server: dict[str, object]
+    proc: subprocess.Popen[str]
+    port: int
+
+
+def wrk(hubs: list[Hub], seconds: float, connections: int, template: Path, prefix: str,
+        script: Path) -> list[tuple[dict[str, float], list[str]]]:
+    """For each hub, at once: wrk's figures, and the trace_ids it was answered 202 for."""
+    runs = [
+        subprocess.Popen(
+            ["wrk", "-t2", f"-c{connections}", f"-d{seconds:g}s", "-s", str(script),
+             f"http://127.0.0.1:{hub.port}/v1/traces", "--", str(template), f"{prefix}{n}-",
+             str(template.parent / f"{prefix}{n}-")],
+            stdout=subprocess.PIPE, text=True,
+        )
+        for n, hub in enumerate(hubs)
+    ]
+    results = []
+    for n, run in enumerate(runs):
+        out, _ = run.communicate()
+        if run.returncode:
+            raise SystemExit(f"wrk failed ({run.returncode}):\n{out}")
+        results.append(_figures(out, template.parent, f"{prefix}{n}-"))
+    return results
+
+
+def _figures(out: str, workdir: Path, prefix: str) -> tuple[dict[str, float], list[str]]:
     m = re.search(r"RESULT acked=(\d+) refused=(\d+) p50=([\d.]+) p99=([\d.]+)", out)
     if m is None:
         raise SystemExit(f"wrk printed no result:\n{out}")
-    acked = [line for path in template.parent.glob(prefix + ".*")
+    acked = [line for path in workdir.glob(prefix + ".*")
              for line in path.read_text().split()]
     return ({"acked": int(m[1]), "refused": int(m[2]), "p50": float(m[3]), "p99": float(m[4])},
             acked)
@@ -94,44 +125,67 @@ def main() -> None:
     parser = load_arguments(__doc__)
     parser.add_argument("--tree", type=Path, default=ROOT,
                         help="the checkout whose hub is measured (default: this one)")
+    parser.add_argument("--against", type=Path,
+                        help="another checkout whose hub runs at the same time (half the "
+                             "connections each)")
     args = parser.parse_args()
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is not installed (Debian: apt-get install wrk)")
-    with _database(args) as url, tempfile.TemporaryDirectory() as tmp:
-        if url is not None:
-            args.database_url = url
+    trees = [args.tree.resolve()] + ([args.against.resolve()] if args.against else [])
+    connections = args.clients // len(trees)
+    with _databases(args, len(trees)) as urls, tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         template = workdir / "trace.json"
         template.write_text(json.dumps({"trace_id": "__ID__", **make_trace(args.trace_kb)}))
         trace_kb = template.stat().st_size / 1000
         script = workdir / "ingest.lua"
         script.write_text(LUA)
-        server = trace_server(args, workdir)
-        proc, port = start_hub({"trace_server": server}, workdir, args.tree.resolve())
-        with running([proc]):
+        hubs = []
+        for n, (tree, url) in enumerate(zip(trees, urls, strict=True)):
+            if url is not None:
+                args.database_url = url
+            (workdir / str(n)).mkdir()
+            server = trace_server(args, workdir / str(n))
+            proc, port = start_hub({"trace_server": server}, workdir / str(n), tree)
+            hubs.append(Hub(tree, server, proc, port))
+        with running([hub.proc for hub in hubs]):
             run = uuid.uuid4().hex[:8]
-            wrk(port, 3, args.clients, template, f"warm-{run}-", script)  # warm-up
-            before = tree_cpu([proc.pid])
-            serving_before = tree_cpu([proc.pid], descendants=False)
+            wrk(hubs, 3, connections, template, f"warm-{run}-", script)  # warm-up
+            pids = [[hub.proc.pid] for hub in hubs]
+            before = [(tree_cpu(p), tree_cpu(p, descendants=False)) for p in pids]
             started = time.perf_counter()
-            result, acked_ids = wrk(port, args.seconds, args.clients, template, f"m-{run}-",
-                                    script)
+            results = wrk(hubs, args.seconds, connections, template, f"m-{run}-", script)
             elapsed = time.perf_counter() - started
-            cpu = tree_cpu([proc.pid]) - before
-            serving = tree_cpu([proc.pid], descendants=False) - serving_before
-            lost = missing(server, acked_ids)
-    acked = max(result["acked"], 1)
-    print(f"wrk ingest: {args.db}, {args.clients} connections, "
-          f"{trace_kb:.1f} KB traces, {args.seconds:g} s, hub of {args.tree}"
+            after = [(tree_cpu(p), tree_cpu(p, descendants=False)) for p in pids]
+            lost = [missing(hub.server, ids) for hub, (_, ids) in zip(hubs, results, strict=True)]
+    print(f"wrk ingest: {args.db}, {connections} connections per hub, "
+          f"{trace_kb:.1f} KB traces, {args.seconds:g} s"
           + "".join(f", {s}" for s in args.set))
-    print(f"  {result['acked'] / elapsed:.0f} acked traces/s  p50 {result['p50']:.1f} ms  "
-          f"p99 {result['p99']:.1f} ms  CPU {cpu * 1000 / acked:.2f} ms/trace "
-          f"({cpu / elapsed:.2f} cores; serving {serving * 1000 / acked:.2f})  "
-          f"refused {result['refused']}")
-    print(f"  acknowledged but not in the database: {lost} (of {len(acked_ids)})")
+    per_trace = []
+    for hub, (result, ids), (cpu0, own0), (cpu1, own1), gone in zip(
+            hubs, results, before, after, lost, strict=True):
+        acked = max(result["acked"], 1)
+        per_trace.append((cpu1 - cpu0) * 1000 / acked)
+        print(f"  hub of {hub.tree}:")
+        print(f"    {result['acked'] / elapsed:.0f} acked traces/s  p50 {result['p50']:.1f} ms  "
+              f"p99 {result['p99']:.1f} ms  CPU {per_trace[-1]:.2f} ms/trace "
+              f"({(cpu1 - cpu0) / elapsed:.2f} cores; serving {(own1 - own0) * 1000 / acked:.2f})"
+              f"  refused {result['refused']}")
+        print(f"    acknowledged but not in the database: {gone} (of {len(ids)})")
+        if gone or len(ids) != result["acked"]:
+            raise SystemExit(f"{gone} acknowledged traces are not in the database")
+    if len(hubs) == 2:
+        rates = [r["acked"] for r, _ in results]
+        print(f"  first / second: rate {rates[0] / max(rates[1], 1):.2f}x, "
+              f"CPU per trace {per_trace[0] / per_trace[1]:.2f}x")
     print("reproduce: python bench/wrk_ingest.py " + " ".join(sys.argv[1:]))
-    if lost or len(acked_ids) != result["acked"]:
-        raise SystemExit(f"{lost} acknowledged traces are not in the database")
+
+
+@contextmanager
+def _databases(args: argparse.Namespace, n: int) -> Iterator[list[str | None]]:
+    """A database per hub: on PostgreSQL a fresh one each (bench/ingest.py's _database)."""
+    with ExitStack() as stack:
+        yield [stack.enter_context(_database(args)) for _ in range(n)]
 
 
 if __name__ == "__main__":
