@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from app.api.server import _OneWritePerTurn
+from app.api.server import _JOINED_BYTES, _OneWritePerTurn
 
 HEADERS_HALF_SENT = b"POST /v1/traces HTTP/1.1\r\nHost: hub\r\nContent-Le"
 BODY_HALF_SENT = (b"POST /v1/traces HTTP/1.1\r\nHost: hub\r\nContent-Type: application/json\r\n"
@@ -131,6 +131,12 @@ async def test_the_writes_of_one_turn_leave_in_one_send() -> None:
         loop.call_soon(sent.set_result, None)  # runs after the turn's writes have left
         await sent
         assert theirs.recv(4096) == b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\ndone"
+        # A large write goes at once (the transport's buffer limits then hold back a
+        # streamed response), with what was held before it.
+        large = b"x" * _JOINED_BYTES
+        joined.write(b"head")
+        joined.write(large)
+        assert theirs.recv(2 * _JOINED_BYTES) == b"head" + large
         joined.write(b"last")
         joined.close()  # sends what it holds first
         await protocol.lost

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+from collections.abc import Iterable
 from typing import Any, cast
 
 import orjson
@@ -187,23 +188,36 @@ class _Guard(asyncio.Protocol):
         self.transport.close()
 
 
+# Writes are joined up to this many bytes; past it they go to the transport at once,
+# whose buffer limits then pause a large streamed response as they did before.
+_JOINED_BYTES = 16 * 1024
+
+
 class _OneWritePerTurn:
     """A connection's transport whose writes are joined until the end of the turn of
     the event loop they were made in: a response's head and body (written one after
     the other, with nothing awaited between) leave in one send(). Everything else is
     the transport's own; closing sends what is held first."""
 
-    __slots__ = ("_transport", "_loop", "_held")
+    __slots__ = ("_transport", "_loop", "_held", "_size")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
         self._held: list[bytes] = []
+        self._size = 0
 
     def write(self, data: bytes) -> None:
         if not self._held:
             self._loop.call_soon(self._send)
         self._held.append(data)
+        self._size += len(data)
+        if self._size >= _JOINED_BYTES:
+            self._send()
+
+    def writelines(self, chunks: Iterable[bytes]) -> None:
+        for data in chunks:
+            self.write(data)
 
     def close(self) -> None:
         self._send()
@@ -214,6 +228,7 @@ class _OneWritePerTurn:
             return
         data = b"".join(self._held)
         self._held.clear()
+        self._size = 0
         if not self._transport.is_closing():
             self._transport.write(data)
 
