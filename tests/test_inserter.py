@@ -4,6 +4,7 @@ refuses sinks alone, whichever place it has in the batch."""
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import orjson
@@ -157,3 +158,19 @@ def test_values_and_rows_convert_both_ways() -> None:
     back = INSERT.row(values)
     assert back["created_at"] == row["created_at"] and back["trace_id"] == "both"
     assert INSERT.values(back) == values
+
+
+def test_timestamps_are_written_as_sqlalchemy_writes_them_on_sqlite() -> None:
+    """The bulk insert's text for a UtcTimeStamp is the text SQLAlchemy's own statements
+    write, so that both sort and compare alike; years before 1000 included."""
+    from sqlalchemy.dialects import sqlite
+
+    from app.db.types import UtcTimeStamp, utc_text
+
+    dialect = sqlite.dialect()
+    column = UtcTimeStamp()
+    written = sa.DateTime().dialect_impl(dialect).bind_processor(dialect)
+    for moment in (datetime(2026, 12, 1, 23, 5, 1, tzinfo=UTC), datetime(999, 1, 2, 3, 4, 5, 6),
+                   datetime(2026, 6, 1, 12, 0, 0, 123456, tzinfo=timezone(timedelta(hours=2)))):
+        assert written is not None
+        assert utc_text(moment) == written(column.process_bind_param(moment, dialect))

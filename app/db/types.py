@@ -60,7 +60,9 @@ def utc_text(value: datetime) -> str:
     SQLAlchemy's format), for inserts that pass values as they are (dialect.BulkInsert);
     PostgreSQL reads it back as UTC."""
     aware = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
-    return aware.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+    # isoformat, not strftime: under half the time, and years before 1000 padded to
+    # four digits as SQLAlchemy writes them.
+    return aware.astimezone(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
 def utcnow() -> datetime:

@@ -71,7 +71,7 @@ class Preparer:
             item, found = self.redactor.redact(item, canonical)
             if found:
                 canonical = canonical_json(item)
-        redactions = dict(Counter(redacted or {}) + Counter(found))
+        redactions = dict(Counter(redacted or {}) + Counter(found)) if redacted or found else {}
         digest = hashlib.sha256(canonical).hexdigest()
         if b"\\u0000" in canonical:  # how orjson writes NUL (or the text \\u0000)
             item = _without_nul(item)
