@@ -1,5 +1,6 @@
 """The group commit (app/ingest/inserter.py) on both databases: a row the database
-refuses sinks alone, whichever place it has in the batch."""
+refuses sinks alone, whichever place it has in the batch; rows go in as prepared, their
+timestamps as SQLAlchemy's own statements write them."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from typing import Any
 
 import orjson
 import sqlalchemy as sa
+from sqlalchemy.dialects import sqlite
 
 from app.config import EnvironmentConfig, LimitsConfig, TraceServerConfig
 from app.db import migrate, search
 from app.db.engine import create_engine
 from app.db.models import TRACE_SEARCH, TRACES
-from app.db.types import EncodedJSON
+from app.db.types import EncodedJSON, UtcTimeStamp, utc_text
 from app.errors import Conflict, Invalid
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Preparer
@@ -163,14 +165,9 @@ def test_values_and_rows_convert_both_ways() -> None:
 def test_timestamps_are_written_as_sqlalchemy_writes_them_on_sqlite() -> None:
     """The bulk insert's text for a UtcTimeStamp is the text SQLAlchemy's own statements
     write, so that both sort and compare alike; years before 1000 included."""
-    from sqlalchemy.dialects import sqlite
-
-    from app.db.types import UtcTimeStamp, utc_text
-
     dialect = sqlite.dialect()
-    column = UtcTimeStamp()
     written = sa.DateTime().dialect_impl(dialect).bind_processor(dialect)
+    assert written is not None
     for moment in (datetime(2026, 12, 1, 23, 5, 1, tzinfo=UTC), datetime(999, 1, 2, 3, 4, 5, 6),
                    datetime(2026, 6, 1, 12, 0, 0, 123456, tzinfo=timezone(timedelta(hours=2)))):
-        assert written is not None
-        assert utc_text(moment) == written(column.process_bind_param(moment, dialect))
+        assert utc_text(moment) == written(UtcTimeStamp().process_bind_param(moment, dialect))
