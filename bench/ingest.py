@@ -136,7 +136,8 @@ class Figures:
     errors: dict[int, int]  # status -> requests (207: items refused within a batch)
     body_kb: float  # one trace
     cpu_ms_per_trace: float  # all the target's processes together
-    serving_ms_per_trace: float  # the serving processes alone (the event loops)
+    serving_ms_per_trace: float  # the serving processes alone
+    event_loop_ms_per_trace: float  # their main threads (the rest: the SQLite writer's)
     cores: float  # the same, as cores busy
     client_ms_per_trace: float  # this process's CPU (the clients)
     acked: list[str]
@@ -145,7 +146,8 @@ class Figures:
         errors = sum(self.errors.values())
         return (f"  {name}: {self.acked_per_s:.0f} acked traces/s  p50 {self.p50_ms:.1f} ms  "
                 f"p99 {self.p99_ms:.1f} ms  CPU {self.cpu_ms_per_trace:.2f} ms/trace "
-                f"({self.cores:.2f} cores; serving {self.serving_ms_per_trace:.2f})  "
+                f"({self.cores:.2f} cores; serving {self.serving_ms_per_trace:.2f}, "
+                f"its event loop {self.event_loop_ms_per_trace:.2f})  "
                 f"clients {self.client_ms_per_trace:.2f} ms/trace  "
                 f"errors {errors}" + (f" {self.errors}" if errors else ""))
 
@@ -160,23 +162,43 @@ async def load(host: str, port: int, path: str, clients: int, seconds: float,
                            for _ in range(clients)))
     tally = Tally()
     pids = pids or []
-    cpu_before, own_before = tree_cpu(pids), time.process_time()
-    serving_before = tree_cpu(pids, descendants=False)
+    cpu_before, own_before = CpuTimes.of(pids), time.process_time()
     started = time.perf_counter()
     await asyncio.gather(*(client(host, port, bodies, path, started + seconds, tally)
                            for _ in range(clients)))
     elapsed = time.perf_counter() - started
-    cpu, own = tree_cpu(pids) - cpu_before, time.process_time() - own_before
-    serving = tree_cpu(pids, descendants=False) - serving_before
+    cpu, own = CpuTimes.of(pids) - cpu_before, time.process_time() - own_before
     qs = statistics.quantiles(tally.latencies, n=100) if len(tally.latencies) > 1 else [0.0] * 99
     acked = max(len(tally.acked), 1)
     return Figures(
         acked_per_s=len(tally.acked) / elapsed, p50_ms=qs[49] * 1000, p99_ms=qs[98] * 1000,
         errors=tally.errors, body_kb=len(bodies.template) / 1000,
-        cpu_ms_per_trace=cpu * 1000 / acked, serving_ms_per_trace=serving * 1000 / acked,
-        cores=cpu / elapsed,
+        cpu_ms_per_trace=cpu.total * 1000 / acked,
+        serving_ms_per_trace=cpu.serving * 1000 / acked,
+        event_loop_ms_per_trace=cpu.event_loop * 1000 / acked, cores=cpu.total / elapsed,
         client_ms_per_trace=own * 1000 / acked, acked=tally.acked,
     )
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """CPU seconds (user + system) a hub has used so far: all its processes (`pids` and
+    their descendants), its serving processes (`pids`), and their main threads, which run
+    the event loops; a serving process's other CPU is its threads', chiefly the SQLite
+    writer's (app/db/dialect.py OneHop)."""
+
+    total: float
+    serving: float
+    event_loop: float
+
+    @classmethod
+    def of(cls, pids: list[int]) -> CpuTimes:
+        return cls(tree_cpu(pids), tree_cpu(pids, descendants=False),
+                   sum(_stat_cpu(f"/proc/{pid}/task/{pid}/stat")[1] for pid in pids))
+
+    def __sub__(self, before: CpuTimes) -> CpuTimes:
+        return CpuTimes(self.total - before.total, self.serving - before.serving,
+                        self.event_loop - before.event_loop)
 
 
 def tree_cpu(pids: list[int], *, descendants: bool = True) -> float:
@@ -184,16 +206,10 @@ def tree_cpu(pids: list[int], *, descendants: bool = True) -> float:
     parents: dict[int, int] = {}
     times: dict[int, float] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue  # ended meanwhile
-        fields = stat[stat.rindex(b")") + 2:].split()
-        parents[int(entry)] = int(fields[1])
-        times[int(entry)] = (int(fields[11]) + int(fields[12])) / _TICK
+        if entry.isdigit():
+            parent, cpu = _stat_cpu(f"/proc/{entry}/stat")
+            if parent >= 0:
+                parents[int(entry)], times[int(entry)] = parent, cpu
     total, todo = 0.0, list(pids)
     seen: set[int] = set()
     while todo:
@@ -205,6 +221,17 @@ def tree_cpu(pids: list[int], *, descendants: bool = True) -> float:
         if descendants:
             todo += [child for child, parent in parents.items() if parent == pid]
     return total
+
+
+def _stat_cpu(path: str) -> tuple[int, float]:
+    """(parent pid, CPU seconds) from a /proc stat file; (-1, 0.0) once it has ended."""
+    try:
+        with open(path, "rb") as f:
+            stat = f.read()
+    except OSError:
+        return -1, 0.0
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def _drain(proc: subprocess.Popen[str]) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ingest import (
     ROOT,
+    CpuTimes,
     _database,
     load_arguments,
     make_trace,
@@ -43,7 +44,6 @@ from ingest import (
     running,
     start_hub,
     trace_server,
-    tree_cpu,
 )
 
 # Each request: the template with its __ID__ made unique (run, thread, counter). Each
@@ -152,25 +152,26 @@ def main() -> None:
             run = uuid.uuid4().hex[:8]
             wrk(hubs, 3, connections, template, f"warm-{run}-", script)  # warm-up
             pids = [[hub.proc.pid] for hub in hubs]
-            before = [(tree_cpu(p), tree_cpu(p, descendants=False)) for p in pids]
+            before = [CpuTimes.of(p) for p in pids]
             started = time.perf_counter()
             results = wrk(hubs, args.seconds, connections, template, f"m-{run}-", script)
             elapsed = time.perf_counter() - started
-            after = [(tree_cpu(p), tree_cpu(p, descendants=False)) for p in pids]
+            after = [CpuTimes.of(p) for p in pids]
             lost = [missing(hub.server, ids) for hub, (_, ids) in zip(hubs, results, strict=True)]
     print(f"wrk ingest: {args.db}, {connections} connections per hub, "
           f"{trace_kb:.1f} KB traces, {args.seconds:g} s"
           + "".join(f", {s}" for s in args.set))
     per_trace = []
-    for hub, (result, ids), (cpu0, own0), (cpu1, own1), gone in zip(
+    for hub, (result, ids), cpu0, cpu1, gone in zip(
             hubs, results, before, after, lost, strict=True):
         acked = max(result["acked"], 1)
-        per_trace.append((cpu1 - cpu0) * 1000 / acked)
+        cpu = cpu1 - cpu0
+        per_trace.append(cpu.total * 1000 / acked)
         print(f"  hub of {hub.tree}:")
         print(f"    {result['acked'] / elapsed:.0f} acked traces/s  p50 {result['p50']:.1f} ms  "
               f"p99 {result['p99']:.1f} ms  CPU {per_trace[-1]:.2f} ms/trace "
-              f"({(cpu1 - cpu0) / elapsed:.2f} cores; serving {(own1 - own0) * 1000 / acked:.2f})"
-              f"  refused {result['refused']}")
+              f"({cpu.total / elapsed:.2f} cores; serving {cpu.serving * 1000 / acked:.2f}, "
+              f"its event loop {cpu.event_loop * 1000 / acked:.2f})  refused {result['refused']}")
         print(f"    acknowledged but not in the database: {gone} (of {len(ids)})")
         if gone or len(ids) != result["acked"]:
             raise SystemExit(f"{gone} acknowledged traces are not in the database")
