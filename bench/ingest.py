@@ -6,6 +6,9 @@ traces/s, p50/p99 latency and the CPU time per acknowledged trace of all its pro
 together (the hub's serving processes, fork server and ingest processes, from /proc),
 and the ratio hub / minimal, which is what to read on a noisy machine. Every
 acknowledged trace is then looked up in the hub's database: one missing fails the run.
+A machine gauge (`machine_gauge`, a fixed piece of Python work timed before and after
+the load) says how fast the machine ran: absolute figures of runs whose gauges differ
+do not compare.
 
     python bench/ingest.py                       # ~5 KB traces, 32 clients, 10 s
     python bench/ingest.py --trace-kb 50
@@ -62,6 +65,28 @@ def make_trace(trace_kb: int) -> dict[str, object]:
     steps.append({"type": "final", "content": "The build passes now."})
     return {"task": "Fix the failing build of the project.", "agent": {"model": "bench/model"},
             "env": "bench", "steps": steps, "outcome": {"status": "success"}}
+
+
+def machine_gauge() -> float:
+    """How fast this machine runs Python right now: CPU µs for a fixed piece of work
+    (the 5 KB bench trace decoded with the standard library's json, its steps copied,
+    encoded again), the median of 7 rounds. This machine's speed moves by tens of percent
+    from minute to minute; runs whose gauges differ compare only as ratios."""
+    text = json.dumps(make_trace(5))
+    rounds = []
+    for _ in range(7):
+        started = time.process_time()
+        for _ in range(300):
+            trace = json.loads(text)
+            steps = [dict(step, index=i) for i, step in enumerate(trace["steps"])]
+            json.dumps({**trace, "steps": steps})
+        rounds.append((time.process_time() - started) / 300 * 1e6)
+    return statistics.median(rounds)
+
+
+def gauge_line(before: float, after: float) -> str:
+    return (f"  machine gauge: {before:.0f} µs before, {after:.0f} µs after "
+            "(bench/ingest.py machine_gauge: the same work each time)")
 
 
 def request_bytes(body: bytes, path: str) -> bytes:
@@ -370,6 +395,7 @@ def main() -> None:
           f"{args.batch} per request, {args.seconds:.0f} s"
           + "".join(f", {s}" for s in args.set), flush=True)
     ratios, lost = [], 0
+    gauge = machine_gauge()
     with _database(args) as url:
         if url is not None:
             args.database_url = url
@@ -391,6 +417,7 @@ def main() -> None:
                 ratios.append((total / minimal.acked_per_s, cpu / minimal.cpu_ms_per_trace))
                 print(f"  hub / minimal: {ratios[-1][0]:.2f}x the rate, "
                       f"{ratios[-1][1]:.2f}x the CPU per trace", flush=True)
+    print(gauge_line(gauge, machine_gauge()))
     if len(ratios) > 1:
         print(f"  median of {len(ratios)} rounds: hub / minimal "
               f"{statistics.median(r for r, _ in ratios):.2f}x the rate, "

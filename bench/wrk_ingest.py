@@ -38,7 +38,9 @@ from ingest import (
     ROOT,
     CpuTimes,
     _database,
+    gauge_line,
     load_arguments,
+    machine_gauge,
     make_trace,
     missing,
     running,
@@ -133,6 +135,7 @@ def main() -> None:
         raise SystemExit("wrk is not installed (Debian: apt-get install wrk)")
     trees = [args.tree.resolve()] + ([args.against.resolve()] if args.against else [])
     connections = args.clients // len(trees)
+    gauge = machine_gauge()
     with _databases(args, len(trees)) as urls, tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         template = workdir / "trace.json"
@@ -175,6 +178,7 @@ def main() -> None:
         print(f"    acknowledged but not in the database: {gone} (of {len(ids)})")
         if gone or len(ids) != result["acked"]:
             raise SystemExit(f"{gone} acknowledged traces are not in the database")
+    print(gauge_line(gauge, machine_gauge()))
     if len(hubs) == 2:
         rates = [r["acked"] for r, _ in results]
         print(f"  first / second: rate {rates[0] / max(rates[1], 1):.2f}x, "
