@@ -49,7 +49,7 @@ def test_bad_config_stops_start_up_with_one_line(
 
 
 def test_no_tokenizer_stops_start_up_with_one_line(tmp_path: Path) -> None:
-    """The tokenizer cannot load (as with the bpe-openai package missing or broken):
+    """The tokenizer cannot load (as with the toktok-rs package missing or broken):
     serve says so in one sentence and stops. (It loads once the server answers, so that
     a restart answers within a second: after the database is opened.)"""
     db = tmp_path / "traces.db"
@@ -57,7 +57,7 @@ def test_no_tokenizer_stops_start_up_with_one_line(tmp_path: Path) -> None:
     config.write_text(json.dumps({"trace_server": {"db_path": str(db), "port": 0}}))
     no_tokenizer = (
         "import sys\n"
-        "sys.modules['bpe_openai'] = None\n"  # what `import bpe_openai` then raises
+        "sys.modules['toktok'] = None\n"  # what `import toktok` then raises
         "from app.cli.main import main\n"
         "main(sys.argv[1:])\n"
     )
@@ -69,7 +69,7 @@ def test_no_tokenizer_stops_start_up_with_one_line(tmp_path: Path) -> None:
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: The cl100k_base tokenizer could not be loaded "
                            "(ModuleNotFoundError: "), last
-    assert last.endswith("): reinstall the bpe-openai package, which ships it."), last
+    assert last.endswith("): reinstall the toktok-rs package, which ships it."), last
     assert "Traceback" not in result.stderr
 
 

@@ -4,6 +4,7 @@ every message (app/ingest/tokens.py counts `Trace.text_parts`)."""
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,7 +67,7 @@ def test_the_compression_ledger_counts_the_same_text() -> None:
 
 
 def test_counts_equal_tiktokens_on_every_text_of_the_real_corpus() -> None:
-    """The hub counts with bpe-openai; tiktoken's cl100k_base `encode_ordinary` is the
+    """The hub counts with toktok; tiktoken's cl100k_base `encode_ordinary` is the
     reference. Every file whole, every line, every string in its JSON, and every part
     of every trace the hub reads from it (each part, the short ones joined as counted,
     all of them joined), distinct."""
@@ -92,6 +93,24 @@ def test_counts_equal_tiktokens_on_every_text_of_the_real_corpus() -> None:
     # Special tokens are ordinary text; a lone surrogate counts as tiktoken counts it.
     for text in ("a<|endoftext|>b <|fim_prefix|>", "a\udc80b"):
         assert count_tokens(text) == len(reference.encode_ordinary(text))
+
+
+def test_counts_equal_tiktokens_on_random_text() -> None:
+    """Text no agent has written yet: runs of one character (the byte-pair merges of a
+    long word), and random mixes of the character classes cl100k_base's pretokenizer
+    splits on (letters, digits, blanks, newlines, punctuation, contractions, scripts
+    without spaces, emoji). Not the letters Unicode 17.0 added, which toktok knows and
+    tiktoken does not (app/ingest/tokens.py)."""
+    reference = _tiktoken()
+    rng = random.Random(20)
+    texts = [piece * n for piece in ("x", "ab", "1", " ", "\n", "é", "🙂", "'s", " \n", ".,")
+             for n in (1, 7, 1000, 20_000)]
+    texts += ["".join(rng.choices(_CHARACTERS, k=rng.randint(0, 200))) for _ in range(5000)]
+    assert [t for t in texts if count_tokens(t) != len(reference.encode_ordinary(t))] == []
+
+
+_CHARACTERS = [*"aZ09 \t\n\r'.,:!?-_/\\\"{}[]<>|", "é", "ß", "中", "文", "🙂", "\u200b", "\u00a0",
+               "\u3000", "ﬁ", "İ", "Σ", "\x00", "\ufeff", "'s", "'LL", "'re", "\u2028", "١", "²"]
 
 
 def _tiktoken() -> tiktoken.Encoding:
