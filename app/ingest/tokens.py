@@ -37,8 +37,8 @@ def encoding() -> Tokenizer:
     """cl100k_base, loaded once per process (~0.2 s; the ingest processes' fork server
     loads it for all of them)."""
     try:
-        # The extension's own class: the package's `batch_count` wrapper costs ~30 µs a
-        # call (its thread pool), more than counting a 5 KB trace's text (~9 µs).
+        # The extension's own class: the package's `batch_count` wrapper cost ~30 µs a
+        # call (measured), more than counting a 5 KB trace's text (~9 µs).
         from toktok._toktok import Tokenizer as Toktok
 
         return cast(Tokenizer, Toktok("cl100k_base", ""))
