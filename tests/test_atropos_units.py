@@ -1,16 +1,18 @@
 """The Atropos domain's pure parts, without a server: batch formation, buffer
-release, filled logprobs, stored segments, request limits; and the tables against
-the migration.
+release, filled logprobs, stored segments, request limits; the tables against the
+migration, and two hubs' transactions on them.
 (tests/test_atropos_upstream.py checks formation against atroposlib itself.)"""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import random
 import zlib
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from pydantic import ValidationError
@@ -19,10 +21,22 @@ from app.atropos.logprobs import fill_inference_logprobs
 from app.atropos.models import RegisterEnv, Registration, ScoredData
 from app.atropos.packing import EnvShare, Item, form_batches, groups_summing_to
 from app.atropos.segments import deflate, gzip_join, literal, plain_join
+from app.atropos.tables import (
+    ATROPOS_BATCHES,
+    GROUPS,
+    SEGMENTS,
+    STATE,
+    drop_served_groups,
+    run_state,
+)
+from app.atropos.trainer_batches import _next_batch
 from app.config import TraceServerConfig
 from app.db import migrate
 from app.db.engine import create_engine
 from app.db.models import Base
+from app.db.types import utcnow
+from tests.support.databases import PG_ADMIN_URL
+from tests.support.waiting import wait_until_async
 
 
 def items(*sizes: int, env: int | None = 0) -> list[Item]:
@@ -134,3 +148,59 @@ async def test_the_tables_match_the_migration(trace_server: dict[str, Any]) -> N
         await engine.dispose()
     ours = [d for d in diff if "atropos_" in repr(d)]
     assert ours == []
+
+
+@pytest.mark.skipif(not PG_ADMIN_URL, reason="needs PostgreSQL: SQLite has one writer")
+@pytest.mark.parametrize("dialect", ["postgresql"])
+async def test_two_hubs_serving_batches_at_once_take_turns(trace_server: dict[str, Any]) -> None:
+    """One hub has formed batches (it holds the run row) and is deleting the groups
+    served before, while another serves a batch formed earlier. The second used to
+    delete those groups too, then wait for the run row to count them: a deadlock, and
+    a GET /batch answered 503."""
+    engine = create_engine(TraceServerConfig(**trace_server))
+    try:
+        await migrate.upgrade(engine)
+        async with engine.begin() as conn:
+            segments = (await conn.execute(
+                sa.insert(SEGMENTS).returning(SEGMENTS.c.id),
+                [{"deflated": deflate(b"{}").data, "crc32": 0}] * 6,
+            )).scalars().all()
+            now = utcnow()
+            states = ["served"] * 3 + ["batched"] * 2 + ["queued"]
+            groups = (await conn.execute(sa.insert(GROUPS).returning(GROUPS.c.id), [
+                {"state": state, "env_id": 0, "size": 2, "bytes": 2, "fill_logprobs": False,
+                 "segment_id": segment, "created_at": now}
+                for state, segment in zip(states, segments, strict=True)
+            ])).scalars().all()
+            await conn.execute(sa.insert(ATROPOS_BATCHES).values(
+                seq=1, state="pending", group_ids=groups[3:5], sequences=4, deliveries=0,
+                created_at=now, updated_at=now,
+            ))
+            await conn.execute(sa.update(STATE).values(registered=True, started=True,
+                                                       batch_size=4))
+        async with engine.connect() as forming, engine.connect() as watcher:
+            await forming.begin()
+            await forming.run_sync(lambda c: run_state(c, lock=True))
+
+            async def serve() -> Any:
+                async with engine.begin() as conn:
+                    return await conn.run_sync(
+                        lambda c: _next_batch(c, False, lease_seconds=60, env_timeout=60)
+                    )
+
+            serving = asyncio.create_task(serve())
+
+            async def serving_waits() -> bool:
+                waiting = "SELECT count(*) FROM pg_locks WHERE NOT granted"
+                return bool(await watcher.scalar(sa.text(waiting)))
+
+            await wait_until_async(serving_waits, what="the serving hub to wait for a lock")
+            await forming.run_sync(drop_served_groups)
+            await forming.commit()
+            stored, _ = await serving
+        async with engine.connect() as conn:
+            left = (await conn.execute(sa.select(GROUPS.c.state))).scalars().all()
+            dropped = await conn.scalar(sa.select(STATE.c.groups_dropped))
+        assert (len(stored), left, dropped) == (2, ["queued"], 5)
+    finally:
+        await engine.dispose()

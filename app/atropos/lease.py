@@ -23,6 +23,7 @@ from app.atropos.tables import (
     drop_served_groups,
     move_batch,
     move_groups,
+    run_state,
 )
 from app.db.dialect import dialect_of, for_update
 from app.db.types import utcnow
@@ -71,6 +72,7 @@ async def acknowledge(db: AtroposDb, lease_id: str) -> dict[str, Any]:
 
 
 def _acknowledge(conn: sa.Connection, lease_id: str) -> dict[str, Any]:
+    run_state(conn, lock=True)
     columns = ATROPOS_BATCHES.c
     query = sa.select(columns.id, columns.state, columns.group_ids).where(
         ATROPOS_BATCHES.c.lease_id == lease_id

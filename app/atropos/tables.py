@@ -130,7 +130,10 @@ class AtroposDb:
 
 def run_state(conn: sa.Connection, *, lock: bool = False) -> AtroposRunState:
     """The run row; with lock, held until commit (PostgreSQL), which makes the holder
-    the only one forming batches, registering or resetting."""
+    the only one registering, resetting, forming, serving or acknowledging batches.
+    Those transactions take it first, before any group or batch row: two hubs serving
+    at once used to delete the same served groups, one of them already holding the run
+    row and the other about to count the groups on it, and deadlocked."""
     query = sa.select(
         STATE.c.registered,
         STATE.c.started,
@@ -180,7 +183,8 @@ def move_batch(
 
 def drop_served_groups(conn: sa.Connection) -> None:
     """Delete served groups and their segments, except the latest example (the
-    newest group that entered the queue), which /latest_example still answers."""
+    newest group that entered the queue), which /latest_example still answers. The
+    caller holds the run row's lock (`run_state`)."""
     others = GROUPS.alias("others")  # not correlated with the rows being deleted
     latest = (
         sa.select(sa.func.max(others.c.id))

@@ -3,8 +3,9 @@
 As in atroposlib, the first GET /batch after data arrives forms every full batch
 it can at once, advances the step by their number, and then serves them one per
 call (the last formed first) before forming more. Forming and claiming happen in
-one transaction: several hubs on one PostgreSQL form under the run row's lock and
-claim with SKIP LOCKED, so no batch is formed or served twice.
+one transaction, which on PostgreSQL takes the run row's lock first (`run_state`):
+several hubs on one database serve in turn, no batch is formed or served twice, and
+no two transactions take their locks in opposite orders.
 
 Groups are stored as the JSON they will be served as, deflated; a batch is their
 segments joined with the JSON around them (app/atropos/segments.py), without
@@ -89,7 +90,7 @@ def _next_batch(
     """One transaction: start the run, re-queue expired leases, claim the next
     formed batch (forming batches first when none is left), and serve or lease it."""
     now = utcnow()
-    run = run_state(conn)
+    run = run_state(conn, lock=True)
     if not run.registered:
         return orjson.dumps(NOT_REGISTERED)
     if not run.started:
@@ -100,12 +101,8 @@ def _next_batch(
         )
     lease.expire(conn, now)
     claimed = _claim(conn)
-    if claimed is None:
-        # Form under the run lock; another hub may have formed while we waited.
-        run = run_state(conn, lock=True)
+    if claimed is None and _form(conn, run, env_timeout):
         claimed = _claim(conn)
-        if claimed is None and run.registered and _form(conn, run, env_timeout):
-            claimed = _claim(conn)
     if claimed is None:
         return None
     stored = _stored(conn, claimed.group_ids)
