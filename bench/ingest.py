@@ -313,6 +313,8 @@ def load_arguments(doc: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--trace-kb", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=1,
+                        help='traces per request, as {"traces": [...]} (answered 207)')
     parser.add_argument("--db", choices=["sqlite", "postgresql"], default="sqlite")
     parser.add_argument("--database-url", default=os.environ.get("ATROPOS_TEST_DATABASE_URL"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
@@ -381,8 +383,6 @@ def missing(server: dict[str, object], ids: list[str]) -> int:
 def main() -> None:
     parser = load_arguments(__doc__)
     parser.add_argument("--hubs", type=int, default=1, help="hub processes sharing the load")
-    parser.add_argument("--batch", type=int, default=1,
-                        help='traces per request, as {"traces": [...]} (answered 207)')
     parser.add_argument("--no-minimal", action="store_true",
                         help="skip the minimal endpoint (no ratio)")
     parser.add_argument("--rounds", type=int, default=1,

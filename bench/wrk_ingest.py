@@ -8,6 +8,7 @@ checks that every trace answered 202 is in the database.
     python bench/wrk_ingest.py --db postgresql    # a fresh database on $ATROPOS_TEST_DATABASE_URL
     python bench/wrk_ingest.py --tree ../old      # the hub of another checkout (a before)
     python bench/wrk_ingest.py --against ../old   # both hubs at once, half the connections each
+    python bench/wrk_ingest.py --batch 100 --clients 8   # {"traces": [100 traces]} per request
 
 --against runs the two hubs side by side, each loaded by its own wrk with half the
 connections, over the same seconds: this machine's speed moves by tens of percent
@@ -71,6 +72,12 @@ function response(status, headers, body)
   if status == 202 then
     acked = acked + 1
     ids:write(body:match('"trace_id":"([^"]+)"'), "\n")
+  elseif status == 207 then  -- a batch: an item stored is its 202 answer, with its id
+    for id in body:gmatch('"trace_id":"([^"]+)"') do
+      acked = acked + 1
+      ids:write(id, "\n")
+    end
+    for _ in body:gmatch('"error":') do refused = refused + 1 end
   else
     refused = refused + 1
   end
@@ -139,8 +146,12 @@ def main() -> None:
     with _databases(args, len(trees)) as urls, tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         template = workdir / "trace.json"
-        template.write_text(json.dumps({"trace_id": "__ID__", **make_trace(args.trace_kb)}))
-        trace_kb = template.stat().st_size / 1000
+        trace = make_trace(args.trace_kb)
+        template.write_text(json.dumps(
+            {"trace_id": "__ID__", **trace} if args.batch == 1
+            else {"traces": [{"trace_id": f"__ID__-{i}", **trace} for i in range(args.batch)]}
+        ))
+        trace_kb = template.stat().st_size / 1000 / args.batch
         script = workdir / "ingest.lua"
         script.write_text(LUA)
         hubs = []
@@ -162,7 +173,7 @@ def main() -> None:
             after = [CpuTimes.of(p) for p in pids]
             lost = [missing(hub.server, ids) for hub, (_, ids) in zip(hubs, results, strict=True)]
     print(f"wrk ingest: {args.db}, {connections} connections per hub, "
-          f"{trace_kb:.1f} KB traces, {args.seconds:g} s"
+          f"{trace_kb:.1f} KB traces, {args.batch} per request, {args.seconds:g} s"
           + "".join(f", {s}" for s in args.set))
     per_trace = []
     for hub, (result, ids), cpu0, cpu1, gone in zip(

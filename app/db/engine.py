@@ -93,6 +93,11 @@ def create_thread_engine(engine: AsyncEngine) -> sa.Engine:
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cursor = dbapi_conn.cursor()
+    # 8 KB pages, PostgreSQL's size, for a database created now (an existing one keeps
+    # its own: in WAL mode it cannot change). A 5 KB trace's row (its item and its
+    # canonical trace, ~10 KB) wastes less of its last page: the file is 11% smaller
+    # (docs/decisions.md).
+    cursor.execute("PRAGMA page_size=8192")
     # WAL: readers never block the writer, and the API and workers can share the file.
     cursor.execute("PRAGMA journal_mode=WAL")
     # FULL: a commit is on disk before we acknowledge it (group commit pays the fsync
