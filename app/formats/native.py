@@ -24,7 +24,7 @@ Decisions:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from app.domain import Step, StepType, Trace
 from app.formats import _common as c
@@ -57,7 +57,8 @@ def looks_like(item: dict[str, Any]) -> bool:
 
 
 def parse(item: dict[str, Any]) -> Trace:
-    _known_keys(item, _TOP_KEYS, "", "a native trace")
+    if not item.keys() <= _TOP_KEYS:  # the common case, checked as one set operation
+        _refuse_unknown_key(item, _TOP_KEYS, "", "a native trace")
     env = c.envelope(item)
     task = c.req_str(item, "task")
     if not task.strip():
@@ -89,7 +90,8 @@ def export(trace: Trace) -> dict[str, Any]:
 def _step(raw: Any, i: int) -> c.StepDict:
     where = f"steps[{i}]"
     obj = c.as_dict(raw, where)
-    _known_keys(obj, _STEP_KEYS, where, "a step")
+    if not obj.keys() <= _STEP_KEYS:
+        _refuse_unknown_key(obj, _STEP_KEYS, where, "a step")
     kind = obj.get("type")
     if kind is None:
         c.fail(c.path(where, "type"), f"required; one of {_TYPES}")
@@ -99,18 +101,19 @@ def _step(raw: Any, i: int) -> c.StepDict:
     return reader(obj, where)
 
 
-def _known_keys(obj: dict[str, Any], known: frozenset[str], where: str, what: str) -> None:
-    if obj.keys() <= known:  # the common case, checked as one set operation
-        return
+def _refuse_unknown_key(
+    obj: dict[str, Any], known: frozenset[str], where: str, what: str
+) -> NoReturn:
     key = next(k for k in obj if k not in known)
     c.fail(c.path(where, key), f"unknown key; {what} has {', '.join(sorted(known))}"[:400])
 
 
-def _text_step(obj: dict[str, Any], where: str, kind: StepType) -> c.StepDict:
-    content = c.opt_str(obj, "content", where)
-    if kind is StepType.THOUGHT:
-        return c.thought(content or "")
-    return c.final(content or "")
+def _thought(obj: dict[str, Any], where: str) -> c.StepDict:
+    return c.thought(c.opt_str(obj, "content", where) or "")
+
+
+def _final(obj: dict[str, Any], where: str) -> c.StepDict:
+    return c.final(c.opt_str(obj, "content", where) or "")
 
 
 def _message(obj: dict[str, Any], where: str) -> c.StepDict:
@@ -136,17 +139,18 @@ def _observation(obj: dict[str, Any], where: str) -> c.StepDict:
         content = c.dumps(content, c.path(where, "content"))
     elif content is not None and not isinstance(content, str):
         c.fail(c.path(where, "content"), f"expected a string, got {c.type_name(content)}")
+    error = obj.get("error")
     return c.observation(
         c.opt_str(obj, "call_id", where),
         content,
-        c.error_text(obj.get("error"), c.path(where, "error")),
+        None if error is None else c.error_text(error, c.path(where, "error")),
         c.opt_exit_code(obj, "exit_code", where),
     )
 
 
 _READERS: dict[str, Callable[[dict[str, Any], str], c.StepDict]] = {
-    StepType.THOUGHT.value: lambda obj, where: _text_step(obj, where, StepType.THOUGHT),
-    StepType.FINAL.value: lambda obj, where: _text_step(obj, where, StepType.FINAL),
+    StepType.THOUGHT.value: _thought,
+    StepType.FINAL.value: _final,
     StepType.MESSAGE.value: _message,
     StepType.ACTION.value: _action,
     StepType.OBSERVATION.value: _observation,
