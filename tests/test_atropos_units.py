@@ -182,8 +182,11 @@ async def test_two_hubs_serving_batches_at_once_take_turns(trace_server: dict[st
             await forming.begin()
             await forming.run_sync(lambda c: run_state(c, lock=True))
 
+            serving_pid: list[int] = []
+
             async def serve() -> Any:
                 async with engine.begin() as conn:
+                    serving_pid.append(await conn.scalar(sa.text("SELECT pg_backend_pid()")))
                     return await conn.run_sync(
                         lambda c: _next_batch(c, False, lease_seconds=60, env_timeout=60)
                     )
@@ -191,8 +194,10 @@ async def test_two_hubs_serving_batches_at_once_take_turns(trace_server: dict[st
             serving = asyncio.create_task(serve())
 
             async def serving_waits() -> bool:
-                waiting = "SELECT count(*) FROM pg_locks WHERE NOT granted"
-                return bool(await watcher.scalar(sa.text(waiting)))
+                waiting = "SELECT count(*) FROM pg_locks WHERE NOT granted AND pid = :pid"
+                return bool(serving_pid) and bool(
+                    await watcher.scalar(sa.text(waiting), {"pid": serving_pid[0]})
+                )
 
             await wait_until_async(serving_waits, what="the serving hub to wait for a lock")
             await forming.run_sync(drop_served_groups)
