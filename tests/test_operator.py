@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from app.db import engine as db_engine
 from tests.support import REAL, ROOT
 from tests.support.builders import native_trace
 from tests.support.databases import (
@@ -326,6 +327,26 @@ def test_ctrl_c_on_import_then_export(tmp_path: Path) -> None:
     assert exported.returncode == 130, exported.stderr
     assert "Traceback" not in exported.stderr
     assert list(out.iterdir()) == []  # neither the temporary file nor a partial export
+
+
+@pytest.mark.skipif(not PG_ADMIN_URL, reason="no PostgreSQL: set ATROPOS_TEST_DATABASE_URL")
+@pytest.mark.parametrize("dialect", ["postgresql"])
+def test_connections_dropped_while_idle_cost_no_request(
+    start_hub: Any, trace_server: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PostgreSQL restarted while the hub sat idle: its pooled connections are gone.
+    A connection idle for IDLE_BEFORE_PING_SECONDS (here: any) is pinged before use
+    and replaced, so the next requests are answered as before, none with 503."""
+    monkeypatch.setattr(db_engine, "IDLE_BEFORE_PING_SECONDS", 0.0)
+    hub = start_hub(trace_server, "--no-workers")  # the requests alone use the pool
+    with hub.client() as client:
+        assert client.post("/v1/traces", json=native_trace(trace_id="before")).status_code == 202
+        allow_pg_connections(trace_server["database_url"], False)  # cut every connection
+        allow_pg_connections(trace_server["database_url"], True)
+        assert client.post("/v1/traces", json=native_trace(trace_id="after")).status_code == 202
+        assert [t["trace_id"] for t in client.get("/v1/traces").json()["traces"]] == [
+            "after", "before"
+        ]
 
 
 @pytest.mark.skipif(not PG_ADMIN_URL, reason="no PostgreSQL: set ATROPOS_TEST_DATABASE_URL")
