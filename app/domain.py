@@ -24,6 +24,11 @@ class StepType(StrEnum):
     FINAL = "final"
 
 
+# A member looked up once: StepType.ACTION is a descriptor call (~50 ns), made for every
+# step of every trace counted.
+_ACTION = StepType.ACTION
+
+
 class Status(StrEnum):
     """The task's outcome as the agent reported it."""
 
@@ -104,11 +109,6 @@ BATCH_TRANSITIONS: dict[BatchState, frozenset[BatchState]] = {
     BatchState.FAILED: frozenset({BatchState.PENDING}),
     BatchState.DELIVERED: frozenset(),
 }
-
-
-# A member looked up once: StepType.ACTION is a descriptor call (~50 ns), made for every
-# step of every trace counted.
-_ACTION = StepType.ACTION
 
 
 class Label(StrEnum):
