@@ -15,12 +15,19 @@ do not compare.
     python bench/ingest.py --batch 100           # {"traces": [100 traces]} per request
     python bench/ingest.py --db postgresql       # a fresh database on $ATROPOS_TEST_DATABASE_URL
     python bench/ingest.py --hubs 2 --no-minimal # two hubs on one database, each half the clients
+    python bench/ingest.py --against ../old --rounds 4   # this hub / another checkout's, in turns
 
 Figures measured on the development machine, before and after, and what they mean:
 docs/ingest.md. The clients run in this process (asyncio, one connection each) and use
 CPU of the same two cores: their own CPU per request is printed too. With --db postgresql the
 database server's CPU is not counted in the hub's figure; the minimal endpoint always
 writes SQLite.
+
+--against compares this checkout's hub with another's (a before) in place of the
+minimal endpoint: each round loads both, one after the other, with the same clients,
+each on a database of its own; the order alternates from round to round (AB, BA, ...),
+so that a machine that speeds up or slows down during the run favours neither, and the
+median ratio of the rounds is printed.
 """
 
 from __future__ import annotations
@@ -387,39 +394,47 @@ def main() -> None:
                         help="skip the minimal endpoint (no ratio)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="hub, minimal, hub, minimal...: the median ratio is printed")
+    parser.add_argument("--against", type=Path,
+                        help="another checkout whose hub is loaded in turn with this one's "
+                             "(in place of the minimal endpoint)")
     parser.add_argument("--no-rules", action="store_true",
                         help="no reward rules or filters: the cost of scoring, by difference")
     args = parser.parse_args()
+    if args.against and args.hubs != 1:
+        raise SystemExit("--against compares one hub with one hub")
     print(f"ingest: {args.db}, {args.hubs} hub(s), {args.clients} clients, "
           f"{len(Body(args.trace_kb, 1).template) / 1000:.1f} KB traces, "
           f"{args.batch} per request, {args.seconds:.0f} s"
           + "".join(f", {s}" for s in args.set), flush=True)
     ratios, lost = [], 0
     gauge = machine_gauge()
-    with _database(args) as url:
-        if url is not None:
-            args.database_url = url
-        for _ in range(args.rounds):
-            with tempfile.TemporaryDirectory() as tmp:
-                results, lost_now = hub_round(args, Path(tmp))
-                lost += lost_now
-                total = sum(r.acked_per_s for r in results)
-                for n, r in enumerate(results):
-                    print(r.line(f"hub {n}"))
-                if args.hubs > 1:
-                    print(f"  hubs total: {total:.0f} acked traces/s")
-                print(f"  acknowledged but not in the database: {lost_now}", flush=True)
-                if args.no_minimal:
-                    continue
-                minimal = minimal_round(args, Path(tmp))
-                print(minimal.line("minimal endpoint"))
-                cpu = sum(r.cpu_ms_per_trace * r.acked_per_s for r in results) / total
-                ratios.append((total / minimal.acked_per_s, cpu / minimal.cpu_ms_per_trace))
-                print(f"  hub / minimal: {ratios[-1][0]:.2f}x the rate, "
-                      f"{ratios[-1][1]:.2f}x the CPU per trace", flush=True)
+    for round_ in range(args.rounds):
+        if args.against:
+            ratio, lost_now = against_round(args, this_first=round_ % 2 == 0)
+            ratios.append(ratio)
+            lost += lost_now
+            continue
+        with _database(args) as on, tempfile.TemporaryDirectory() as tmp:
+            results, lost_now = hub_round(on, Path(tmp))
+            lost += lost_now
+            total = sum(r.acked_per_s for r in results)
+            for n, r in enumerate(results):
+                print(r.line(f"hub {n}"))
+            if args.hubs > 1:
+                print(f"  hubs total: {total:.0f} acked traces/s")
+            print(f"  acknowledged but not in the database: {lost_now}", flush=True)
+            if args.no_minimal:
+                continue
+            minimal = minimal_round(on, Path(tmp))
+            print(minimal.line("minimal endpoint"))
+            cpu = sum(r.cpu_ms_per_trace * r.acked_per_s for r in results) / total
+            ratios.append((total / minimal.acked_per_s, cpu / minimal.cpu_ms_per_trace))
+            print(f"  hub / minimal: {ratios[-1][0]:.2f}x the rate, "
+                  f"{ratios[-1][1]:.2f}x the CPU per trace", flush=True)
     print(gauge_line(gauge, machine_gauge()))
     if len(ratios) > 1:
-        print(f"  median of {len(ratios)} rounds: hub / minimal "
+        print(f"  median of {len(ratios)} rounds: "
+              f"{'this / other' if args.against else 'hub / minimal'} "
               f"{statistics.median(r for r, _ in ratios):.2f}x the rate, "
               f"{statistics.median(c for _, c in ratios):.2f}x the CPU per trace")
     print("reproduce: python bench/ingest.py " + " ".join(sys.argv[1:]))
@@ -427,9 +442,10 @@ def main() -> None:
         raise SystemExit(f"{lost} acknowledged traces are not in the database")
 
 
-def hub_round(args: argparse.Namespace, workdir: Path) -> tuple[list[Figures], int]:
-    """--hubs hubs on one database under load; their figures and how many of the traces
-    they acknowledged are not in the database."""
+def hub_round(args: argparse.Namespace, workdir: Path,
+              tree: Path = ROOT) -> tuple[list[Figures], int]:
+    """--hubs hubs of the checkout `tree` on one database under load; their figures and
+    how many of the traces they acknowledged are not in the database."""
     server = trace_server(args, workdir)
     hubs = []
     for n in range(args.hubs):
@@ -437,7 +453,7 @@ def hub_round(args: argparse.Namespace, workdir: Path) -> tuple[list[Figures], i
         config: dict[str, object] = {"trace_server": server}
         if args.no_rules:
             config["environment"] = {"reward_rules": {}, "invalid_trace_filters": []}
-        hubs.append(start_hub(config, workdir / str(n)))
+        hubs.append(start_hub(config, workdir / str(n), tree))
     with running([proc for proc, _ in hubs]):
         per_hub = args.clients // len(hubs)
 
@@ -451,6 +467,28 @@ def hub_round(args: argparse.Namespace, workdir: Path) -> tuple[list[Figures], i
     return results, missing(server, [i for r in results for i in r.acked])
 
 
+def against_round(args: argparse.Namespace,
+                  this_first: bool) -> tuple[tuple[float, float], int]:
+    """This checkout's hub and --against's, one after the other (this one first or
+    last): the ratios of their rates and CPU per trace, and how many acknowledged traces
+    are not in the databases."""
+    trees = [ROOT, args.against.resolve()]
+    figures, lost = {}, 0
+    for tree in trees if this_first else trees[::-1]:
+        # A database each: the other checkout's migrations may differ.
+        with _database(args) as on, tempfile.TemporaryDirectory() as tmp:
+            (figures[tree],), lost_now = hub_round(on, Path(tmp), tree)
+        lost += lost_now
+        print(figures[tree].line(f"hub of {tree}"))
+        print(f"    acknowledged but not in the database: {lost_now}", flush=True)
+    this, other = (figures[tree] for tree in trees)
+    ratio = (this.acked_per_s / other.acked_per_s,
+             this.cpu_ms_per_trace / other.cpu_ms_per_trace)
+    print(f"  this / other: {ratio[0]:.2f}x the rate, {ratio[1]:.2f}x the CPU per trace",
+          flush=True)
+    return ratio, lost
+
+
 def minimal_round(args: argparse.Namespace, workdir: Path) -> Figures:
     path = "/v1/traces" if args.batch == 1 else "/v1/traces/batch"
     proc, port = start_minimal(workdir / "minimal.db")
@@ -460,16 +498,15 @@ def minimal_round(args: argparse.Namespace, workdir: Path) -> Figures:
 
 
 @contextmanager
-def _database(args: argparse.Namespace) -> Iterator[str | None]:
-    """--db postgresql: a fresh database for this run (--database-url names the server)."""
+def _database(args: argparse.Namespace) -> Iterator[argparse.Namespace]:
+    """`args`, with --db postgresql on a fresh database (--database-url names the server)."""
     if args.db != "postgresql":
-        yield None
+        yield args
         return
     if not args.database_url:
         raise SystemExit("--db postgresql needs --database-url (or ATROPOS_TEST_DATABASE_URL)")
     with fresh_pg_database(args.database_url) as url:
-        yield url
-
+        yield argparse.Namespace(**{**vars(args), "database_url": url})
 
 if __name__ == "__main__":
     main()

@@ -143,7 +143,7 @@ def main() -> None:
     trees = [args.tree.resolve()] + ([args.against.resolve()] if args.against else [])
     connections = args.clients // len(trees)
     gauge = machine_gauge()
-    with _databases(args, len(trees)) as urls, tempfile.TemporaryDirectory() as tmp:
+    with _databases(args, len(trees)) as ons, tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         template = workdir / "trace.json"
         trace = make_trace(args.trace_kb)
@@ -155,11 +155,9 @@ def main() -> None:
         script = workdir / "ingest.lua"
         script.write_text(LUA)
         hubs = []
-        for n, (tree, url) in enumerate(zip(trees, urls, strict=True)):
-            if url is not None:
-                args.database_url = url
+        for n, (tree, on) in enumerate(zip(trees, ons, strict=True)):
             (workdir / str(n)).mkdir()
-            server = trace_server(args, workdir / str(n))
+            server = trace_server(on, workdir / str(n))
             proc, port = start_hub({"trace_server": server}, workdir / str(n), tree)
             hubs.append(Hub(tree, server, proc, port))
         with running([hub.proc for hub in hubs]):
@@ -198,8 +196,9 @@ def main() -> None:
 
 
 @contextmanager
-def _databases(args: argparse.Namespace, n: int) -> Iterator[list[str | None]]:
-    """A database per hub: on PostgreSQL a fresh one each (bench/ingest.py's _database)."""
+def _databases(args: argparse.Namespace, n: int) -> Iterator[list[argparse.Namespace]]:
+    """`args` for each hub: on PostgreSQL each with a fresh database (bench/ingest.py's
+    _database)."""
     with ExitStack() as stack:
         yield [stack.enter_context(_database(args)) for _ in range(n)]
 
