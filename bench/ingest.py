@@ -16,6 +16,7 @@ do not compare.
     python bench/ingest.py --db postgresql       # a fresh database on $ATROPOS_TEST_DATABASE_URL
     python bench/ingest.py --hubs 2 --no-minimal # two hubs on one database, each half the clients
     python bench/ingest.py --against ../old --rounds 4   # this hub / another checkout's, in turns
+    python bench/ingest.py --db postgresql --hubs 2 --hub-cores 0.5   # scale-out, see below
 
 Figures measured on the development machine, before and after, and what they mean:
 docs/ingest.md. The clients run in this process (asyncio, one connection each) and use
@@ -28,6 +29,13 @@ minimal endpoint: each round loads both, one after the other, with the same clie
 each on a database of its own; the order alternates from round to round (AB, BA, ...),
 so that a machine that speeds up or slows down during the run favours neither, and the
 median ratio of the rounds is printed.
+
+--hub-cores C holds each hub's processes to C cores between them (a cgroup's CPU quota;
+needs root). On a machine of two cores one hub already keeps both busy, with the
+database server and the clients, so a second hub can only share them; with each hub
+held to less than its share, `--hubs 2` against `--hubs 1` measures what a second hub
+adds where cores are not the limit: how much the hubs get in each other's way on one
+database.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -235,24 +243,32 @@ class CpuTimes:
 
 def tree_cpu(pids: list[int], *, descendants: bool = True) -> float:
     """CPU seconds (user + system) used so far by `pids` and all their descendants."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
+    processes = _processes()
+    counted = set(pids) | ({d for pid in pids for d in _descendants(pid, processes)}
+                           if descendants else set())
+    return sum(processes[pid][1] for pid in counted if pid in processes)
+
+
+def _processes() -> dict[int, tuple[int, float]]:
+    """Every process: its parent's pid and the CPU seconds it has used."""
+    processes = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             parent, cpu = _stat_cpu(f"/proc/{entry}/stat")
             if parent >= 0:
-                parents[int(entry)], times[int(entry)] = parent, cpu
-    total, todo = 0.0, list(pids)
-    seen: set[int] = set()
+                processes[int(entry)] = (parent, cpu)
+    return processes
+
+
+def _descendants(pid: int, processes: dict[int, tuple[int, float]]) -> list[int]:
+    """The processes `pid` started, and theirs."""
+    found, todo = [], [pid]
     while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        total += times.get(pid, 0.0)
-        if descendants:
-            todo += [child for child, parent in parents.items() if parent == pid]
-    return total
+        parent = todo.pop()
+        children = [child for child, (p, _) in processes.items() if p == parent]
+        found += children
+        todo += children
+    return found
 
 
 def _stat_cpu(path: str) -> tuple[int, float]:
@@ -292,6 +308,35 @@ def start_hub(config: dict[str, object], workdir: Path,
         stderr=subprocess.PIPE, text=True,
     )
     return proc, _started(proc, "the hub")
+
+
+def hold_to_cores(pid: int, cores: float) -> None:
+    """Hold the process `pid` and its descendants (those it starts later too) to
+    `cores` CPUs between them: a cgroup of its own with a CPU quota, cgroup v1 or v2.
+    The period is short (10 ms), so that the quota throttles in small steps."""
+    period = 10_000  # µs
+    quota = max(1_000, round(cores * period))
+    v1, v2 = Path("/sys/fs/cgroup/cpu"), Path("/sys/fs/cgroup")
+    for old in [*v1.glob("atropos-bench-*"), *v2.glob("atropos-bench-*")]:
+        with suppress(OSError):  # an earlier run's, empty once its hub is gone
+            old.rmdir()
+    try:
+        if (v1 / "cpu.cfs_quota_us").exists():
+            group = v1 / f"atropos-bench-{pid}"
+            group.mkdir(exist_ok=True)
+            (group / "cpu.cfs_period_us").write_text(str(period))
+            (group / "cpu.cfs_quota_us").write_text(str(quota))
+        elif "cpu" in (v2 / "cgroup.controllers").read_text().split():
+            group = v2 / f"atropos-bench-{pid}"
+            group.mkdir(exist_ok=True)
+            (group / "cpu.max").write_text(f"{quota} {period}")
+        else:
+            raise OSError("no cgroup CPU controller")
+        for each in [pid, *_descendants(pid, _processes())]:
+            (group / "cgroup.procs").write_text(str(each))
+    except OSError as exc:
+        raise SystemExit(
+            f"--hub-cores needs a writable cgroup CPU controller (root): {exc}") from None
 
 
 def start_minimal(db_path: Path) -> tuple[subprocess.Popen[str], int]:
@@ -397,6 +442,8 @@ def main() -> None:
     parser.add_argument("--against", type=Path,
                         help="another checkout whose hub is loaded in turn with this one's "
                              "(in place of the minimal endpoint)")
+    parser.add_argument("--hub-cores", type=float,
+                        help="hold each hub's processes to this many cores (root)")
     parser.add_argument("--no-rules", action="store_true",
                         help="no reward rules or filters: the cost of scoring, by difference")
     args = parser.parse_args()
@@ -454,6 +501,8 @@ def hub_round(args: argparse.Namespace, workdir: Path,
         if args.no_rules:
             config["environment"] = {"reward_rules": {}, "invalid_trace_filters": []}
         hubs.append(start_hub(config, workdir / str(n), tree))
+        if args.hub_cores:
+            hold_to_cores(hubs[-1][0].pid, args.hub_cores)
     with running([proc for proc, _ in hubs]):
         per_hub = args.clients // len(hubs)
 
