@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app.config import load_compression, load_config, load_tinker
+from app.config import RetryPolicy, load_compression, load_config, load_tinker
 from app.errors import ConfigError
 from app.targets.http import HttpTargetConfig
 from app.targets.jsonl import JsonlTargetConfig
@@ -162,6 +162,24 @@ def test_retry_policies_and_the_older_delivery_keys(
     compression.write_text(json.dumps({"compression": {"retry": {"max_attempts": 5}}}))
     retry = load_compression(compression).compression.retry
     assert (retry.max_attempts, retry.base_seconds, retry.max_seconds, retry.jitter) == (5, 5, 60, 0)
+
+
+def test_the_model_client_retries_by_the_same_policy_and_reads_its_older_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "tinker.json"
+    path.write_text(json.dumps({"tinker": {}}))
+    retry = load_tinker(path).tinker.retry
+    assert isinstance(retry, RetryPolicy)
+    assert (retry.max_attempts, retry.base_seconds, retry.max_seconds, retry.jitter) == (4, 1, 30, 0.5)
+    # max_retries counted the retries only: 2 of them are 3 attempts.
+    path.write_text(json.dumps({"tinker": {"max_retries": 2, "retry_base_delay_seconds": 0.5}}))
+    monkeypatch.setenv("ATROPOS_TINKER__RETRY_MAX_DELAY_SECONDS", "8")
+    retry = load_tinker(path).tinker.retry
+    assert (retry.max_attempts, retry.base_seconds, retry.max_seconds) == (3, 0.5, 8)
+    path.write_text(json.dumps({"tinker": {"max_retries": 2, "retry": {"max_attempts": 5}}}))
+    with pytest.raises(ConfigError, match=r"max_retries and retry.max_attempts both set"):
+        load_tinker(path)
 
 
 def test_api_key_is_read_from_the_named_variable_and_stripped(
