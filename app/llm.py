@@ -6,7 +6,7 @@ retries and errors.
 Errors, translated from httpx and HTTP statuses here and nowhere else. Each message
 says what to do about it; none carries the key (the variable is named, its value never).
 
-LLMError
+LLMError (an app.errors.ServiceError)
  ├── KeyMissing           the variable named by api_key_env is unset or empty
  ├── KeyRejected          401/403: the endpoint refused the key
  ├── WrongURL             404: nothing answers at the URL used (or not for that model)
@@ -32,6 +32,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from app.config import RetryPolicy, TinkerConfig
+from app.errors import ServiceError
 
 __all__ = [
     "BadResponse",
@@ -60,7 +61,7 @@ _VERSION = re.compile(r"v\d+(?:(?:alpha|beta)\d*)?", re.IGNORECASE)
 _BODY_SHOWN = 200
 
 
-class LLMError(Exception):
+class LLMError(ServiceError):
     """A model call that failed; `url` is the URL used, `status` the HTTP status if any."""
 
     def __init__(self, message: str, *, url: str, status: int | None = None):
@@ -270,6 +271,10 @@ class _Call:
             if self.proxy_var and isinstance(exc, httpx.ConnectError):
                 raise self._proxy_failed(_transport_detail(exc)) from None
             return _Retry(f"cannot reach it ({_transport_detail(exc)})")
+        except httpx.HTTPError as exc:  # an undecodable body, a redirect loop
+            raise BadResponse(
+                f"{method} {shown(self.url)} failed: {_transport_detail(exc)}", url=self.url
+            ) from None
         return self._answer(response)
 
     def _answer(self, response: httpx.Response) -> httpx.Response | _Retry:
@@ -394,7 +399,7 @@ def proxy_var(url: str) -> str | None:
     return None
 
 
-def _transport_detail(exc: httpx.TransportError) -> str:
+def _transport_detail(exc: httpx.HTTPError) -> str:
     # The text can name a proxy URL, and proxy URLs can carry user:password.
     text = re.sub(r"//[^/@\s]+@", "//***@", str(exc))
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -21,6 +21,7 @@ import orjson
 from app import files
 from app.config import DistributorConfig, HomePath
 from app.db.types import utcnow
+from app.errors import DeliveryError
 from app.targets.base import Batch, Resources, SaveReceipt, TargetSpec
 
 MANIFEST = "manifest.jsonl"
@@ -41,7 +42,10 @@ class JsonlTarget:
 
     async def deliver(self, batch: Batch, save: SaveReceipt) -> dict[str, Any]:
         # Serialising and fsyncing is blocking work: off the event loop.
-        return await asyncio.to_thread(self._write, batch)
+        try:
+            return await asyncio.to_thread(self._write, batch)
+        except OSError as exc:  # a full disk, a directory we may not write
+            raise DeliveryError(f"writing batch {batch.batch_id} to {self._dir}: {exc}") from exc
 
     def _write(self, batch: Batch) -> dict[str, Any]:
         files.make_dir(self._dir)

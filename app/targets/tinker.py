@@ -12,6 +12,7 @@ from typing import Any, Literal, TypeGuard
 import httpx
 
 from app.config import DistributorConfig, TinkerConfig
+from app.errors import DeliveryError
 from app.targets.base import Batch, BatchItem, Resources, SaveReceipt, TargetSpec
 from app.training import Backend, Example, TrainerLog, TrainingRun, backend_for, run
 
@@ -34,7 +35,11 @@ class TinkerTarget:
 
     async def deliver(self, batch: Batch, save: SaveReceipt) -> dict[str, Any]:
         examples = [_example(item, record) for item, record in batch.records("openai")]
-        with TrainerLog(self._tinker.logs_dir, batch.batch_id) as log:
+        try:
+            log = TrainerLog(self._tinker.logs_dir, batch.batch_id)
+        except OSError as exc:
+            raise DeliveryError(f"cannot open the trainer log in tinker.logs_dir: {exc}") from exc
+        with log:
             job = TrainingRun(examples, batch.batch_id, dict(batch.receipt), save, log)
             return await run(self._backend, job, http=self._http, tinker=self._tinker)
 
