@@ -225,11 +225,11 @@ def test_dpo_pairs_from_the_tau_bench_runs(corpus_config: Path, tmp_path: Path) 
 
 
 def test_preference_pairs_take_the_clearest_first() -> None:
-    runs = [dataset.Run(f"r{i}", "task", reward) for i, reward in enumerate([0, 1, 5, 9, 9.5])]
+    runs = [dataset.Attempt(f"r{i}", "task", reward) for i, reward in enumerate([0, 1, 5, 9, 9.5])]
     pairs = dataset.preference_pairs(runs, margin=1.0, max_per_run=1)
     assert [(a.trace_id, b.trace_id) for a, b in pairs] == [("r4", "r0"), ("r3", "r1")]
     assert dataset.preference_pairs(runs, margin=10, max_per_run=1) == []
-    other = [*runs, dataset.Run("x", "other", 0.0)]
+    other = [*runs, dataset.Attempt("x", "other", 0.0)]
     assert len(dataset.preference_pairs(other, margin=1.0, max_per_run=3)) == 7
 
 

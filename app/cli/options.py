@@ -17,14 +17,14 @@ from app.durations import parse_duration
 from app.errors import ConfigError
 from app.hub import Settings
 
-Run = Callable[[argparse.Namespace], Awaitable[int]]
+CommandHandler = Callable[[argparse.Namespace], Awaitable[int]]
 Commands = argparse._SubParsersAction  # the subparsers of `atropos` or of a group
 
 
 def command(
     commands: Commands[argparse.ArgumentParser],
     name: str,
-    run: Run,
+    run: CommandHandler,
     *,
     example: str,
     config: str | None = "config.json",

@@ -28,12 +28,12 @@ _long_counts: dict[int, int] = {}
 _lock = threading.Lock()
 
 
-class Tokenizer(Protocol):
+class TokenCounter(Protocol):
     def count(self, text: str) -> int: ...
 
 
 @cache
-def encoding() -> Tokenizer:
+def encoding() -> TokenCounter:
     """cl100k_base, loaded once per process (~0.2 s; the ingest processes' fork server
     loads it for all of them)."""
     try:
@@ -41,7 +41,7 @@ def encoding() -> Tokenizer:
         # call (measured), more than counting a 5 KB trace's text (~9 µs).
         from toktok._toktok import Tokenizer as Toktok
 
-        return cast(Tokenizer, Toktok("cl100k_base", ""))
+        return cast(TokenCounter, Toktok("cl100k_base", ""))
     except Exception as exc:  # an import error, or an extension that does not load
         raise StartupError(
             f"The cl100k_base tokenizer could not be loaded ({type(exc).__name__}: {exc}): "
