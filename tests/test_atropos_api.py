@@ -121,6 +121,7 @@ def restart(hub: HubProcess, client: httpx.Client) -> httpx.Client:
 # --- handshake ------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_handshake_killed_at_each_step(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -180,6 +181,7 @@ def test_status_env_needs_a_registered_env(api: httpx.Client) -> None:
 # --- batching -------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_first_batch_forms_every_batch_then_serves_one_per_call(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -226,6 +228,7 @@ def test_weights_and_minimum_allocation(api: httpx.Client) -> None:
     assert api.get("/status").json() == {"current_step": 1, "queue_size": 4}
 
 
+@pytest.mark.process
 def test_a_dead_env_stops_holding_batches_back(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -335,6 +338,7 @@ def test_inference_logprobs_are_served_as_sent(api: httpx.Client) -> None:
     assert served[0]["inference_logprobs"] is None
 
 
+@pytest.mark.process
 def test_missing_logprobs_are_filled_when_asked(
     start_hub: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -377,6 +381,7 @@ def test_latest_example_is_the_group_as_sent(api: httpx.Client) -> None:
 # --- the ack lease --------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_ack_lease_and_redelivery(start_hub_process: Any, trace_server: dict[str, Any]) -> None:
     hub: HubProcess = start_hub_process(trace_server, atropos={"ack_timeout_seconds": 0.5})
     client = hub.client()
@@ -547,6 +552,7 @@ def test_with_auth_on_reset_takes_an_admin_key_and_the_rest_stays_open(
         hub.stop()
 
 
+@pytest.mark.process
 def test_with_require_key_envs_need_ingest_and_trainers_train(tmp_path: Path) -> None:
     """With auth on, anyone who reached the port could inject groups, take batches
     (which removes them) or read /latest_example (issue 17). atropos.require_key
@@ -607,6 +613,7 @@ def test_with_require_key_envs_need_ingest_and_trainers_train(tmp_path: Path) ->
         hub.kill()
 
 
+@pytest.mark.process
 def test_require_key_without_auth_stops_start_up(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"db_path": str(tmp_path / "hub.db")},
                           atropos={"require_key": True})
@@ -625,6 +632,8 @@ def test_the_queue_is_bounded_in_bytes_by_default() -> None:
 # --- durability and concurrency under load ---------------------------------------------
 
 
+@pytest.mark.process
+@pytest.mark.soak
 def test_kill_9_under_load_loses_no_group_and_acks_each_once(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -699,6 +708,8 @@ def test_kill_9_under_load_loses_no_group_and_acks_each_once(
     assert all(n == 1 or m in unacked for m, n in delivered.items())
 
 
+@pytest.mark.process
+@pytest.mark.soak
 def test_two_hubs_on_one_database_serve_each_group_once(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:

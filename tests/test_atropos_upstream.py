@@ -35,6 +35,8 @@ from tests.support.atroposlib import RegistryUnreachable, install_atroposlib, st
 from tests.support.hubs import InProcessHub
 from tests.support.waiting import wait_until
 
+pytestmark = [pytest.mark.process, pytest.mark.framework]
+
 
 @pytest.fixture(scope="session")
 def atroposlib_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

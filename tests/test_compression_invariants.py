@@ -81,6 +81,7 @@ async def _compress_all(
     return done, broken
 
 
+@pytest.mark.corpus
 @pytest.mark.parametrize("policy", EXTRACT.values(), ids=EXTRACT.keys())
 async def test_key_decision_extract_keeps_every_invariant_on_the_real_corpus(
     corpus: list[tuple[str, Trace]], policy: CompressionConfig
@@ -95,6 +96,7 @@ async def test_key_decision_extract_keeps_every_invariant_on_the_real_corpus(
         assert removed["system_prompt"] > 0
 
 
+@pytest.mark.corpus
 @pytest.mark.parametrize("policy", SUMMARIZE.values(), ids=SUMMARIZE.keys())
 async def test_summarize_middle_keeps_every_invariant_on_the_real_corpus(
     corpus: list[tuple[str, Trace]], policy: CompressionConfig, summarizer: ModelSummarizer

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import sqlalchemy as sa
 
 from app.db.models import TRACES
@@ -115,6 +116,7 @@ def test_traces_over_max_tokens_are_compressed_even_when_disabled(
     assert "disabled" in records["small"]["compression"]["skipped"]
 
 
+@pytest.mark.process
 def test_kill_9_during_the_stage_compresses_every_trace_once(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -275,6 +277,7 @@ def test_a_hanging_model_holds_up_no_trace_that_does_not_need_it(
             "accepted"}  # still with the model
 
 
+@pytest.mark.process
 def test_model_calls_run_concurrently_up_to_the_bound(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
     model_root: str, monkeypatch: Any,
@@ -293,6 +296,7 @@ def test_model_calls_run_concurrently_up_to_the_bound(
     assert fake_model.most_in_flight == 3
 
 
+@pytest.mark.process
 def test_a_model_slower_than_the_lease_summarizes_each_trace_once(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
     model_root: str, monkeypatch: Any,

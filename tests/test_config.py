@@ -17,6 +17,7 @@ from tests.support import ROOT
 from tests.support.processes import run_cli
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "content, expected",
     [
@@ -48,6 +49,7 @@ def test_bad_config_stops_start_up_with_one_line(
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.process
 def test_no_tokenizer_stops_start_up_with_one_line(tmp_path: Path) -> None:
     """The tokenizer cannot load (as with the toktok-rs package missing or broken):
     serve says so in one sentence and stops. (It loads once the server answers, so that
@@ -73,6 +75,7 @@ def test_no_tokenizer_stops_start_up_with_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.process
 def test_missing_files_name_the_file(tmp_path: Path) -> None:
     good = tmp_path / "config.json"
     good.write_text("{}")
@@ -191,6 +194,7 @@ def test_api_key_is_read_from_the_named_variable_and_stripped(
     assert load_tinker(path).tinker.api_key() == "sk-test-123"
 
 
+@pytest.mark.process
 def test_db_upgrade_creates_a_fresh_database(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"trace_server": {"db_path": str(tmp_path / "new" / "t.db")}}))

@@ -41,6 +41,7 @@ def batches(client: httpx.Client) -> list[dict[str, Any]]:
     return listed
 
 
+@pytest.mark.process
 async def test_kill_9_mid_delivery_redelivers_with_the_same_key(
     start_hub: Any, trace_server: dict[str, Any], trainer: tuple[FakeTrainer, str]
 ) -> None:
@@ -100,6 +101,7 @@ async def test_a_trainer_that_fails_twice_then_succeeds(
     assert "retrying in" in hub.log
 
 
+@pytest.mark.process
 async def test_a_target_that_keeps_failing_ends_failed_and_can_be_retried(
     start_hub: Any, trace_server: dict[str, Any], trainer: tuple[FakeTrainer, str]
 ) -> None:

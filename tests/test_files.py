@@ -39,6 +39,7 @@ def _modes(root: Path) -> dict[str, tuple[int, int]]:
     return found
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("group", [None, "daemon"])
 def test_every_file_the_hub_creates_is_private(
     tmp_path: Path, loose_umask: None, group: str | None
@@ -87,6 +88,7 @@ def test_every_file_the_hub_creates_is_private(
     assert modes["./"][0] == dir_mode
 
 
+@pytest.mark.process
 def test_export_writes_through_a_random_name_and_never_a_link(
     start_hub: Any, tmp_path: Path
 ) -> None:

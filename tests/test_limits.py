@@ -104,6 +104,7 @@ def _kb(pid: int, field: str) -> int:
     raise AssertionError(f"no {field} for {pid}")
 
 
+@pytest.mark.process
 def test_item_count_bombs_are_refused_before_anything_is_built(
     start_hub_process: Any, tmp_path: Path
 ) -> None:

@@ -136,6 +136,7 @@ def test_everything_off_stores_as_sent() -> None:
     assert redactor.redact({"x": ENV_DUMP}) == ({"x": ENV_DUMP}, {})
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("pattern", ["(unclosed", "a(?=b)", ""])
 def test_a_bad_extra_pattern_is_a_one_line_config_error(tmp_path: Path, pattern: str) -> None:
     config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")},
@@ -186,6 +187,7 @@ def _group() -> dict[str, Any]:
     }
 
 
+@pytest.mark.process
 def test_no_path_stores_a_secret(start_hub: Any, tmp_path: Path) -> None:
     db = tmp_path / "traces.db"
     trace_server = {"storage_backend": "sqlite", "db_path": str(db)}

@@ -6,9 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.support.builders import native_trace
 from tests.support.hubs import write_config
 from tests.support.processes import run_cli
+
+pytestmark = pytest.mark.process
 
 
 def test_rescore_applies_new_rules_and_filters(

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.support.builders import native_trace
 from tests.support.databases import make_api_key
@@ -64,6 +65,7 @@ def test_a_review_is_kept_shown_and_filtered(client: httpx.Client) -> None:
     assert client.get("/v1/traces", params={"label": "great"}).status_code == 422
 
 
+@pytest.mark.process
 async def test_bad_is_never_batched_and_an_override_is_the_reward(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -26,6 +26,8 @@ from tests.support.runs import (
     wait_status,
 )
 
+pytestmark = pytest.mark.process
+
 
 def test_runs_are_refused_unless_enabled(runs_env: RunsEnv) -> None:
     hub = runs_env.hub(enabled=False)

@@ -25,7 +25,11 @@ from tests.support.waiting import wait_until
 TRACES = 3_000
 BATCH = 25
 
-pytestmark = pytest.mark.skipif(not PG_ADMIN_URL, reason="needs PostgreSQL")
+pytestmark = [
+    pytest.mark.process,
+    pytest.mark.soak,
+    pytest.mark.skipif(not PG_ADMIN_URL, reason="needs PostgreSQL"),
+]
 
 
 @pytest.fixture

@@ -30,6 +30,8 @@ if not CHROMIUM.exists():  # .ci/run installs it; a developer without it skips t
 
 from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402
 
+pytestmark = pytest.mark.process
+
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SHOTS = ROOT / "artifacts" / "ui"
