@@ -30,7 +30,7 @@ def bearer(key: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def secured(start_hub: Any, trace_server: dict[str, Any]) -> tuple[InProcessHub, dict[str, str]]:
+def secured(start_hub: Any, trace_server: dict[str, Any]) -> tuple[InProcessHub, dict[Scope, str]]:
     hub = start_hub(trace_server, auth=AUTH)
     keys = {scope: make_key(trace_server, scope, name=f"{scope}-key") for scope in Scope}
     return hub, keys

@@ -276,7 +276,7 @@ def atroposlib_utils(atroposlib_dir: Path) -> ModuleType:
 def test_batch_formation_matches_atroposlib(atroposlib_utils: ModuleType) -> None:
     rnd = random.Random(7)
     for _ in range(3000):
-        envs = [
+        envs: list[dict[str, Any]] = [
             {
                 "registered_id": e,
                 "connected": rnd.random() < 0.8,

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -13,7 +14,7 @@ from app.compression.compress import _budget
 from app.compression.extract import _dedup, key_decision_extract, shape
 from app.compression.ledger import Budget, Ledger, is_error
 from app.compression.summarize import PREFIX, _span, _turns
-from app.config import CompressionConfig, TinkerConfig
+from app.config import CompressionConfig, ModelRetry, TinkerConfig
 from app.domain import Step, StepType, Trace
 from app.ingest.tokens import count_parts
 from tests.support.fakes.model_server import FakeModel
@@ -138,7 +139,7 @@ async def test_long_outputs_are_cut_to_head_and_tail_with_a_marker() -> None:
 
 async def test_tighter_passes_then_over_limit() -> None:
     trace = load(OPENHANDS[0])  # an error streak: mostly preserved
-    drop = ["intermediate_thoughts", "repeated_observations", "redundant_tool_outputs",
+    drop: list[Any] = ["intermediate_thoughts", "repeated_observations", "redundant_tool_outputs",
             "system_prompt"]
     result = await compressed(
         trace, CompressionConfig(ratio=0.5, max_tokens_after=3000, drop_fields=drop)
@@ -269,8 +270,7 @@ async def summarizer(model_server: tuple[FakeModel, str]) -> AsyncIterator[Model
         base_url=f"{model_server[1]}/v1",
         api_key_env=KEY_ENV,
         model_id="fake/summarizer",
-        max_retries=1,
-        retry_base_delay_seconds=0.001,
+        retry=ModelRetry(max_attempts=2, base_seconds=0.001),
     )
     async with httpx.AsyncClient() as client:
         yield ModelSummarizer(client, tinker)

@@ -20,7 +20,7 @@ from app.compression.invariants import (
     violations,
 )
 from app.compression.ledger import Ledger
-from app.config import CompressionConfig, TinkerConfig
+from app.config import CompressionConfig, ModelRetry, TinkerConfig
 from app.domain import Step, StepType, Trace
 from app.import_sources import Parsed, read_path
 from app.ingest.tokens import count_parts
@@ -58,7 +58,7 @@ async def summarizer(
 ) -> AsyncIterator[ModelSummarizer]:
     monkeypatch.setenv(KEY_ENV, FakeModel.key)
     tinker = TinkerConfig(base_url=f"{model_root}/v1", api_key_env=KEY_ENV,
-                          model_id="fake/summarizer", max_retries=0)
+                          model_id="fake/summarizer", retry=ModelRetry(max_attempts=1))
     async with httpx.AsyncClient() as client:
         yield ModelSummarizer(client, tinker)
 

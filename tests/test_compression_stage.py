@@ -27,7 +27,7 @@ from tests.support.waiting import wait_until
 DONE = {"compressed", "compression_skipped", "compression_failed"}
 # Some real runs are rejected by the default filters (error streaks); these tests are
 # about compression, so every trace is let through.
-ACCEPT_ALL = {"invalid_trace_filters": []}
+ACCEPT_ALL: dict[str, Any] = {"invalid_trace_filters": []}
 # The distribution stage moves traces on (below_threshold, batched); these tests look
 # at compression, so no trace is ever below the threshold or in a full batch.
 NO_BATCHES = {"min_reward_threshold": -1e9, "batch_size": 100_000}

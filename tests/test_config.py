@@ -163,8 +163,8 @@ def test_retry_policies_and_the_older_delivery_keys(
 
     compression = tmp_path / "compression.json"
     compression.write_text(json.dumps({"compression": {"retry": {"max_attempts": 5}}}))
-    retry = load_compression(compression).compression.retry
-    assert (retry.max_attempts, retry.base_seconds, retry.max_seconds, retry.jitter) == (5, 5, 60, 0)
+    policy = load_compression(compression).compression.retry
+    assert (policy.max_attempts, policy.base_seconds, policy.max_seconds, policy.jitter) == (5, 5, 60, 0)
 
 
 def test_the_model_client_retries_by_the_same_policy_and_reads_its_older_keys(

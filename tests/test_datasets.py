@@ -74,7 +74,9 @@ def test_chat_exports_of_the_real_corpus_are_valid_chats(corpus_config: Path, tm
         check_hermes(record)
         turns = record["conversations"]
         assert [t["from"] for t in turns].count("system") == 1
-        tools = json.loads(re.search(r"<tools>\n(.*?)\n</tools>", turns[0]["value"], re.S)[1])
+        declared = re.search(r"<tools>\n(.*?)\n</tools>", turns[0]["value"], re.S)
+        assert declared is not None
+        tools = json.loads(declared[1])
         called = {json.loads(c).get("name") for t in turns[1:] if t["from"] == "gpt"
                   for c in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", t["value"], re.S)}
         assert tools or not called  # never an empty list beside calls

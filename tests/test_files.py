@@ -115,7 +115,7 @@ def test_a_temporary_file_is_never_opened_through_a_planted_name(
     """Even at a name guessed right, a planted link or file is refused, not followed."""
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
-    monkeypatch.setattr(files.secrets, "token_hex", lambda _: "guessed")
+    monkeypatch.setattr("app.files.secrets.token_hex", lambda _: "guessed")
     (tmp_path / ".out.guessed.tmp").symlink_to(victim)
     with pytest.raises(FileExistsError):
         files.temporary(tmp_path, "out")

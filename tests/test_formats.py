@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import json
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -1124,6 +1125,7 @@ _NASTY_JSON = st.recursive(
 
 
 def _leaf_paths(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    children: Iterable[tuple[Any, Any]]
     if isinstance(value, dict):
         children = value.items()
     elif isinstance(value, list):
@@ -1143,7 +1145,8 @@ def _example_with_one_value_swapped(draw: st.DrawFn) -> dict[str, Any]:
     for key in parents:
         target = target[key]
     target[last] = draw(_ODD | _NASTY_JSON)
-    return example
+    swapped: dict[str, Any] = example
+    return swapped
 
 
 _LIMITS = st.builds(

@@ -4,6 +4,7 @@ is stored, and the good items of a batch still are."""
 from __future__ import annotations
 
 import gzip
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ OVER = [
 
 
 @pytest.fixture
-def limited(start_hub: Any, trace_server: dict[str, Any]) -> httpx.Client:
+def limited(start_hub: Any, trace_server: dict[str, Any]) -> Iterator[httpx.Client]:
     hub = start_hub(trace_server, limits=LIMITS)
     with hub.client() as client:
         yield client

@@ -45,7 +45,7 @@ def one_line_error(result: Any) -> str:
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, result.stderr
     assert PASSWORD not in result.stderr + result.stdout
-    return errors[0]
+    return str(errors[0])
 
 
 def free_port() -> int:

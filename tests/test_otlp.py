@@ -80,7 +80,7 @@ def otlp_process(start_hub_process: Any, trace_server: dict[str, Any]) -> HubPro
 def exporter(otlp_process: HubProcess) -> Iterator[OTLPSpanExporter]:
     exp = OTLPSpanExporter(endpoint=f"{otlp_process.url}/v1/traces", timeout=10)
     yield exp
-    exp.shutdown()
+    exp.shutdown()  # type: ignore[no-untyped-call]
 
 
 # --- the SDK's exporter, over a socket ------------------------------------------------
@@ -135,7 +135,7 @@ def test_gzip_and_an_api_key_as_exporters_send_them(
         assert keyed.export(spans) is SpanExportResult.SUCCESS
     finally:
         for exp in (without, wrong_scope, keyed):
-            exp.shutdown()
+            exp.shutdown()  # type: ignore[no-untyped-call]
     with hub.client() as client:
         refused = client.post("/v1/traces", content=protobuf(document(weather_run(trace_id()))),
                               headers=PROTOBUF)
@@ -180,7 +180,7 @@ def test_concurrent_exporters(otlp_process: HubProcess) -> None:
                 ids.append(tid)
             return ids
         finally:
-            exp.shutdown()
+            exp.shutdown()  # type: ignore[no-untyped-call]
 
     with ThreadPoolExecutor(8) as pool:
         ids = [tid for ids in pool.map(send, range(8)) for tid in ids]
@@ -592,7 +592,7 @@ def test_overload_is_a_503_with_retry_after_in_the_requests_encoding(
 
     def post() -> int:
         with hub.client() as c:
-            return c.post("/v1/traces", content=body, headers=PROTOBUF).status_code
+            return int(c.post("/v1/traces", content=body, headers=PROTOBUF).status_code)
 
     with hub.client() as client, ThreadPoolExecutor(1) as pool:
         one = document(weather_run(trace_id())[:1])
@@ -631,8 +631,8 @@ def test_spans_are_taken_no_faster_than_they_become_trajectories(
 
         def export() -> int:
             with hub.client() as c:
-                return c.post("/v1/traces", content=protobuf(document(weather_run(trace_id()))),
-                              headers=PROTOBUF).status_code
+                return int(c.post("/v1/traces", content=protobuf(document(weather_run(trace_id()))),
+                                  headers=PROTOBUF).status_code)
 
         held = pool.submit(export)
         hub.drain()  # the worker catches up

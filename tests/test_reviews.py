@@ -122,8 +122,9 @@ def test_reviewing_needs_the_review_scope(
         ingest(client, ["t0"])
     with hub.client() as client:
         def as_key(key: str, **body: Any) -> httpx.Response:
-            return client.post("/v1/traces/t0/review", json=body,
-                               headers={"Authorization": f"Bearer {key}"})
+            response: httpx.Response = client.post("/v1/traces/t0/review", json=body,
+                                                   headers={"Authorization": f"Bearer {key}"})
+            return response
 
         assert client.post("/v1/traces/t0/review", json={"label": "good"}).status_code == 401
         refused = as_key(reader, label="good")
@@ -150,7 +151,8 @@ def test_the_queue_serves_each_trace_to_one_reviewer(
             r = client.post("/v1/review-queue/next", params=params,
                             headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200, r.text
-            return r.json()["trace_id"]
+            trace_id: str | None = r.json()["trace_id"]
+            return trace_id
 
         assert next_for(alice) == "t0"
         assert next_for(bob) == "t1"  # t0 is alice's for now

@@ -124,7 +124,7 @@ async def test_the_writes_of_one_turn_leave_in_one_send() -> None:
     ours = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=ours.detach())
     loop = asyncio.get_running_loop()
     transport, protocol = await loop.connect_accepted_socket(_Closing, ours)
-    joined = _OneWritePerTurn(transport, loop)  # type: ignore[arg-type]
+    joined = _OneWritePerTurn(transport, loop)
     theirs.settimeout(10)
     with theirs:
         joined.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n")
