@@ -16,10 +16,10 @@ import json
 import os
 import pwd
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from types import UnionType
+from types import MappingProxyType, UnionType
 from typing import Annotated, Any, Literal, TypeGuard, TypeVar, Union, get_args, get_origin
 
 from pydantic import (
@@ -42,6 +42,7 @@ from app import formats
 from app.domain import NEVER_PRUNED, Stage
 from app.durations import format_duration, parse_duration
 from app.errors import ConfigError
+from app.patterns import compile_pattern
 
 ENV_PREFIX = "ATROPOS_"
 
@@ -260,32 +261,57 @@ class DistributorConfig(_Section):
         return _legacy_retry_keys(data, _DISTRIBUTOR_RETRY_KEYS)
 
 
+class TinkerTargetConfig(DistributorConfig):
+    """distributor.target `tinker`: no keys of its own, the service is tinker.json's."""
+
+    target: Literal["tinker"] = "tinker"
+
+
+class JsonlTargetConfig(DistributorConfig):
+    target: Literal["jsonl"] = "jsonl"
+    # One training file per batch, plus manifest.jsonl.
+    output_dir: HomePath = "~/.atropos/batches"
+
+
+class HttpTargetConfig(DistributorConfig):
+    target: Literal["http"] = "http"
+    # Where batches are POSTed, e.g. https://trainer/batches.
+    url: str
+    http_timeout_seconds: float = Field(60, gt=0)
+
+
+# Each target's distributor keys, by distributor.target, in the order config errors list
+# them. The config owns every key; app/targets builds each target from its model.
+TARGET_CONFIGS: Mapping[str, type[DistributorConfig]] = MappingProxyType({
+    "tinker": TinkerTargetConfig,
+    "jsonl": JsonlTargetConfig,
+    "http": HttpTargetConfig,
+})
+
+
 def _for_its_target(raw: dict[str, Any]) -> DistributorConfig:
     """The distributor section as the config model of the target it names. A key of
     another target is refused unless it holds that key's default or null, as
     config.json.example, which lists every key, has it."""
-    # The targets import this module, so their registry is looked up only now.
-    from app.targets import TARGETS
-
     name = raw.get("target", DistributorConfig.model_fields["target"].default)
-    spec = TARGETS.get(name) if isinstance(name, str) else None
-    if spec is None:
+    model = TARGET_CONFIGS.get(name) if isinstance(name, str) else None
+    if model is None:
         raise _error("literal_error", "Input should be {expected}", ("target",), name,
-                     expected=_either(TARGETS))
-    own = spec.config.model_fields
+                     expected=_either(TARGET_CONFIGS))
+    own = model.model_fields
     keys = dict(raw)
     for key, value in raw.items():
         if key in own:
             continue
-        owner = next((t for t in TARGETS.values() if key in t.config.model_fields), None)
+        owner = next((t for t, m in TARGET_CONFIGS.items() if key in m.model_fields), None)
         if owner is None:
             continue  # no target's key: the model refuses it, below
-        if value is not None and value != owner.config.model_fields[key].default:
+        if value is not None and value != TARGET_CONFIGS[owner].model_fields[key].default:
             raise _error("not_a_key", "a key of the {owner} target; distributor.target is {target}",
-                         (key,), value, owner=owner.name, target=name)
+                         (key,), value, owner=owner, target=name)
         del keys[key]
     try:
-        config: DistributorConfig = spec.config.model_validate(keys)
+        config: DistributorConfig = model.model_validate(keys)
     except ValidationError as exc:
         unknown = next((e for e in exc.errors() if e["type"] == "extra_forbidden"), None)
         if unknown is None:
@@ -461,8 +487,6 @@ class AtroposConfig(_Section):
 
 
 def _re2_pattern(pattern: str) -> str:
-    from app.evaluation.redaction import compile_pattern  # it imports this module
-
     compile_pattern(pattern)
     return pattern
 

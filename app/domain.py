@@ -84,6 +84,10 @@ TRANSITIONS: dict[Stage, frozenset[Stage]] = {
     Stage.DELIVERED: frozenset(),
 }
 
+# Where a trace becomes eligible for a batch: every accepted trace passes through the
+# compression stage (which skips it when compression is off).
+ELIGIBLE: tuple[Stage, ...] = (Stage.COMPRESSED, Stage.COMPRESSION_SKIPPED)
+
 # Never deleted by retention (`atropos prune`, config `retention`): on its way to training.
 NEVER_PRUNED: frozenset[Stage] = frozenset({Stage.BATCHED})
 
@@ -225,7 +229,7 @@ class Trace(BaseModel):
         prompt: each schema the trace carried as JSON (`json.dumps`, as Jinja's
         `tojson` writes it), one per line, and a tool known only by name as its name.
         One part, so that the tool list an agent resends with every trace is tokenized
-        once (app/ingest/tokens.py remembers long parts)."""
+        once (app/tokens.py remembers long parts)."""
         schemas = self.metadata.get("tool_schemas")
         schemas = schemas if isinstance(schemas, list) else []
         described = {

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.compression import Compressed, compress
 from app.config import CompressionConfig
 from app.domain import Trace
-from app.ingest.tokens import count_parts
+from app.tokens import count_parts
 from tests.support.real_traces import OPENHANDS, SWE_AGENT, load
 
 SMALL_BYTES = 5_000

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 import app.compression.ledger as ledger_module
-import app.ingest.tokens
+import app.tokens
 from app.compression import Compressed, ModelSummarizer, Skipped, compress
 from app.compression.compress import _budget
 from app.compression.extract import _dedup, key_decision_extract, shape
@@ -16,7 +16,7 @@ from app.compression.ledger import Budget, Ledger, is_error
 from app.compression.summarize import PREFIX, _span, _turns
 from app.config import CompressionConfig, ModelRetry, TinkerConfig
 from app.domain import Step, StepType, Trace
-from app.ingest.tokens import count_parts
+from app.tokens import count_parts
 from tests.support.fakes.model_server import FakeModel
 from tests.support.real_traces import OPENHANDS, SWE_AGENT, load
 
@@ -163,13 +163,13 @@ async def test_never_under_min_tokens_after(path: Path) -> None:
 def test_counts_are_kept_per_step_not_retokenized(monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole trace is tokenized about once (incl. the result), not once per removal."""
     encoded = [0]
-    real = app.ingest.tokens.count_tokens
+    real = app.tokens.count_tokens
 
     def counting(text: str) -> int:
         encoded[0] += len(text)
         return real(text)
 
-    monkeypatch.setattr(app.ingest.tokens, "count_tokens", counting)
+    monkeypatch.setattr(app.tokens, "count_tokens", counting)
     monkeypatch.setattr(ledger_module, "count_tokens", counting)
     trace = load(OPENHANDS[0])
     policy = CompressionConfig()

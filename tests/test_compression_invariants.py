@@ -23,7 +23,7 @@ from app.compression.ledger import Ledger
 from app.config import CompressionConfig, ModelRetry, TinkerConfig
 from app.domain import Step, StepType, Trace
 from app.import_sources import Parsed, read_path
-from app.ingest.tokens import count_parts
+from app.tokens import count_parts
 from tests.support import REAL
 from tests.support.fakes.model_server import FakeModel
 

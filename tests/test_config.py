@@ -9,10 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from app.config import RetryPolicy, load_compression, load_config, load_tinker
+from app.config import (
+    HttpTargetConfig,
+    JsonlTargetConfig,
+    RetryPolicy,
+    load_compression,
+    load_config,
+    load_tinker,
+)
 from app.errors import ConfigError
-from app.targets.http import HttpTargetConfig
-from app.targets.jsonl import JsonlTargetConfig
 from tests.support import ROOT
 from tests.support.processes import run_cli
 
@@ -202,3 +207,12 @@ def test_db_upgrade_creates_a_fresh_database(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "schema at revision" in result.stderr
     assert (tmp_path / "new" / "t.db").exists()
+
+
+def test_every_target_is_built_from_its_config_model() -> None:
+    # The config knows every target's keys; app/targets knows how to build each.
+    from app.config import TARGET_CONFIGS
+    from app.targets import TARGETS
+
+    assert list(TARGETS) == list(TARGET_CONFIGS)
+    assert all(spec.config is TARGET_CONFIGS[name] for name, spec in TARGETS.items())

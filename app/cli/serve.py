@@ -19,8 +19,8 @@ from app.errors import StartupError
 from app.evaluation.environment import Environment
 from app.hub import add_assembly, database, open_database, running_stages
 from app.ingest.ingestor import running_ingest
-from app.ingest.tokens import encoding
 from app.metrics import summarizing
+from app.tokens import encoding
 
 log = logging.getLogger("atropos")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from app.domain import Step, StepType, Trace
-from app.ingest.tokens import count_parts, count_tokens
+from app.tokens import count_parts, count_tokens
 
 # Steps with more text than this are estimated until needed (~300 tokens of code or
 # logs). On real agent runs such steps hold 70% of the text.

@@ -27,6 +27,7 @@ import orjson
 import re2  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
 from app.config import PrivacyConfig
+from app.patterns import QUIET, compile_pattern
 
 CUSTOM = "custom"
 
@@ -115,22 +116,6 @@ def marker(kind: str) -> str:
     return f"[REDACTED:{kind}]"
 
 
-_QUIET = re2.Options()
-_QUIET.log_errors = False  # a bad pattern is reported once, as a ConfigError
-
-
-def compile_pattern(pattern: str) -> Any:
-    """An RE2 pattern, or ValueError saying why it is not one (config validation)."""
-    try:
-        compiled = re2.compile(pattern, _QUIET)
-    except re2.error as exc:
-        reason = exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else exc
-        raise ValueError(f"not a valid RE2 pattern ({reason})") from None
-    if compiled.fullmatch("") is not None:
-        raise ValueError(f"{pattern!r} matches the empty string, so it would redact nothing")
-    return compiled
-
-
 @dataclass(frozen=True, slots=True)
 class Redacted:
     """An item whose secrets were replaced before it came to be prepared (an OTLP
@@ -161,7 +146,7 @@ class Redactor:
         # Which kinds a string holds, in one pass: a set runs the DFA alone, without
         # the submatch search that one alternation of them all (with their groups)
         # falls back to, ~50x slower.
-        self._any = re2.Set.SearchSet(_QUIET) if self._kinds else None
+        self._any = re2.Set.SearchSet(QUIET) if self._kinds else None
         if self._any is not None:
             for kind in kinds:
                 self._any.Add(kind.pattern)

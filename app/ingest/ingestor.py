@@ -34,8 +34,8 @@ from app.ingest.admission import Admission
 from app.ingest.inserter import Stored, TraceInserter, TraceRow
 from app.ingest.limits import check_item, check_trace
 from app.ingest.processes import IngestProcesses
-from app.ingest.tokens import count_parts
 from app.metrics import REJECTIONS, TRACES_INGESTED, Labeled
+from app.tokens import count_parts
 
 MAX_TRACE_ID_LENGTH = 200
 # env, agent.model, agent.name, policy_version: String(200) columns, which PostgreSQL

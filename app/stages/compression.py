@@ -41,11 +41,11 @@ from app.compression import (
 from app.config import CompressionConfig
 from app.db.errors import outage_of
 from app.db.models import TRACES
-from app.db.moves import TRACE_STAGES
+from app.db.moves import RELEASED, TRACE_STAGES
 from app.domain import Stage, Trace
 from app.llm import LLMError
 from app.metrics import COMPRESSION_TOKENS_IN, COMPRESSION_TOKENS_OUT, COMPRESSIONS
-from app.stages.leases import RELEASED, Heartbeat, Lease, claim, held_by, retry_later
+from app.stages.leases import Heartbeat, Lease, claim, held_by, retry_later
 
 log = logging.getLogger("atropos.compression")
 

@@ -23,12 +23,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import DistributorConfig
 from app.db.models import BATCHES, MEMBERS, TRACES
-from app.db.moves import BATCH_STATES, TRACE_STAGES
+from app.db.moves import BATCH_STATES, RELEASED, TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import BatchState, Stage, Trace
 from app.errors import ServiceError
 from app.metrics import DELIVERY_ATTEMPTS
-from app.stages.leases import RELEASED, Heartbeat, Lease, claim, held_by, retry_later
+from app.stages.leases import Heartbeat, Lease, claim, held_by, retry_later
 from app.targets import Batch, BatchItem, Target
 
 log = logging.getLogger("atropos.delivery")

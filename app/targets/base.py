@@ -87,6 +87,6 @@ class TargetSpec(Generic[C]):
 
     name: str
     # config.json's distributor section for this target: the keys every target shares
-    # (DistributorConfig) plus its own.
+    # (DistributorConfig) plus its own (app/config.py TARGET_CONFIGS).
     config: type[C]
     build: Callable[[C, Resources], Target]

@@ -14,23 +14,17 @@ import asyncio
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
 from app import files
-from app.config import DistributorConfig, HomePath
+from app.config import JsonlTargetConfig
 from app.db.types import utcnow
 from app.errors import DeliveryError
 from app.targets.base import Batch, Resources, SaveReceipt, TargetSpec
 
 MANIFEST = "manifest.jsonl"
-
-
-class JsonlTargetConfig(DistributorConfig):
-    target: Literal["jsonl"] = "jsonl"
-    # One training file per batch, plus manifest.jsonl.
-    output_dir: HomePath = "~/.atropos/batches"
 
 
 class JsonlTarget:

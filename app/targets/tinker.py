@@ -7,20 +7,14 @@ says: that is what fine-tuning takes. The trainer log is
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeGuard
+from typing import Any, TypeGuard
 
 import httpx
 
-from app.config import DistributorConfig, TinkerConfig
+from app.config import TinkerConfig, TinkerTargetConfig
 from app.errors import DeliveryError
 from app.targets.base import Batch, BatchItem, Resources, SaveReceipt, TargetSpec
 from app.training import Backend, Example, TrainerLog, TrainingRun, backend_for, run
-
-
-class TinkerTargetConfig(DistributorConfig):
-    """No keys of its own: the service is tinker.json's."""
-
-    target: Literal["tinker"] = "tinker"
 
 
 class TinkerTarget:
