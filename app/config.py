@@ -78,7 +78,7 @@ class TraceServerConfig(_Section):
     flush_interval_seconds: float = Field(30, gt=0)
     # Processes that parse, score and tokenize incoming traces and validate and deflate
     # Atropos groups (app/ingest/processes.py); null: one per CPU this process may run
-    # on, at most 8 (~120 MB RSS each).
+    # on, at most 8 (each holds the hub's code and the tokenizer: docs/ingest.md).
     ingest_processes: int | None = Field(None, ge=1, le=64)
     # The log's level for every command run with this file (--log-level overrides it).
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"

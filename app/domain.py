@@ -246,7 +246,7 @@ class Trace(BaseModel):
 
 @lru_cache(maxsize=64)
 def _template_json(schemas: bytes) -> str:
-    # json.dumps is ~8x slower than orjson, whose compact output a template would not
+    # json.dumps is slower than orjson, whose compact output a template would not
     # write; agents resend the same tool list with every trace, so its text is kept,
     # keyed by the compact bytes.
     return "\n".join(json.dumps(schema, ensure_ascii=False) for schema in orjson.loads(schemas))

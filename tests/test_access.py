@@ -225,7 +225,7 @@ def test_a_forwarded_address_counts_only_from_a_listed_proxy(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
     """X-Forwarded-For let any client on loopback pick its own address and escape the
-    per-address rate limit (issue 17): it is believed only from
+    per-address rate limit: it is believed only from
     trace_server.forwarded_allow_ips, which lists none by default. (`atropos serve`
     itself: the headers are uvicorn's to believe.)"""
     limit = {"rate_limit_per_second": 0.05}

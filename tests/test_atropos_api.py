@@ -501,7 +501,7 @@ def test_bad_input_gets_4xx(api: httpx.Client) -> None:
 
 
 def test_nan_and_infinity_are_refused(api: httpx.Client) -> None:
-    """They are not JSON; stored, they were served back as null (issue 17)."""
+    """They are not JSON; stored, they were served back as null."""
     register(api, batch_size=1)
     json_body = {"content-type": "application/json"}
     for number in (b"NaN", b"Infinity", b"-Infinity", b"1e400"):
@@ -555,7 +555,7 @@ def test_with_auth_on_reset_takes_an_admin_key_and_the_rest_stays_open(
 @pytest.mark.process
 def test_with_require_key_envs_need_ingest_and_trainers_train(tmp_path: Path) -> None:
     """With auth on, anyone who reached the port could inject groups, take batches
-    (which removes them) or read /latest_example (issue 17). atropos.require_key
+    (which removes them) or read /latest_example. atropos.require_key
     closes every path but / to requests without a key of the right scope."""
     trace_server = {"db_path": str(tmp_path / "hub.db")}
     config = write_config(tmp_path, trace_server, auth={"enabled": True},

@@ -150,7 +150,7 @@ def test_kill_9_during_the_stage_compresses_every_trace_once(
     assert "lease lost" not in burst.stderr
 
 
-# --- a failing, hanging or slow model (issue 17) -------------------------------------
+# --- a failing, hanging or slow model -------------------------------------
 
 KEY_ENV = "FAKE_SUMMARY_KEY"
 FAST_RETRY = {"max_attempts": 3, "base_seconds": 0.3, "max_seconds": 1}
@@ -222,7 +222,7 @@ def test_with_fallback_an_outage_compresses_by_extraction_after_the_retries_and_
     model_root: str, monkeypatch: Any,
 ) -> None:
     """Traces fell back to key_decision_extract at the model's first failure, silently,
-    and were never summarized once it came back (issue 17). With on_model_failure
+    and were never summarized once it came back. With on_model_failure
     `fallback` the fallback comes after the retries, is counted in /v1/stats, and the
     outage is logged at WARNING once, not per trace."""
     fake_model.down = "503"
@@ -254,7 +254,7 @@ def test_a_hanging_model_holds_up_no_trace_that_does_not_need_it(
     model_root: str, monkeypatch: Any,
 ) -> None:
     """With the model hanging, 14 short traces waited ~85 s behind 2 long ones and
-    batching waited too (issue 17): skips are written at once, and distribution runs
+    batching waited too: skips are written at once, and distribution runs
     on its own schedule."""
     fake_model.down = ("slow", 120)  # hangs past the client's timeout
     hub = start_hub({**trace_server, "flush_interval_seconds": 60},
@@ -302,7 +302,7 @@ def test_a_model_slower_than_the_lease_summarizes_each_trace_once(
     model_root: str, monkeypatch: Any,
 ) -> None:
     """With 8 s model calls and two workers, 26 calls were made for 24 traces: the
-    lease ran out mid-call and the other worker took the trace (issue 17). The lease
+    lease ran out mid-call and the other worker took the trace. The lease
     is renewed while the call runs."""
     fake_model.delay = 6  # longer than the lease
     files = summarizing(tmp_path, model_root, monkeypatch, timeout=30, max_concurrent_calls=2)

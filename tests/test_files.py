@@ -1,4 +1,4 @@
-"""Files the hub creates are private to its user, whatever the umask (issue 17: they
+"""Files the hub creates are private to its user, whatever the umask (they
 were 0644 under umask 022), and readable by a configured group; `atropos export`
 writes through a temporary file nobody can plant a link at."""
 
@@ -93,7 +93,7 @@ def test_export_writes_through_a_random_name_and_never_a_link(
     start_hub: Any, tmp_path: Path
 ) -> None:
     """`atropos export -o out.jsonl` wrote `.out.jsonl.tmp` and followed a symlink
-    planted there, overwriting its target (issue 17)."""
+    planted there, overwriting its target."""
     hub = start_hub({"db_path": str(tmp_path / "traces.db")}, "--no-workers")
     with hub.client() as client:
         assert client.post("/v1/traces", json=native_trace()).status_code == 202

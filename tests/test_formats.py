@@ -1229,7 +1229,7 @@ def test_arguments_that_are_not_an_object_are_kept_for_scoring() -> None:
     assert [s.arguments for s in trace.steps if s.type == "action"] == [4]
 
 
-# --- linear time on hostile text (issue 17) ----------------------------------------------
+# --- linear time on hostile text ----------------------------------------------
 
 _MB = 1_000_000
 _PROSE = ("the agent reads the file, counts its lines and reports the number it found. ",

@@ -30,7 +30,7 @@ async def test_a_refused_row_sinks_alone_in_its_group_commit(
     trace_server: dict[str, Any],
 ) -> None:
     """On PostgreSQL a refused first insert aborted the transaction, and 17 of 32 good
-    traces sent beside it got 422 (issue 17). Refused first, in the middle and last."""
+    traces sent beside it got 422. Refused first, in the middle and last."""
     engine = create_engine(TraceServerConfig(**trace_server))
     await migrate.upgrade(engine)
     inserter = TraceInserter(engine)

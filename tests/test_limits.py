@@ -110,7 +110,7 @@ def test_item_count_bombs_are_refused_before_anything_is_built(
     start_hub_process: Any, tmp_path: Path
 ) -> None:
     """A million `{}` is 3 MB of JSON and 5 KB of gzip; parsed, ~100 MB; validated by
-    pydantic, an error each, 3.4 GB (issue 17). Each is refused after counting."""
+    pydantic, an error each, 3.4 GB. Each is refused after counting."""
     hub = start_hub_process({"storage_backend": "sqlite", "db_path": str(tmp_path / "t.db")})
     assert hub.proc is not None
     empties = [b"{}"] * 1_000_000

@@ -1,4 +1,4 @@
-"""GET /metrics (issue 19): the counters and histograms of a running hub replay the
+"""GET /metrics: the counters and histograms of a running hub replay the
 traffic it saw, the gauges say what its database holds, the processes of one machine
 share their counters (PROMETHEUS_MULTIPROC_DIR), and the Grafana dashboard in docs/
 uses only metrics a hub exports."""

@@ -1,4 +1,4 @@
-"""What an operator meets at the command line (issue 19): every failure one line
+"""What an operator meets at the command line: every failure one line
 saying what failed and what to do, exit 2 for configuration and environment problems,
 the traceback only with --debug; typos refused; the log's level and format."""
 

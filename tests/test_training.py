@@ -300,7 +300,7 @@ def test_a_worker_killed_mid_steps_resumes_at_the_next_step(
     fake: FakeModel, model_root: str, tmp_path: Path
 ) -> None:
     """The tinker SDK backend trained a batch again from the start when its worker was
-    killed mid-steps (issue 17). The steps done are recorded with the batch in the
+    killed mid-steps. The steps done are recorded with the batch in the
     database; the next worker loads the state of the last one and goes on from there,
     so each step of the batch is trained once."""
     trace_server = {"storage_backend": "sqlite", "db_path": str(tmp_path / "t.db"),
