@@ -81,8 +81,9 @@ def create_engine(cfg: TraceServerConfig) -> AsyncEngine:
 
 # A pooled PostgreSQL connection idle for longer than this is pinged before use: the
 # server may have restarted or dropped it meanwhile. SQLAlchemy's pool_pre_ping pinged
-# at every checkout, a round trip of the event loop's CPU for every group commit. One that fails in use anyway (a restart under load) fails its operation with
-# 503, and the pool replaces every connection older than the failure.
+# at every checkout, a round trip of the event loop's CPU for every group commit. One
+# that fails in use anyway (a restart under load) fails its operation with 503, and
+# the pool replaces every connection older than the failure.
 IDLE_BEFORE_PING_SECONDS = 5.0
 
 
