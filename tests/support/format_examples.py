@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 from typing import Any
 
 from app.config import EnvironmentConfig
 from app.domain import Trace
 from app.evaluation.environment import Environment
+from tests.support import REAL
 
-REAL = Path(__file__).resolve().parents[1].parent / "shared/fixtures/real"
 HERMES_LINE = REAL / "hermes-agent/lucifexia_trajectory_samples.jsonl"
 
 NATIVE: dict[str, Any] = {
