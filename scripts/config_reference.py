@@ -17,6 +17,7 @@ import re
 import sys
 from datetime import timedelta
 from enum import Enum
+from functools import cache
 from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
@@ -47,6 +48,7 @@ required. Any key may be set from the environment as `ATROPOS_<SECTION>__<KEY>`
 """
 
 
+@cache  # inspect finds a class's source by parsing its module: once per class
 def _comments(cls: type) -> dict[str, str]:
     """The comment lines just above each field of `cls` (and its trailing comment)."""
     try:
