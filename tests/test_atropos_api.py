@@ -522,10 +522,12 @@ def test_nan_and_infinity_are_refused(api: httpx.Client) -> None:
 def test_with_auth_on_reset_takes_an_admin_key_and_the_rest_stays_open(
     tmp_path: Path,
 ) -> None:
-    """atroposlib clients send no key: with auth.enabled only /reset_data, the one path
-    that destroys, asks for one, an API key with the admin scope like /v1/runs."""
+    """atroposlib clients send no key: with auth.enabled and atropos.require_key turned
+    off, only /reset_data, the one path that destroys, asks for one, an API key with the
+    admin scope like /v1/runs."""
     trace_server = {"db_path": str(tmp_path / "hub.db")}
-    hub = InProcessHub(write_config(tmp_path, trace_server, auth={"enabled": True})).start()
+    hub = InProcessHub(write_config(tmp_path, trace_server, auth={"enabled": True},
+                                    atropos={"require_key": False})).start()
     ingest_key = make_api_key(trace_server, "ingest")
     admin_key = make_api_key(trace_server, "admin")
     try:
