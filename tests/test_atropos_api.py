@@ -458,7 +458,8 @@ def test_gzip_in_and_out(api: httpx.Client) -> None:
         headers={"content-encoding": "gzip", "content-type": "application/json"},
     )
     assert r.json() == {"status": "received"}
-    r = api.post("/scored_data", content=b"not gzip", headers={"content-encoding": "gzip"})
+    r = api.post("/scored_data", content=b"not gzip",
+                 headers={"content-encoding": "gzip", "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_gzip"
     r = api.get("/latest_example", headers={"accept-encoding": "gzip"})
     assert r.headers["content-encoding"] == "gzip" and r.json()["tokens"] == big["tokens"]
@@ -492,7 +493,8 @@ def test_bad_input_gets_4xx(api: httpx.Client) -> None:
         json={"max_token_length": 1, "desired_name": "a\x00", "weight": 1, "group_size": 1},
     )
     assert r.status_code == 422 and r.json()["error"]["field"] == "desired_name"
-    assert api.post("/scored_data", content=b"{").status_code == 422
+    assert api.post("/scored_data", content=b"{",
+                    headers={"content-type": "application/json"}).status_code == 422
 
 
 def test_nan_and_infinity_are_refused(api: httpx.Client) -> None:
@@ -758,6 +760,7 @@ def test_a_web_page_cannot_drive_the_atropos_api(start_hub: Any, trace_server: d
     hub = start_hub(trace_server, listen=True)
     with hub.client() as client:
         register(client)
+        start(client)
         env_id = register_env(client)["env_id"]
         g = group(2, env_id)
         # What <form method=post enctype=...> and fetch(..., {mode: "no-cors"}) send.
