@@ -308,6 +308,7 @@ def test_runs_need_the_admin_scope(secured: tuple[InProcessHub, dict[str, str]])
     assert doc["paths"]["/v1/runs"]["post"]["security"] == [{"bearerAuth": ["admin"]}]
 
 
+@pytest.mark.process
 def test_a_host_header_that_names_another_site_is_refused(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -333,6 +334,7 @@ def test_a_host_header_that_names_another_site_is_refused(
             assert r.status_code == 200, (host, r.text)
 
 
+@pytest.mark.process
 def test_runs_without_auth_need_saying_so(
     start_hub_process: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -288,6 +288,7 @@ def test_runs_user_must_exist(runs_env: RunsEnv) -> None:
     assert "runs.user: Value error, no user 'no-such-user-here'" in result.stderr
 
 
+@pytest.mark.process
 def test_log_tails_hide_the_model_key_in_base64_too(runs_env: RunsEnv) -> None:
     """A trainer whose HTTP library logs `Authorization: Basic base64(user:key)`, or
     that dumps its config base64-encoded: the tail showed the key, encoded."""
