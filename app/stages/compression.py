@@ -142,6 +142,7 @@ class CompressionStage:
                 order_by=TRACES.c.created_at,
                 limit=limit,
                 lease=self._lease,
+                longest_backoff=self._policy.retry.max_seconds,
                 returning=[
                     TRACES.c.trace_id,
                     TRACES.c.trace,
