@@ -444,6 +444,48 @@ def test_spans_without_agent_content_are_refused_and_said_why(
         assert otlp_stats(client)["refused_traces"] == 1
 
 
+def _deep_key_run(tid: str) -> list[dict[str, Any]]:
+    """The weather run with one OpenInference attribute whose key has 20,000 levels."""
+    spans = weather_run(tid)
+    deep = "llm.input_messages.0.message." + "x." * 20_000 + "y"
+    return spans + [span(tid, "llm", 140, {"openinference.span.kind": "LLM", deep: "hi"},
+                         parent=spans[0]["spanId"])]
+
+
+def test_a_key_of_20000_levels_refuses_its_trace_and_assembly_goes_on(
+    otlp_hub: InProcessHub,
+) -> None:
+    bad, good, after = trace_id(), trace_id(), trace_id()
+    with otlp_hub.client() as client:
+        for spans in (_deep_key_run(bad), weather_run(good)):
+            assert client.post("/v1/traces", json=document(spans)).status_code == 200
+        assert weather_steps(trajectory(client, good)["trace"]) == WEATHER_STEPS
+        wait_until(lambda: otlp_stats(client)["refused_traces"] == 1, what="the trace refused")
+        otlp_hub.wait_for_log(f"OTLP trace {bad} makes no trajectory")
+        assert "at most 32 levels; this one has 20003" in otlp_hub.log
+        assert client.get(f"/v1/traces/{bad}").status_code == 404
+        # Assembly keeps up: the next run is taken and made a trajectory.
+        assert client.post("/v1/traces", json=document(weather_run(after))).status_code == 200
+        assert weather_steps(trajectory(client, after)["trace"]) == WEATHER_STEPS
+
+
+def test_a_batch_with_a_key_of_20000_levels_refuses_that_item_alone(
+    otlp_hub: InProcessHub,
+) -> None:
+    good = [trace_id(), trace_id()]
+    body = {"traces": [document(weather_run(good[0])), document(_deep_key_run(trace_id())),
+                       document(weather_run(good[1]))]}
+    with otlp_hub.client() as client:
+        r = client.post("/v1/traces", json=body)
+        assert r.status_code == 207, r.text[:300]
+        first, refused, last = r.json()["results"]
+        assert refused["error"]["code"] == "invalid"
+        assert "at most 32 levels" in refused["error"]["message"]
+        assert first["stage"] == last["stage"] == "accepted"
+        for tid in good:
+            assert weather_steps(client.get(f"/v1/traces/{tid}").json()["trace"]) == WEATHER_STEPS
+
+
 def _megabyte(kind: str, hostile: bool) -> dict[str, Any]:
     """About 1 MB of spans where assembly does the most work per byte, and, as the
     yardstick, the same trajectory sent as instrumentations usually send it.

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import os
+import traceback
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -36,6 +38,8 @@ from app.ingest.limits import check_item, check_trace
 from app.ingest.processes import IngestProcesses
 from app.ingest.tokens import count_parts
 from app.metrics import REJECTIONS, TRACES_INGESTED, Labeled
+
+log = logging.getLogger("atropos.ingest")
 
 MAX_TRACE_ID_LENGTH = 200
 # env, agent.model, agent.name, policy_version: String(200) columns, which PostgreSQL
@@ -132,6 +136,20 @@ class Preparer:
             ))
         except HubError as exc:
             return exc
+        except Exception as exc:  # noqa: BLE001 - a bug, refusing this item alone
+            return _unprepared(exc)
+
+
+def _unprepared(exc: Exception) -> Invalid:
+    """A failure preparing one item that is no refusal of the hub's (a bug, or input
+    past what a parser can take: a RecursionError) refuses that item, never the batch
+    or the pass it came with. Logged where it was raised, without its message, which
+    may quote the item."""
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    at = f" at {where[0].filename}:{where[0].lineno}" if where else ""
+    log.error("preparing a trace failed (%s%s); it is refused", type(exc).__name__, at)
+    return Invalid(f"the hub could not read this trace ({type(exc).__name__}); it is "
+                   "refused (the hub's log says where)", code="unreadable")
 
 
 class Ingestor:

@@ -58,6 +58,8 @@ _STARTED_OVER = {
 # quiet periods, and at least every half minute.
 FORGET_EVERY_QUIET_PERIODS = 3
 FORGET_EVERY_SECONDS = 30
+# The longest a failing pass waits before the next is tried.
+BACKOFF_MAX_SECONDS = 30.0
 
 
 @dataclass(slots=True)
@@ -90,6 +92,8 @@ class AssemblyStage:
         self._on_advance = on_advance
         self._forgot_at = 0.0
         self._next: _Pass | None = None  # the batch in preparation
+        self._failures = 0  # passes failed in a row
+        self._retry_at = 0.0  # time.monotonic() before which no pass is tried
 
     @property
     def poll_seconds(self) -> float:
@@ -100,7 +104,24 @@ class AssemblyStage:
     async def run_once(self) -> int:
         """Writes the traces prepared meanwhile, once the next ones are being prepared:
         the ingest processes work on one batch while the serving process writes the
-        other (done in turn, each waited for the other, and both were half idle)."""
+        other (done in turn, each waited for the other, and both were half idle).
+
+        A pass that fails is not tried again at once: the passes after it wait 1 s, then
+        twice as long each time, up to BACKOFF_MAX_SECONDS (woken or not), so that a
+        failure that lasts costs little."""
+        if time.monotonic() < self._retry_at:
+            return 0
+        try:
+            advanced = await self._pass()
+        except Exception:
+            self._failures += 1
+            delay = min(BACKOFF_MAX_SECONDS, 2.0 ** (self._failures - 1))
+            self._retry_at = time.monotonic() + delay
+            raise
+        self._failures, self._retry_at = 0, 0.0
+        return advanced
+
+    async def _pass(self) -> int:
         current, self._next = self._next, None
         if current is None:
             current = await self._look(exclude=[])
