@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import os
 import traceback
 import uuid
@@ -28,7 +29,7 @@ from app.config import HubConfig, LimitsConfig, PrivacyConfig
 from app.db.moves import TRACE_STAGES
 from app.db.search import search_text
 from app.db.types import EncodedJSON, utcnow
-from app.domain import Stage, Trace
+from app.domain import MAX_REWARD, Stage, Trace
 from app.errors import HubError, Invalid
 from app.evaluation.environment import Environment
 from app.evaluation.redaction import Redacted, Redactor
@@ -89,6 +90,7 @@ class Preparer:
         trace.trace_id = _trace_id(trace)  # the stored trace carries the id it is stored under
         _fits_columns(trace)
         evaluation = self.environment.evaluate(trace)
+        _bounded_reward(evaluation.reward, trace.outcome.reward)
         now = utcnow()
         return {
             "trace_id": trace.trace_id,
@@ -366,6 +368,18 @@ def _without_nul(value: Any) -> Any:
     if isinstance(value, list):
         return [_without_nul(child) for child in value]
     return value
+
+
+def _bounded_reward(reward: float, env_reward: float | None) -> None:
+    """The reward the rules and the weighted environment reward add up to is bounded as
+    the environment's own is (app/formats/_common.reward_value): a finite env reward
+    times a weight may be neither."""
+    if math.isfinite(reward) and abs(reward) <= MAX_REWARD:
+        return
+    cause = ("the environment's reward times environment.env_reward.weight"
+             if env_reward is not None else "the reward rules' points")
+    raise Invalid(f"reward: {reward:g} ({cause}) is out of range: a reward is at most "
+                  f"{MAX_REWARD:g} in magnitude", field="reward")
 
 
 def _fits_columns(trace: Trace) -> None:
