@@ -384,6 +384,44 @@ def test_a_span_after_assembly_scores_the_trajectory_again(otlp_hub: InProcessHu
         assert [t["trace_id"] for t in found] == [tid]  # its search text, written again
 
 
+def test_a_review_survives_the_trajectory_assembled_again(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Any
+) -> None:
+    """A run below the threshold, its reward overridden by a reviewer (still below); a
+    late span carries a verdict that scores it far above: assembled and scored again,
+    the review stands whole, its reward is still the trace's, and it is not batched."""
+    # A review wakes no stage: the distributor judges it again within the flush interval.
+    hub = start_hub({**trace_server, "flush_interval_seconds": 1}, otlp=QUIET, distributor={
+        "target": "jsonl", "batch_size": 1, "min_reward_threshold": 5,
+        "output_dir": str(tmp_path / "batches")})
+    tid = trace_id()
+    spans = weather_run(tid)
+    review = {"label": "good", "note": "the tool answer was made up", "reward": 3.0}
+    judged = ("below_threshold", "batched", "delivered")
+
+    def settled(spans: int) -> Any:
+        r = client.get(f"/v1/traces/{tid}").json()
+        return r.get("stage") in judged and r["trace"]["metadata"]["spans"] == spans and r
+
+    with hub.client() as client:
+        assert client.post("/v1/traces", json=document(spans)).status_code == 200
+        assert trajectory(client, tid)["reward"] == 0
+        wait_until(lambda: settled(4), what="the run judged below the threshold")
+        assert client.post(f"/v1/traces/{tid}/review", json=review).status_code == 200
+        reviewed = wait_until(lambda: settled(4), what="the reviewed run judged again")
+        verdict = span(tid, "evaluate", 400, {"atropos.outcome.status": "success",
+                                              "atropos.reward": 1.0},
+                       parent=spans[0]["spanId"])
+        assert client.post("/v1/traces", json=document([verdict])).status_code == 200
+        again = wait_until(lambda: settled(5), what="the run assembled and judged again")
+        assert again["status"] == "success"
+        assert again["reward_breakdown"]["env_reward"]["points"] == 20
+        assert (again["stage"], again["reward"]) == ("below_threshold", 3.0)
+        assert again["review"] == reviewed["review"]
+        assert {k: again["review"][k] for k in review} == review
+        assert client.get("/v1/batches").json()["batches"] == []
+
+
 def test_a_span_after_batching_is_kept_and_counted_late(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Any
 ) -> None:

@@ -31,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import OtlpConfig
 from app.db import search
-from app.db.models import TRACES
+from app.db.models import REVIEWS, TRACES
 from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import Stage
@@ -244,6 +244,10 @@ async def _outcome(
     c = TRACES.c
     current, target = Stage(stored.stage), Stage(row["stage"])
     content = {k: v for k, v in row.items() if k not in ("trace_id", "created_at", "stage")}
+    # A reviewer's reward override wins over the new score, as it did over the old one
+    # (the review itself, label and note, is a row of its own and stays).
+    override = sa.select(REVIEWS.c.reward).where(REVIEWS.c.trace_id == trace_id)
+    content["reward"] = sa.func.coalesce(override.scalar_subquery(), content["reward"])
     # A move of the trace's stage (app/db/moves.py), unless it stays where it is.
     update = (sa.update(TRACES).where(c.stage == current.value) if current is target
               else TRACE_STAGES.move(target, expected=[current]))
