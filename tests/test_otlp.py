@@ -524,6 +524,27 @@ def test_a_batch_with_a_key_of_20000_levels_refuses_that_item_alone(
             assert weather_steps(client.get(f"/v1/traces/{tid}").json()["trace"]) == WEATHER_STEPS
 
 
+def test_a_nul_in_a_json_valued_attribute_is_stored_as_the_replacement_character(
+    otlp_hub: InProcessHub,
+) -> None:
+    """An agent that printed a binary file: its message, written with json.dumps, holds
+    NUL as the escape \\u0000, which the hub decodes. PostgreSQL's jsonb and text hold
+    no NUL: stored with U+FFFD on both databases, and assembly goes on."""
+    tid, after = trace_id(), trace_id()
+    spans = weather_run(tid)
+    printed = {"role": "tool", "parts": [{"response": "ELF\x00\x01 binary", "id": "call_w1",
+                                          "type": "tool_call_response"}]}
+    spans[3] = chat(tid, 130, [USER, CALLS, printed], [SAYS], parent=spans[0]["spanId"])
+    assert "\\u0000" in json.dumps(printed)
+    with otlp_hub.client() as client:
+        assert client.post("/v1/traces", json=document(spans)).status_code == 200
+        record = trajectory(client, tid)
+        assert record["trace"]["steps"][1]["content"] == "ELF\ufffd\x01 binary"
+        assert client.post("/v1/traces", json=document(weather_run(after))).status_code == 200
+        assert weather_steps(trajectory(client, after)["trace"]) == WEATHER_STEPS
+        assert otlp_stats(client)["refused_traces"] == 0
+
+
 def _megabyte(kind: str, hostile: bool) -> dict[str, Any]:
     """About 1 MB of spans where assembly does the most work per byte, and, as the
     yardstick, the same trajectory sent as instrumentations usually send it.

@@ -354,3 +354,15 @@ def test_secrets_spelt_to_slip_past_are_redacted_on_the_way_to_training(
             for root in files for p in ([root] if root.is_file() else root.rglob("*"))
             if p.is_file() and any(s.encode() in p.read_bytes() for s in SLIPPED.values())
             } == {}
+
+
+def test_a_secret_shaped_trace_id_is_refused_not_merged_with_another(client: Any) -> None:
+    """Redacted, two ids holding different secrets would be one stored id: the second
+    trace answered as the first's duplicate (or 409). Each is refused, naming trace_id."""
+    for token in (SECRETS["github_token"], SECRETS["github_token"][:-1] + "w"):
+        r = client.post("/v1/traces", json={"trace_id": token, "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["field"] == "trace_id"
+        assert token not in r.text
+    assert client.get("/v1/stats").json()["traces"] == 0

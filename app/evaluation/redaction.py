@@ -131,8 +131,11 @@ def _unescaped(match: Any) -> str:
     return char if char.isalnum() or char in _TOKEN_PUNCTUATION else str(match.group(0))
 
 
+REDACTED = "[REDACTED:"  # how every marker starts
+
+
 def marker(kind: str) -> str:
-    return f"[REDACTED:{kind}]"
+    return f"{REDACTED}{kind}]"
 
 
 _QUIET = re2.Options()

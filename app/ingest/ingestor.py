@@ -32,7 +32,7 @@ from app.db.types import EncodedJSON, utcnow
 from app.domain import MAX_REWARD, Stage, Trace
 from app.errors import HubError, Invalid
 from app.evaluation.environment import Environment
-from app.evaluation.redaction import Redacted, Redactor
+from app.evaluation.redaction import REDACTED, Redacted, Redactor
 from app.ingest.admission import Admission
 from app.ingest.inserter import Stored, TraceInserter, TraceRow
 from app.ingest.limits import check_item, check_trace
@@ -81,6 +81,12 @@ class Preparer:
         if b"\\u0000" in canonical:  # how orjson writes NUL (or the text \\u0000)
             item = _without_nul(item)
         trace = formats.parse(item, fmt)
+        if b"\\\\u0000" in canonical:
+            # A string holding the text \u0000: JSON inside a string (an OTLP attribute,
+            # a tool call's arguments), whose NUL the parse may have decoded.
+            dumped = trace.model_dump(exclude_none=True)
+            if b"\\u0000" in _json(dumped):
+                trace = Trace.model_validate(_without_nul(dumped))
         if redactions:
             trace.metadata["redactions"] = redactions
         else:
@@ -88,6 +94,10 @@ class Preparer:
             trace.metadata.pop("redactions", None)
         check_trace(trace, self.limits)
         trace.trace_id = _trace_id(trace)  # the stored trace carries the id it is stored under
+        if found and REDACTED in trace.trace_id:
+            # Two ids holding different secrets would be one id once redacted.
+            raise Invalid("trace_id holds what looks like a secret, which is redacted "
+                          "wherever it is stored: send another id", field="trace_id")
         _fits_columns(trace)
         evaluation = self.environment.evaluate(trace)
         _bounded_reward(evaluation.reward, trace.outcome.reward)

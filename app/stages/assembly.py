@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import OtlpConfig
 from app.db import search
+from app.db.errors import database_error, refuses_row
 from app.db.models import REVIEWS, TRACES
 from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
@@ -129,8 +131,40 @@ class AssemblyStage:
                 return await self._forget()
         made = await current.made
         self._next = await self._look(exclude=[d.trace_id for d in current.due])
-        await self._write(current, made)
+        try:
+            await self._write(current, made)
+        except SQLAlchemyError as exc:
+            if not refuses_row(exc):
+                raise  # the database failing: the pass is tried again
+            # A row the database will not take, whichever it is, refuses its trace
+            # alone, never every pass after it.
+            await self._write(current, await self._refused_by_database(current, made))
         return len(current.due)
+
+    async def _refused_by_database(
+        self, current: _Pass, made: list[TraceRow | HubError]
+    ) -> list[TraceRow | HubError]:
+        """`made`, with the rows the database refuses made refusals: each trace's
+        writes tried alone, in a savepoint, and all of them rolled back."""
+        sorted_out = list(made)
+        async with self._engine.connect() as conn:
+            trial = await conn.begin()
+            try:
+                for index, (trace_id, row) in enumerate(zip(current.todo, made)):
+                    if isinstance(row, HubError):
+                        continue
+                    try:
+                        async with conn.begin_nested():
+                            new = await conn.run_sync(insert_traces, [row])
+                            await _outcome(conn, trace_id, INSERT.row(row.values),
+                                           row.search_text, current.stored.get(trace_id), new)
+                    except SQLAlchemyError as exc:
+                        if not refuses_row(exc):
+                            raise
+                        sorted_out[index] = database_error(exc)
+            finally:
+                await trial.rollback()
+        return sorted_out
 
     async def settle(self) -> None:
         """(`Concurrent`) Nothing is left unwritten between passes that drain() waits for:
