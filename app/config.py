@@ -464,6 +464,12 @@ class OtlpConfig(_Section):
     # Spans in one request (and groups of them: resource and scope), counted before
     # any is read; past it, 413. Exporters send 512 at a time by default.
     max_spans_per_request: int = Field(10_000, gt=0)
+    # A trajectory is made of at most this many of its trace's spans, and this many
+    # bytes of them (as stored, protobuf), the first by start time: what an agent run
+    # may cost the assembly in memory. A trajectory that leaves spans out says so
+    # (metadata.truncated).
+    max_spans_per_trace: int = Field(10_000, gt=0)
+    max_bytes_per_trace: int = Field(32 * 2**20, gt=0)
 
 
 class HubConfig(_Section):

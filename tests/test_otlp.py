@@ -446,6 +446,39 @@ def test_a_span_after_batching_is_kept_and_counted_late(
         assert staged(trace_server, tid) == [late["spanId"]]  # kept
 
 
+def test_a_trajectory_past_the_per_trace_bounds_is_made_of_its_first_spans_and_marked(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    """otlp.max_spans_per_trace and otlp.max_bytes_per_trace: the first spans by start
+    time make the trajectory, which says how many were left out; several such traces
+    due at once are read a few at a time (what a pass holds is bounded too), and each
+    is made."""
+    hub = start_hub(trace_server, otlp={**QUIET, "max_spans_per_trace": 3})
+    tid = trace_id()
+    with hub.client() as client:
+        assert client.post("/v1/traces", json=document(weather_run(tid))).status_code == 200
+        record = trajectory(client, tid)
+        truncated = record["trace"]["metadata"]["truncated"]
+        assert truncated["spans_left_out"] == 1
+        assert "otlp.max_spans_per_trace (3)" in truncated["reason"]
+        assert record["trace"]["metadata"]["spans"] == 3
+        # The last chat span (the answer) is the one left out; the tool run is there.
+        assert weather_steps(record["trace"])[:2] == WEATHER_STEPS[:2]
+    hub.stop()  # one assembler on the database at a time
+
+    one_span = len(protobuf(document(weather_run(trace_id())[1:2])))
+    hub = start_hub(trace_server, otlp={**QUIET, "max_bytes_per_trace": 3 * one_span})
+    ids = [trace_id() for _ in range(4)]
+    with hub.client() as client:
+        body = document([s for tid in ids for s in weather_run(tid)])
+        assert client.post("/v1/traces", json=body).status_code == 200
+        for tid in ids:
+            metadata = trajectory(client, tid)["trace"]["metadata"]
+            assert metadata["truncated"]["spans_left_out"] >= 1
+            assert "otlp.max_bytes_per_trace" in metadata["truncated"]["reason"]
+        assert otlp_stats(client)["assembled_traces"] == 1 + len(ids)
+
+
 def test_without_a_root_span_it_is_assembled_after_max_wait_as_incomplete(
     start_hub: Any, trace_server: dict[str, Any]
 ) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -157,10 +157,12 @@ def compile_pattern(pattern: str) -> Any:
 @dataclass(frozen=True, slots=True)
 class Redacted:
     """An item whose secrets were replaced before it came to be prepared (an OTLP
-    trace: its spans were redacted as they were stored), and how many, by kind."""
+    trace: its spans were redacted as they were stored), and how many, by kind;
+    `metadata`: what its trace's metadata says besides (spans left out of it)."""
 
     item: Any
     counts: dict[str, int]
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @lru_cache(maxsize=4)

@@ -62,10 +62,12 @@ class Preparer:
     redactor: Redactor = field(default_factory=lambda: Redactor(PrivacyConfig()))
 
     def row(
-        self, item: Any, fmt: str | None = None, redacted: Mapping[str, int] | None = None
+        self, item: Any, fmt: str | None = None, redacted: Mapping[str, int] | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """`redacted`: the item's secrets went before it came here (OTLP spans are
-        redacted as they are stored), and these were replaced, by kind."""
+        redacted as they are stored), and these were replaced, by kind. `metadata`:
+        what the trace's metadata says besides what the item holds."""
         # The limits are checked first, so that a trace over one costs no parsing.
         check_item(item, self.limits)
         canonical = canonical_json(item)  # refuses what the `original` column cannot hold
@@ -87,6 +89,7 @@ class Preparer:
             dumped = trace.model_dump(exclude_none=True)
             if b"\\u0000" in _json(dumped):
                 trace = Trace.model_validate(_without_nul(dumped))
+        trace.metadata.update(metadata or {})
         if redactions:
             trace.metadata["redactions"] = redactions
         else:
@@ -139,12 +142,13 @@ class Preparer:
         which is cheaper to send to a process than the parsed value; or `Redacted`
         (OTLP spans, whose secrets went before they were stored)."""
         earlier: Mapping[str, int] | None = None
+        metadata: Mapping[str, Any] | None = None
         if isinstance(item, Redacted):
-            item, earlier = item.item, item.counts
+            item, earlier, metadata = item.item, item.counts, item.metadata
         try:
             return TraceRow.of(self.row(
                 formats.load(item, fmt) if isinstance(item, bytes) else item, fmt,
-                redacted=earlier,
+                redacted=earlier, metadata=metadata,
             ))
         except HubError as exc:
             return exc

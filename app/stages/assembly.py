@@ -191,12 +191,31 @@ class AssemblyStage:
             todo = [d.trace_id for d in due if d.trace_id not in stored
                     or (stored[d.trace_id].source_format == NAME
                         and stored[d.trace_id].stage not in FINAL_STAGES)]
-            spans = await store.spans_of(conn, todo)
+            config = self._config
+            spans = await store.spans_of(
+                conn, todo, max_spans=config.max_spans_per_trace,
+                max_bytes=config.max_bytes_per_trace, budget=config.max_bytes_per_trace)
+        # Those the pass has no room for are left open, and due: the next pass reads them.
+        due = [d for d in due if d.trace_id in spans or d.trace_id not in todo]
+        todo = [trace_id for trace_id in todo if trace_id in spans]
         # The spans' secrets went before they were stored: their counts go with them.
         items = [Redacted(wire.join(_groups(spans[trace_id].spans)),
-                          dict(spans[trace_id].redactions)) for trace_id in todo]
+                          dict(spans[trace_id].redactions), self._truncated(spans[trace_id]))
+                 for trace_id in todo]
         made = asyncio.ensure_future(self._prepare(items, NAME))
         return _Pass(due, stored, todo, made)
+
+    def _truncated(self, spans: store.TraceSpans) -> dict[str, Any]:
+        """The trajectory's mark when spans of its trace were left out of it."""
+        if not spans.left_out:
+            return {}
+        return {"truncated": {
+            "spans_left_out": spans.left_out,
+            "reason": f"a trajectory is made of at most otlp.max_spans_per_trace "
+                      f"({self._config.max_spans_per_trace}) spans and "
+                      f"otlp.max_bytes_per_trace ({self._config.max_bytes_per_trace}) "
+                      "bytes of them, the first by start time",
+        }}
 
     async def _write(self, current: _Pass, made: list[TraceRow | HubError]) -> None:
         due, stored = current.due, current.stored
@@ -273,6 +292,8 @@ async def _outcome(
         return "refused", row.message
     if trace_id in new:
         return "new", None
+    if stored is None:
+        return "again", None  # made by another process since the look above
     if stored.content_hash == row["content_hash"]:
         return "unchanged", None  # assembled again from the same spans (after a restart)
     c = TRACES.c
