@@ -63,13 +63,13 @@ ENV_DUMP = (
 ALL_KINDS = {kind: 1 for kind in SECRETS}
 
 
-def leaked(paths: list[Path]) -> dict[str, list[str]]:
+def leaked(paths: list[Path], secrets: dict[str, str] = SECRETS) -> dict[str, list[str]]:
     """Each file under `paths` that holds a secret's bytes, and which."""
     found: dict[str, list[str]] = {}
     for root in paths:
         for path in [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()):
             data = path.read_bytes()
-            hits = [kind for kind, secret in SECRETS.items() if secret.encode() in data]
+            hits = [kind for kind, secret in secrets.items() if secret.encode() in data]
             if hits:
                 found[str(path)] = hits
     return found
@@ -186,15 +186,21 @@ def _group() -> dict[str, Any]:
     }
 
 
-def test_no_path_stores_a_secret(start_hub: Any, tmp_path: Path) -> None:
-    db = tmp_path / "traces.db"
-    trace_server = {"storage_backend": "sqlite", "db_path": str(db)}
+def _batching(tmp_path: Path, batch_size: int) -> tuple[dict[str, Any], Path, dict[str, Any]]:
+    """A SQLite hub's trace_server section, its batch directory and the sections that
+    batch every trace there, `batch_size` at a time."""
+    trace_server = {"storage_backend": "sqlite", "db_path": str(tmp_path / "traces.db")}
     out = tmp_path / "batches"
     sections: dict[str, Any] = {
         "environment": {"invalid_trace_filters": []},
-        "distributor": {"target": "jsonl", "output_dir": str(out), "batch_size": 5,
+        "distributor": {"target": "jsonl", "output_dir": str(out), "batch_size": batch_size,
                         "min_reward_threshold": -1000},
     }
+    return trace_server, out, sections
+
+
+def test_no_path_stores_a_secret(start_hub: Any, tmp_path: Path) -> None:
+    trace_server, out, sections = _batching(tmp_path, 5)
     # atropos import of a file, into the database.
     source = tmp_path / "agent-run.jsonl"
     source.write_text(json.dumps({"messages": [
@@ -291,14 +297,7 @@ def test_secrets_spelt_to_slip_past_are_redacted_on_the_way_to_training(
     its line breaks escaped), secrets \\u-escaped in JSON tool arguments, URL passwords
     holding `/`, `+` or `@`, and a secret in a span id that does not decode: in no
     file the hub writes (database, batch files, export), nor its log."""
-    db = tmp_path / "traces.db"
-    trace_server = {"storage_backend": "sqlite", "db_path": str(db)}
-    out = tmp_path / "batches"
-    sections: dict[str, Any] = {
-        "environment": {"invalid_trace_filters": []},
-        "distributor": {"target": "jsonl", "output_dir": str(out), "batch_size": 3,
-                        "min_reward_threshold": -1000},
-    }
+    trace_server, out, sections = _batching(tmp_path, 3)
     key = ("-----BEGIN RSA PRIVATE KEY-----\n" + SLIPPED["private_key"] + "\n"
            + SLIPPED["private_key"][::-1] + "\n")  # `head -3 id_rsa`: no END line
     hermes = {"conversations": [
@@ -349,11 +348,7 @@ def test_secrets_spelt_to_slip_past_are_redacted_on_the_way_to_training(
     assert done.returncode == 0, done.stderr
     assert "[REDACTED:private_key]" in exported.read_text()
     written = [p for p in tmp_path.iterdir() if p.name.startswith("traces.db")]
-    files = [*written, out, exported]
-    assert {str(p): [k for k, s in SLIPPED.items() if s.encode() in p.read_bytes()]
-            for root in files for p in ([root] if root.is_file() else root.rglob("*"))
-            if p.is_file() and any(s.encode() in p.read_bytes() for s in SLIPPED.values())
-            } == {}
+    assert leaked([*written, out, exported], SLIPPED) == {}
 
 
 def test_a_secret_shaped_trace_id_is_refused_not_merged_with_another(client: Any) -> None:
