@@ -40,10 +40,10 @@ it; nothing takes the trace under min_tokens_after.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.compression.facts import facts, step_text
+from app.compression.facts import TOKEN, candidates, facts, step_text
 from app.compression.ledger import Budget, Ledger, Links, answer, is_error, speaker
 from app.config import CompressionConfig
 from app.domain import Step, StepType, Trace
@@ -85,12 +85,10 @@ class Shape:
         return lambda fact: keeper.get(fact) == i and last_use.get(fact, -1) > i
 
 
-def shape(
-    trace: Trace, policy: CompressionConfig, extra: Iterable[int] = (), links: Links | None = None
-) -> Shape:
+def shape(trace: Trace, policy: CompressionConfig, links: Links | None = None) -> Shape:
     steps = trace.steps
     links = links or Links.of(steps)
-    found = Shape(protected=set(extra), owner=links.owner, results=links.results)
+    found = Shape(owner=links.owner, results=links.results)
     preserve = set(policy.preserve_fields)
     found.whole.update(answer(steps))
     found.whole.update(i for i, s in enumerate(steps) if _unchangeable(s))
@@ -108,15 +106,18 @@ def shape(
     if "error_context" in preserve:
         found.protected.update(_error_context(steps, found))
     found.protected |= found.whole
-    for fact in facts(trace.task or ""):
-        found.keeper[fact] = -1
     for i, step in enumerate(steps):
         if speaker(step) == "assistant":
             for fact in facts(step_text(step), parts=False):
                 found.last_use[fact] = i
-        else:
-            for fact in facts(step_text(step)):
-                found.keeper.setdefault(fact, i)
+    # Only what an assistant turn states needs a keeper.
+    stated = found.last_use
+    for i, text in [(-1, trace.task or ""), *((i, step_text(s)) for i, s in enumerate(steps)
+                                             if speaker(s) != "assistant")]:
+        for token in set(TOKEN.findall(text)):
+            for part in candidates(token):
+                if part in stated:
+                    found.keeper.setdefault(part, i)
     return found
 
 
@@ -125,11 +126,9 @@ def _unchangeable(step: Step) -> bool:
     return step.type is StepType.MESSAGE and speaker(step) in ("system", "user")
 
 
-def key_decision_extract(
-    ledger: Ledger, policy: CompressionConfig, budget: Budget, extra: Iterable[int] = ()
-) -> None:
+def key_decision_extract(ledger: Ledger, policy: CompressionConfig, budget: Budget) -> None:
     """Cut `ledger` toward `budget.aim` in the order the module docstring gives."""
-    found = shape(ledger.trace, policy, extra, ledger.links)
+    found = shape(ledger.trace, policy, ledger.links)
     passes = _passes(policy, found)
     while True:
         for run in passes:

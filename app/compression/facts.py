@@ -22,7 +22,7 @@ backed.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from app.domain import Step
 
@@ -45,16 +45,25 @@ def facts(text: str, *, parts: bool = True) -> set[str]:
     the text states: a path stands for itself and its file name, but a date or an
     amount does not state its year or its cents."""
     found: set[str] = set()
-    splits = (_COLON, _SLASH, _PARTS) if parts else (_COLON, _SLASH)
-    for match in TOKEN.finditer(text):
-        token = match.group().strip("$")
-        if _is_fact(token):
-            found.add(token)
-        if _PARTS.search(token):
-            # A path with its line number, its file name, then every part.
-            for split in splits:
-                found.update(part for part in split.split(token) if _is_fact(part))
+    for token in set(TOKEN.findall(text)):
+        found.update(p for p in candidates(token, parts=parts) if _is_fact(p))
     return found
+
+
+def candidates(token: str, *, parts: bool = True) -> list[str]:
+    """A token and what it also stands for (its parts), facts or not."""
+    token = token.strip("$")
+    if not _PARTS.search(token):
+        return [token]
+    # A path with its line number, its file name, then every part.
+    splits = (_COLON, _SLASH, _PARTS) if parts else (_COLON, _SLASH)
+    return [token, *(part for split in splits for part in split.split(token))]
+
+
+def holds(text: str, wanted: Callable[[str], bool]) -> bool:
+    """Whether `text` holds a fact `wanted` says yes to (it is only asked about the
+    text's tokens and their parts, facts or not: for a set of facts, the same)."""
+    return any(wanted(p) for token in set(TOKEN.findall(text)) for p in candidates(token))
 
 
 def _is_fact(token: str) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from app.compression.facts import TOKEN as _FACT_TOKEN
-from app.compression.facts import facts
+from app.compression.facts import candidates, holds
 from app.domain import Step, StepType, Trace
 from app.ingest.tokens import count_parts, count_tokens
 
@@ -466,7 +466,7 @@ def elide(
 
 
 def _holds(line: str, needed: Callable[[str], bool]) -> bool:
-    return any(needed(fact) for fact in facts(line))
+    return holds(line, needed)
 
 
 def _elided(text: str, chars_per_token: float) -> tuple[float, str]:
@@ -482,7 +482,7 @@ def _fragments(
     """A long line as the facts it holds, each with some context, and the gaps."""
     spans: list[list[int]] = []
     for match in _FACT_TOKEN.finditer(line):
-        if any(needed(fact) for fact in facts(match.group())):
+        if any(needed(p) for p in candidates(match.group())):
             start, end = max(0, match.start() - _BEFORE), min(len(line), match.end() + _AFTER)
             if spans and start <= spans[-1][1]:
                 spans[-1][1] = max(spans[-1][1], end)
