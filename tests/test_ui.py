@@ -436,7 +436,7 @@ def test_with_auth_a_page_asks_for_a_key_once(browser: Browser, guarded: HubProc
         page.locator("form.login button").click()
         expect(page).to_have_url(re.compile(r"/ui/traces\?status=timeout$"))
         assert page.locator("tr.trace").count() > 0
-        [cookie] = [c for c in tab.context.cookies() if c["name"] == "atropos_key"]
+        [cookie] = [c for c in tab.context.cookies() if c["name"] == "atropos_session"]
         assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
         assert page.evaluate("document.cookie") == ""  # no script reads either cookie
 
@@ -454,7 +454,7 @@ def test_with_auth_a_page_asks_for_a_key_once(browser: Browser, guarded: HubProc
         page.goto("/ui")
         page.click("text=Log out")
         expect(page).to_have_url(re.compile(r"/ui/login$"))
-        assert [c for c in tab.context.cookies() if c["name"] == "atropos_key"] == []
+        assert [c for c in tab.context.cookies() if c["name"] == "atropos_session"] == []
         page.goto("/ui")
         expect(page).to_have_url(re.compile(r"/ui/login"))
 
