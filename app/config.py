@@ -538,6 +538,12 @@ class OtlpConfig(_Section):
     # Spans in one request (and groups of them: resource and scope), counted before
     # any is read; past it, 413. Exporters send 512 at a time by default.
     max_spans_per_request: int = Field(10_000, gt=0)
+    # A trajectory is made of at most this many of its trace's spans, and this many
+    # bytes of them (as stored, protobuf), the first by start time: what an agent run
+    # may cost the assembly in memory. A trajectory that leaves spans out says so
+    # (metadata.truncated).
+    max_spans_per_trace: int = Field(10_000, gt=0)
+    max_bytes_per_trace: int = Field(32 * 2**20, gt=0)
 
 
 class HubConfig(_Section):
@@ -567,9 +573,7 @@ class HubConfig(_Section):
 
 
 PreservedField = Literal["user_instruction", "final_action", "reward_signal", "error_context"]
-DroppedField = Literal[
-    "intermediate_thoughts", "repeated_observations", "redundant_tool_outputs", "system_prompt"
-]
+DroppedField = Literal["intermediate_thoughts", "repeated_observations", "redundant_tool_outputs"]
 
 
 class CompressionConfig(_Section):
@@ -577,15 +581,14 @@ class CompressionConfig(_Section):
     ratio: float = Field(0.3, gt=0, le=1)
     min_tokens_after: int = Field(500, ge=0)
     max_tokens_after: int = Field(8000, gt=0)
+    # A trace is compressed only when that saves at least this share of its tokens;
+    # otherwise it is kept whole (compression_skipped, with the saving it would have had).
+    min_saving: float = Field(0.1, ge=0, lt=1)
     strategy: Literal["key_decision_extract", "summarize_middle"] = "key_decision_extract"
     preserve_fields: list[PreservedField] = Field(
         default_factory=lambda: list(get_args(PreservedField))
     )
-    # `system_prompt` (cut the system prompt when nothing else is left) is not a default:
-    # the prompt defines the tools and the policy every step follows.
-    drop_fields: list[DroppedField] = Field(
-        default_factory=lambda: [f for f in get_args(DroppedField) if f != "system_prompt"]
-    )
+    drop_fields: list[DroppedField] = Field(default_factory=lambda: list(get_args(DroppedField)))
     dedup_window: int = Field(5, ge=0)
     # summarize_middle: turns kept verbatim at the end, and the summary's size (Hermes'
     # trajectory_compressor defaults).
@@ -602,6 +605,17 @@ class CompressionConfig(_Section):
     # summarize_middle: model calls in flight at once, per worker. Traces that need no
     # call (skips) never wait for them.
     max_concurrent_calls: int = Field(4, gt=0)
+
+    @field_validator("drop_fields", mode="before")
+    @classmethod
+    def _system_prompt_stays(cls, value: Any) -> Any:
+        if isinstance(value, list) and "system_prompt" in value:
+            raise ValueError(
+                "'system_prompt' cannot be dropped: compression never alters the system "
+                "prompt (it defines the tools and the policy every step follows); remove "
+                "it from drop_fields"
+            )
+        return value
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> CompressionConfig:

@@ -11,13 +11,23 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
-from tests.support.databases import PG_ADMIN_URL, create_pg_database, drop_pg_database, make_api_key
+from app.atropos.tables import ATROPOS_BATCHES, AtroposBatchState
+from app.db.types import utcnow
+from tests.support.databases import (
+    PG_ADMIN_URL,
+    create_pg_database,
+    db_execute,
+    drop_pg_database,
+    make_api_key,
+)
 from tests.support.hubs import InProcessHub, write_config
 from tests.support.processes import HubProcess, run_cli
 from tests.support.waiting import wait_until
@@ -415,6 +425,28 @@ def test_ack_lease_and_redelivery(start_hub_process: Any, trace_server: dict[str
     assert batch_markers(client) is None
     assert client.get("/status").json() == {"current_step": 3, "queue_size": 0}
     client.close()
+
+
+def test_a_backward_clock_step_holds_a_leased_batch_no_longer_than_its_lease(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    """A batch leased, then the clock stepped back ten minutes (its stored deadline is ten
+    minutes further off than the lease lasts): served again after the lease, not after
+    the step."""
+    hub = start_hub(trace_server, atropos={"ack_timeout_seconds": 1})
+    with hub.client() as client:
+        register(client, batch_size=2)
+        start(client)
+        sent = group(2)
+        post(client, sent)
+        leased = client.get("/batch", params={"ack": 1}).json()
+        assert [marker(g) for g in leased["batch"]] == [marker(sent)]
+        db_execute(trace_server, sa.update(ATROPOS_BATCHES)
+                   .where(ATROPOS_BATCHES.c.state == AtroposBatchState.LEASED)
+                   .values(lease_expires_at=utcnow() + timedelta(minutes=10)))
+        assert batch_markers(client) is None  # still leased
+        assert wait_until(lambda: batch_markers(client), timeout=15,
+                          what="the batch served again") == [marker(sent)]
 
 
 # --- limits ---------------------------------------------------------------------------

@@ -241,7 +241,13 @@ def test_a_compressed_trace_shows_both_sides(visit: Visit, store: dict[str, Any]
     removed = section.locator(".row-removed")
     assert removed.count() > 0
     expect(removed.first.locator(".original article.step")).to_be_visible()
-    expect(removed.first.locator(".compressed .badge.change-removed")).to_have_text("removed")
+    # What compression did, in words: a dropped thought, an elided output.
+    expect(removed.first.locator(".compressed .badge.change-removed")).to_have_text(
+        "thought dropped")
+    elided = section.locator(".compressed .badge.kind-redundant_tool_outputs")
+    assert elided.count() > 0
+    expect(elided.first).to_have_text(re.compile(r"output elided: [\d,]+ tokens"))
+    expect(section).to_contain_text("tokens of output elided …]")
     kept = section.locator(".row-kept")
     assert kept.count() > 0 and kept.first.locator("article.step").count() == 2
     visit.shot("trace-compressed")

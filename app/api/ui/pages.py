@@ -83,7 +83,7 @@ async def overview(
         "rejections": charts.bars(
             sorted(stats["rejections_by_filter"].items(), key=lambda kv: -kv[1]),
             {f: f"/ui/traces?rejected_by={f}" for f in stats["rejections_by_filter"]}),
-        "histogram": charts.bars(_histogram(stats["reward_histogram"])),
+        "histogram": charts.bars(charts.histogram(stats["reward_histogram"])),
         "over_time": charts.charts_over_time(buckets),
         "bucket": _duration(bucket),
         "chosen": chosen,
@@ -111,19 +111,6 @@ def _funnel(total: int, by_stage: dict[str, int]) -> list[tuple[str, float]]:
 def _ordered(counts: dict[str, int], order: list[str]) -> list[tuple[str, float]]:
     known: list[tuple[str, float]] = [(k, counts[k]) for k in order if k in counts]
     return known + [(k, v) for k, v in sorted(counts.items()) if k not in order]
-
-
-def _histogram(buckets: list[dict[str, Any]]) -> list[tuple[str, float]]:
-    """The reward histogram's bars, the empty buckets between the lowest and the
-    highest included (the API lists only buckets that hold traces)."""
-    if not buckets:
-        return []
-    width = buckets[0]["to"] - buckets[0]["from"]
-    held = {b["from"]: b["traces"] for b in buckets}
-    low, high = buckets[0]["from"], buckets[-1]["from"]
-    steps = round((high - low) / width)
-    return [(f"{low + i * width:g} to {low + (i + 1) * width:g}", held.get(low + i * width, 0))
-            for i in range(steps + 1)]
 
 
 def _duration(seconds: int) -> str:
