@@ -5,6 +5,7 @@ hub and as the ground truth a trajectory must match."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +84,72 @@ def _value(v: Any) -> dict[str, Any]:
     if isinstance(v, list):
         return {"arrayValue": {"values": [_value(x) for x in v]}}
     return {"stringValue": str(v)}
+
+
+@dataclass
+class Truth:
+    """What a run really was, from what the framework sent the model and got back."""
+
+    task: str
+    model: str
+    calls: list[tuple[str, Any, str]]  # (name, arguments, id), as the model made them
+    texts: list[str]  # what the model said, in order
+    results: dict[str, str]  # call id -> the result the model was sent (keyed APIs)
+    seen: str  # every text the model was sent
+    usage: tuple[int, int]
+    last_text: str | None  # the model's last answer, when it was text
+    last_calls: list[str]  # the calls of the model's last answer: no request shows a result
+
+
+def truth(log: list[dict[str, Any]]) -> Truth:
+    calls: list[tuple[str, Any, str]] = []
+    texts: list[str] = []
+    results: dict[str, str] = {}
+    seen: list[str] = []
+    used = [0, 0]
+    users: list[str] = []
+    last_text: str | None = None
+    for entry in log:
+        request, response = entry["request"], entry["response"]
+        if entry["api"] == "responses":
+            seen.append(str(request.get("instructions") or ""))
+            for item in request["input"]:
+                if item.get("type") == "function_call_output":
+                    results[item["call_id"]] = item["output"]
+                    seen.append(item["output"])
+                elif item.get("role") == "user":
+                    users.append(_text(item["content"]))
+            said = response
+            calls_now = [(i["name"], json.loads(i["arguments"]), i["call_id"])
+                         for i in said if i["type"] == "function_call"]
+            text = "".join(p["text"] for i in said if i["type"] == "message"
+                           for p in i["content"] if p["type"] == "output_text") or None
+            used[0] += entry["usage"]["input_tokens"]
+            used[1] += entry["usage"]["output_tokens"]
+        else:
+            for message in request["messages"]:
+                content = _text(message.get("content"))
+                seen.append(content)
+                if message["role"] == "tool":
+                    results[message["tool_call_id"]] = content
+                elif message["role"] == "user":
+                    users.append(content)
+            calls_now = [(c["function"]["name"], json.loads(c["function"]["arguments"]), c["id"])
+                         for c in response.get("tool_calls") or []]
+            text = response.get("content") or None
+            used[0] += entry["usage"]["prompt_tokens"]
+            used[1] += entry["usage"]["completion_tokens"]
+        calls += calls_now
+        if text:
+            texts.append(text)
+        last_text = text if not calls_now else None
+    first = log[0]["request"]
+    return Truth(task=users[0], model=first["model"], calls=calls, texts=texts,
+                 results=results, seen="\n".join(seen), usage=(used[0], used[1]),
+                 last_text=last_text, last_calls=[c[2] for c in calls_now])
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return content or ""
