@@ -5,6 +5,7 @@ the model really did and saw, or a refusal that says what the sender should chan
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from tests.support.captures import CAPTURES, Truth, document, model_log, spans, truth
 from tests.support.hubs import InProcessHub
 from tests.support.otlp import QUIET, otlp_stats, trajectory
+from tests.support.waiting import wait_until
 
 SETUPS = sorted(p.name for p in CAPTURES.iterdir() if p.is_dir()) if CAPTURES.is_dir() else []
 pytestmark = pytest.mark.skipif(not SETUPS, reason=f"no captures at {CAPTURES}")
@@ -83,3 +85,60 @@ def _matches(trace: dict[str, Any], real: Truth, where: str) -> None:
         assert failed or told, where
     assert trace["metadata"]["usage"] == {"input_tokens": real.usage[0],
                                           "output_tokens": real.usage[1]}, where
+
+
+_CONTENT = ("gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.system_instructions")
+
+
+def _as_another_run(captured: list[dict[str, Any]], **drop: bool) -> list[dict[str, Any]]:
+    """The same spans under a new trace id, without message content when `content`."""
+    tid = os.urandom(16).hex()
+    return [{**s, "trace_id": tid,
+             "attributes": {k: v for k, v in s["attributes"].items()
+                            if not (drop.get("content") and k in _CONTENT)}}
+            for s in captured]
+
+
+@pytest.mark.parametrize("dialect", ["sqlite"])
+def test_spans_without_message_content_are_refused_visibly_once_per_service_and_reason(
+    otlp_hub: InProcessHub,
+) -> None:
+    """openai-v2 with OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true: its chat
+    spans carry no messages, the agent's own execute_tool spans do."""
+    runs = [_as_another_run(spans("openai-v2", "basic"), content=True) for _ in range(3)]
+    with otlp_hub.client() as client:
+        for run in runs:
+            assert client.post("/v1/traces", json=document(run)).status_code == 200
+        wait_until(lambda: otlp_stats(client)["refused_traces"] == 3, what="3 refusals")
+        refusals = client.get("/v1/stats").json()["otlp"]["refusals"]
+        assert len(refusals) == 1 and refusals[0]["traces"] == 3
+        reason = refusals[0]["reason"]
+        assert reason.startswith("service rv-openai-v2: ")
+        assert "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_AND_EVENT" in reason
+        for run in runs:  # kept, not made into a trajectory with no task
+            assert client.get(f"/v1/traces/{run[0]['trace_id']}").status_code == 404
+        warnings = [line for line in otlp_hub.log.splitlines()
+                    if " WARNING " in line and "make no trajectory" in line]
+        assert len(warnings) == 1 and reason in warnings[0]
+        page = client.get("/ui")
+        assert page.status_code == 200
+        shown = page.text[page.text.index('id="otlp-refusals"'):]
+        assert "service rv-openai-v2" in shown
+        assert "CAPTURE_MESSAGE_CONTENT=SPAN_AND_EVENT" in shown
+
+
+@pytest.mark.parametrize("dialect", ["sqlite"])
+def test_a_run_without_the_models_answer_is_refused_not_stored(otlp_hub: InProcessHub) -> None:
+    """A trajectory with no assistant turn would be batched, exported and paired as
+    training data with nothing to learn."""
+    captured = _as_another_run(spans("openai-v2", "basic"))
+    # The run's first model call, its answer not recorded, and the agent's root span.
+    first = next(s for s in captured if s["name"].startswith("chat"))
+    first["attributes"].pop("gen_ai.output.messages")
+    run = [first] + [s for s in captured if not s["parent_span_id"]]
+    with otlp_hub.client() as client:
+        assert client.post("/v1/traces", json=document(run)).status_code == 200
+        wait_until(lambda: otlp_stats(client)["refused_traces"] == 1, what="the refusal")
+        [refusal] = client.get("/v1/stats").json()["otlp"]["refusals"]
+        assert "no assistant turn" in refusal["reason"]
+        assert client.get(f"/v1/traces/{run[0]['trace_id']}").status_code == 404

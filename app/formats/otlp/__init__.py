@@ -26,7 +26,7 @@ mapping with an example per convention; in short:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 from app.domain import Step, StepType, Trace
 from app.formats import _common as c
@@ -79,6 +79,7 @@ def parse(item: dict[str, Any]) -> Trace:
         c.fail("resourceSpans", f"holds the spans of {len(trace_ids)} traces; a trajectory "
                "is the spans of one trace")
     trace_id = trace_ids[0]
+    sender = _service(spans)
     exchanges: list[Exchange] = []
     runs: list[ToolRun] = []
     offered: list[Any] = []
@@ -94,13 +95,13 @@ def parse(item: dict[str, Any]) -> Trace:
         offered += genai.tools(span) + openinference.tools(span) + langfuse.tools(span)
     if model_calls and not exchanges:
         # Tool spans alone would make calls the model's record does not hold.
-        c.fail(None, NO_MESSAGES)
+        _refuse(NO_MESSAGES, sender)
     conversation = one_conversation(exchanges, runs)
     messages = openai_messages(conversation)
     if not exchanges:
         _agent_io(spans, messages)
     if not messages:
-        c.fail(None, NO_CONTENT)
+        _refuse(NO_CONTENT, sender)
     roots = [span for span in spans if span.root]
     first = roots + [span for span in spans if not span.root]
     record: dict[str, Any] = {
@@ -122,7 +123,7 @@ def parse(item: dict[str, Any]) -> Trace:
     if reward is not None:
         record["reward"] = reward
     trace = openai.parse(record)
-    _check(trace)
+    _check(trace, sender)
     return trace.model_copy(update={"source_format": NAME,
                                     "steps": _with_errors(trace.steps, tool_errors(conversation))})
 
@@ -132,15 +133,21 @@ def _model_call(span: Span) -> bool:
             or langfuse.kind(span) == "generation")
 
 
-def _check(trace: Trace) -> None:
+def _check(trace: Trace, sender: str | None) -> None:
     """A trajectory is a task and what the model did with it: without either it is no
     training data, and refused, with what the sender should change."""
     if not trace.task.strip():
-        c.fail(None, NO_TASK)
+        _refuse(NO_TASK, sender)
     if not any(step.type in _ASSISTANT_STEPS
                or (step.type == StepType.MESSAGE and step.role == "assistant")
                for step in trace.steps):
-        c.fail(None, NO_ASSISTANT)
+        _refuse(NO_ASSISTANT, sender)
+
+
+def _refuse(reason: str, sender: str | None) -> NoReturn:
+    """The same words for every trace of a service refused for one reason: the hub
+    warns of each once and counts them (/v1/stats otlp.refusals)."""
+    c.fail(None, f"service {sender or '(unnamed)'}: {reason}")
 
 
 _ASSISTANT_STEPS = (StepType.ACTION, StepType.FINAL, StepType.THOUGHT)
