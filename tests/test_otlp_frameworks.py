@@ -41,7 +41,7 @@ def test_each_run_is_the_trajectory_the_model_had(otlp_hub: InProcessHub, setup:
         for scenario in _scenarios(setup):
             captured = spans(setup, scenario)
             stored = trajectory(client, captured[0]["trace_id"])["trace"]
-            _matches(stored, truth(model_log(setup, scenario)), f"{setup}/{scenario}")
+            matches(stored, truth(model_log(setup, scenario)), f"{setup}/{scenario}")
 
 
 # What the model was sent that no span records: PydanticAI's spans hold a tool's retry
@@ -50,7 +50,8 @@ def test_each_run_is_the_trajectory_the_model_had(otlp_hub: InProcessHub, setup:
 _NOT_IN_THE_SPANS = {("pydantic-ai/tool_error", "call_fake004"): "no such city: Atlantis"}
 
 
-def _matches(trace: dict[str, Any], real: Truth, where: str) -> None:
+def matches(trace: dict[str, Any], real: Truth, where: str) -> None:
+    """A stored trajectory against what its run really sent the model and got back."""
     steps = trace["steps"]
     assert trace["task"] == real.task, where
     assert trace["agent"] == {"name": "weather_agent", "model": real.model}, where

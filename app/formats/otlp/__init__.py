@@ -264,9 +264,7 @@ def _metadata(spans: list[Span], roots: list[Span]) -> dict[str, Any]:
             usage["output_tokens"] += counted[1]
             continue
         # Model calls only: an agent span may repeat the sum of its calls.
-        if a.get("gen_ai.operation.name") not in genai.MODEL_CALLS and (
-            openinference.kind(span) != "LLM"
-        ):
+        if not _model_call(span):
             continue
         usage["input_tokens"] += _count(a.get("gen_ai.usage.input_tokens",
                                               a.get("llm.token_count.prompt")))
@@ -278,6 +276,9 @@ def _metadata(spans: list[Span], roots: list[Span]) -> dict[str, Any]:
 
 
 def _count(value: Any) -> int:
+    """A token count, written as a number or (Logfire) as its digits."""
+    if isinstance(value, str) and value.isdecimal() and len(value) < 20:
+        return int(value)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 

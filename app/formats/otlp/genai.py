@@ -13,7 +13,9 @@ today (docs/otlp.md has an example of each):
   `gen_ai.completion`: OpenAI messages as JSON).
 - Logfire (`logfire.instrument_openai_agents()`): the same per-message events, as a
   JSON list in the span's `events` attribute (each with its `event.name`; the
-  answer's messages last); tool runs are `Function: {name}` spans with `name`,
+  answer's messages last), or, for a Chat Completions model, `Chat completion with
+  ...` spans whose `input` and `output` are OpenAI messages; tool runs are
+  `Function: {name}` spans with `name`,
   `input`, `output` and, when the tool failed, `error` = `{"message", "data"}`.
 - OpenLLMetry (Traceloop): indexed attributes `gen_ai.prompt.N.role` / `.content` /
   `.tool_calls.M.{id,name,arguments}` / `.tool_call_id`, and `gen_ai.completion.N.*`;
@@ -30,6 +32,7 @@ from app.formats.otlp.unflatten import decoded_json, indexed
 
 MODEL_CALLS = {"chat", "text_completion", "generate_content"}
 _LOGFIRE_TOOL = "Function: {name}"
+_LOGFIRE_CHAT = "Chat completion with "
 _MESSAGE_EVENTS = {
     "gen_ai.system.message": "system",
     "gen_ai.user.message": "user",
@@ -55,6 +58,9 @@ def exchange(span: Span) -> Exchange | None:
         outputs = [m for m in map(_openllmetry, indexed(a, "gen_ai.completion")) if m][:1]
     elif isinstance(logged := decoded_json(a.get("events")), list):
         inputs, outputs = _logfire_events(logged)
+    elif _logfire_chat(span):
+        inputs = chat_messages(decoded_json(a.get("input")))
+        outputs = chat_messages(decoded_json(a.get("output")))[:1]
     else:
         inputs, outputs = _events(span)
     if not inputs and not outputs:
@@ -107,7 +113,14 @@ def _error(span: Span) -> str | None:
 def model_call(span: Span) -> bool:
     """A span that records a model call, whether or not it carries the messages."""
     operation = span.attrs.get("gen_ai.operation.name")
-    return operation in MODEL_CALLS
+    return operation in MODEL_CALLS or _logfire_chat(span)
+
+
+def _logfire_chat(span: Span) -> bool:
+    """Logfire's span of an OpenAI Agents Chat Completions call: `input` and `output`
+    hold the request's messages and the answer's, as OpenAI writes them."""
+    template = span.attrs.get("logfire.msg_template")
+    return isinstance(template, str) and template.startswith(_LOGFIRE_CHAT)
 
 
 def _logfire_tool(span: Span) -> ToolRun:
