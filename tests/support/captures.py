@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.support import otlp
+
 CAPTURES = Path("/work/shared/reference/otel-captures")
 _STATUS = {"StatusCode.UNSET": 0, "StatusCode.OK": 1, "StatusCode.ERROR": 2}
 _KIND = {"SpanKind.INTERNAL": 1, "SpanKind.SERVER": 2, "SpanKind.CLIENT": 3,
@@ -70,20 +72,15 @@ def _span(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def attributes(attrs: dict[str, Any]) -> list[dict[str, Any]]:
-    """As the SDK's exporter encodes them: a list of strings is an arrayValue."""
+    """As the SDK's exporter encodes them: a list of strings is an arrayValue (where
+    tests/support/otlp.py writes JSON, as instrumentations write messages)."""
     return [{"key": k, "value": _value(v)} for k, v in attrs.items()]
 
 
 def _value(v: Any) -> dict[str, Any]:
-    if isinstance(v, bool):
-        return {"boolValue": v}
-    if isinstance(v, int):
-        return {"intValue": str(v)}
-    if isinstance(v, float):
-        return {"doubleValue": v}
     if isinstance(v, list):
         return {"arrayValue": {"values": [_value(x) for x in v]}}
-    return {"stringValue": str(v)}
+    return otlp.value(v)
 
 
 @dataclass

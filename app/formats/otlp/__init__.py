@@ -243,6 +243,10 @@ def _metadata(spans: list[Span], roots: list[Span]) -> dict[str, Any]:
     metadata: dict[str, Any] = {"spans": len(spans)}
     if not roots:
         metadata["incomplete"] = True
+    # Runs of one task pair for DPO by it (app/formats/dataset.py task_key).
+    task_id = _first(roots + [s for s in spans if not s.root], "atropos.task_id")
+    if task_id:
+        metadata["task_id"] = task_id
     conversation_id = _first(spans, "gen_ai.conversation.id", "session.id")
     if conversation_id:
         metadata["conversation_id"] = conversation_id
