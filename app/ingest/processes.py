@@ -93,9 +93,19 @@ class _Process:
 
 
 class IngestProcesses:
-    def __init__(self, preparer: Preparer, processes: int, *, outage: Outage | None = None) -> None:
-        """`outage`: where the processes failing to start or dying is said (the hub's)."""
+    def __init__(
+        self,
+        preparer: Preparer,
+        processes: int,
+        *,
+        outage: Outage | None = None,
+        start_wait: float | None = None,
+    ) -> None:
+        """`outage`: where the processes failing to start or dying is said (the hub's);
+        `start_wait`: how long a call waits for the processes to start, then 503 (None:
+        as long as they take)."""
         self._preparer = preparer
+        self._start_wait = start_wait
         self._size = processes
         self._outage = outage or ingest_outage()
         self._processes: list[_Process] = []
@@ -112,7 +122,13 @@ class IngestProcesses:
     def start(self) -> None:
         """Starts the processes in the background (~1 s: the fork server imports the hub
         and loads the tokenizer first), so that the first trace does not wait."""
-        self._started = asyncio.create_task(self._start_all(), name="ingest-processes")
+        self._filling()
+
+    def _filling(self) -> asyncio.Task[None]:
+        """The start of the missing processes, one at a time."""
+        if self._started is None or self._started.done():
+            self._started = asyncio.create_task(self._start_all(), name="ingest-processes")
+        return self._started
 
     async def _start_all(self) -> None:
         try:
@@ -130,6 +146,8 @@ class IngestProcesses:
         by name), args and result are pickled. What it raises is raised here."""
         data = pickle.dumps((work, args), protocol=pickle.HIGHEST_PROTOCOL)
         proc = await self._pick()
+        if proc is None:
+            return await asyncio.to_thread(_inline, self._preparer, work, args)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[R] = loop.create_future()
         if not proc.outgoing:
@@ -146,19 +164,35 @@ class IngestProcesses:
             proc.writer.write(b"".join(proc.outgoing))
         proc.outgoing.clear()
 
-    async def _pick(self) -> _Process:
+    async def _pick(self) -> _Process | None:
         """The first process that holds less than _SPILL_BYTES of work and has not been
         on one item for _LONG_ITEM_SECONDS, else the one holding the least: while one
-        process keeps up the others sleep, and a slow item holds up no other."""
+        process keeps up the others sleep, and a slow item holds up no other. None
+        while none has started within `start_wait`."""
         if self._closing:
             raise Unavailable("the hub is stopping; retry shortly", retry_after=1)
-        if len(self._processes) < self._size:
-            await self._fill()  # not started yet, or one died
+        if len(self._processes) < self._size:  # not started yet, or one died
+            filling = self._filling()
+            if not self._processes and not await self._first(filling):
+                return None
         long_since = time.monotonic() - _LONG_ITEM_SECONDS
         for proc in self._processes:
             if proc.held < _SPILL_BYTES and not 0.0 < proc.progress[_SINCE] < long_since:
                 return proc
         return min(self._processes, key=lambda p: p.held)
+
+    async def _first(self, filling: asyncio.Task[None]) -> bool:
+        """Waits for the processes to start, up to `start_wait` (the hub's is
+        limits.max_write_wait_seconds); False if none has started by then: the call is
+        then made in the serving process (in a thread), so that a trace sent while the
+        hub starts waits no longer than that bound for its preparing."""
+        try:
+            await asyncio.wait_for(asyncio.shield(filling), self._start_wait)
+        except TimeoutError:
+            self._outage.failed(
+                f"none started within {self._start_wait:g} s (limits.max_write_wait_seconds); "
+                "preparing in the serving process meanwhile", "starting the ingest processes")
+        return bool(self._processes)
 
     async def _fill(self) -> None:
         if self._watchdog is None:
@@ -323,7 +357,8 @@ def ingest_outage() -> Outage:
     """The reporter of the ingest processes failing (app/outage.py)."""
     return Outage("the ingest processes",
                   "what they held gets 503, and another starts on the next trace",
-                  classify=_process_failure, logger="atropos.ingest")
+                  classify=_process_failure, logger="atropos.ingest", again="work again",
+                  plural=True)
 
 
 def _process_failure(exc: BaseException) -> tuple[str, str] | None:
@@ -349,6 +384,15 @@ def _item_started(index: int) -> None:
     _progress[_SINCE] = 0.0  # so that the item and its start are read together
     _progress[_ITEM] = index
     _progress[_SINCE] = time.monotonic()
+
+
+def _inline(preparer: Preparer, work: Callable[..., R], args: tuple[Any, ...]) -> R:
+    """A call made in the serving process (no ingest process is up yet)."""
+    if work is _rows:
+        items, fmt = args
+        rows: Any = [preparer.prepare(item, fmt) for item in items]
+        return rows  # type: ignore[no-any-return]
+    return work(*args)
 
 
 def _rows(items: list[Any], fmt: str | None) -> Reply:
