@@ -80,8 +80,8 @@ class Outage:
         if self._kinds[kind] == 1:
             self._log.log(
                 self._level, "%s %s failing (%s, while %s): %s; %s. Said once per kind of "
-                "failure until it %s", self.subject, self._is, kind, doing, said,
-                self._consequence, self._again)
+                "failure until %s %s", self.subject, self._is, kind, doing, said,
+                self._consequence, "they" if self._is == "are" else "it", self._again)
         return True
 
     def works(self) -> None:
