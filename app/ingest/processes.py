@@ -30,6 +30,7 @@ import pickle
 import signal
 import socket
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -111,6 +112,7 @@ class IngestProcesses:
         self._processes: list[_Process] = []
         self._starting = asyncio.Lock()
         self._started: asyncio.Task[None] | None = None
+        self._started_at = 0.0
         self._watchdog: asyncio.Task[None] | None = None
         self._resent: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -128,12 +130,15 @@ class IngestProcesses:
         """The start of the missing processes, one at a time."""
         if self._started is None or self._started.done():
             self._started = asyncio.create_task(self._start_all(), name="ingest-processes")
+            self._started_at = time.monotonic()
         return self._started
 
     async def _start_all(self) -> None:
         try:
             await self._fill()
         except Exception as exc:
+            if self._closing:
+                return  # the fork server stopped with the hub's process group
             if not self._outage.failed(exc, "starting the ingest processes"):
                 log.exception("the ingest processes did not start; the next trace tries again")
 
@@ -182,12 +187,15 @@ class IngestProcesses:
         return min(self._processes, key=lambda p: p.held)
 
     async def _first(self, filling: asyncio.Task[None]) -> bool:
-        """Waits for the processes to start, up to `start_wait` (the hub's is
-        limits.max_write_wait_seconds); False if none has started by then: the call is
-        then made in the serving process (in a thread), so that a trace sent while the
-        hub starts waits no longer than that bound for its preparing."""
+        """Waits for the processes to start, until `start_wait` after their start began
+        (the hub's is limits.max_write_wait_seconds); False if none has started by then:
+        the call is then made in the serving process (in a thread), so that a trace
+        sent while the hub starts waits no longer than that bound for its preparing."""
+        left = None
+        if self._start_wait is not None:
+            left = max(0.0, self._started_at + self._start_wait - time.monotonic())
         try:
-            await asyncio.wait_for(asyncio.shield(filling), self._start_wait)
+            await asyncio.wait_for(asyncio.shield(filling), left)
         except TimeoutError:
             self._outage.failed(
                 f"none started within {self._start_wait:g} s (limits.max_write_wait_seconds); "
@@ -198,7 +206,7 @@ class IngestProcesses:
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="ingest-watchdog")
         async with self._starting:
-            while len(self._processes) < self._size:
+            while len(self._processes) < self._size and not self._closing:
                 self._processes.append(await self._start())
         self._outage.works()
 
@@ -212,8 +220,8 @@ class IngestProcesses:
             daemon=True,
         )
         # The first start also starts the fork server (an interpreter importing the
-        # hub): off the event loop.
-        await asyncio.to_thread(process.start)
+        # hub): off the event loop, in a thread that a stopping hub does not wait for.
+        await _in_daemon_thread(process.start)
         theirs.close()
         reader, writer = await asyncio.open_connection(sock=ours)
         proc = _Process(process, reader, writer, progress)
@@ -330,9 +338,13 @@ class IngestProcesses:
         """Ends each process once it has answered what it was sent (by then, normally
         nothing: the server has finished its requests); one still busy after `timeout`
         seconds is killed."""
-        if self._started is not None:
-            await self._started  # a process being started is then closed with the rest
-        self._closing = True
+        self._closing = True  # no process starts from now on
+        if self._started is not None and not self._started.done():
+            # A start in progress (the fork server importing the hub, seconds under
+            # load) is abandoned, not waited for: a process it makes meets a closed
+            # socket and ends.
+            self._started.cancel()
+            await asyncio.gather(self._started, return_exceptions=True)
         if self._watchdog is not None:
             self._watchdog.cancel()
         processes, self._processes = self._processes, []
@@ -349,6 +361,35 @@ class IngestProcesses:
             proc.writer.close()
 
 
+async def _in_daemon_thread(work: Callable[[], object]) -> None:
+    """work() in a daemon thread: unlike asyncio.to_thread's, the interpreter does not
+    wait for it at exit."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(exc: BaseException | None) -> None:
+        if done.done():
+            return
+        if exc is None:
+            done.set_result(None)
+        else:
+            done.set_exception(exc)
+
+    def run() -> None:
+        failure: BaseException | None = None
+        try:
+            work()
+        except BaseException as exc:
+            failure = exc
+        try:
+            loop.call_soon_threadsafe(settle, failure)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits any more
+
+    threading.Thread(target=run, name="ingest-start", daemon=True).start()
+    await done
+
+
 class ProcessStopped(Exception):
     """An ingest process ended while the hub runs (killed, out of memory)."""
 
@@ -362,8 +403,9 @@ def ingest_outage() -> Outage:
 
 
 def _process_failure(exc: BaseException) -> tuple[str, str] | None:
-    """Not starting (no fork, no socket: the system's limits) or one stopping."""
-    if isinstance(exc, OSError | ProcessStopped):
+    """Not starting (no fork, no socket: the system's limits; the fork server gone) or
+    one stopping."""
+    if isinstance(exc, OSError | EOFError | ProcessStopped):
         return type(exc).__name__, str(exc) or type(exc).__name__
     return None
 
