@@ -2,15 +2,18 @@
 tokenizer, loaded once there, is shared by every process forked from it instead of
 each loading its own (~0.3 s and ~60 MB apiece).
 
-The fork server also ignores SIGTERM, as its processes do: systemd, Docker and a
-terminal signal the whole process group, and a fork server killed then was started
-again by the next process start (an interpreter importing the hub) while the serving
-process stopped. It ends when the serving process does (multiprocessing closes its
-pipe), kill -9 included."""
+Imported first, so that the fork server ignores SIGINT and SIGTERM from the start of
+its imports, as its processes do: systemd, Docker and a terminal signal the whole
+process group, and a fork server killed then (a traceback mid-import) was started again
+by the next process start (an interpreter importing the hub) while the serving process
+stopped. It ends when the serving process does (multiprocessing closes its pipe),
+kill -9 included."""
 
 import signal
 
-from app.ingest.tokens import encoding
+for _signal in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_signal, signal.SIG_IGN)
 
-signal.signal(signal.SIGTERM, signal.SIG_IGN)
+from app.ingest.tokens import encoding  # noqa: E402 (after the signals, on purpose)
+
 encoding()

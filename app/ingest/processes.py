@@ -58,7 +58,8 @@ _HEAD = struct.Struct("!I")  # frame length; bodies are bounded by limits.max_bo
 # event loop and threads.
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(
-    ["app.ingest.ingestor", "app.atropos.queue", "app.ingest.otlp.request", "app.ingest.preload"]
+    # app.ingest.preload first: it sets the fork server's signals (see there).
+    ["app.ingest.preload", "app.ingest.ingestor", "app.atropos.queue", "app.ingest.otlp.request"]
 )
 
 
