@@ -150,7 +150,7 @@ def sweep_temporaries(directory: str | Path, older_than: float) -> int:
     cutoff = time.time() - older_than
     try:
         entries = list(os.scandir(directory))
-    except FileNotFoundError:
+    except OSError:  # none yet, or none to be had: writing there says why, as a delivery
         return 0
     for entry in entries:
         if not _TEMPORARY.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):

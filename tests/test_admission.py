@@ -80,6 +80,7 @@ def test_no_request_waits_past_the_bound_and_readiness_follows_the_write_path(
         assert client.get("/readyz").status_code == 200
         sent: list[Future[httpx.Response]] = []
         reasons = set()
+        readiness: list[int] = []
         with write_lock(trace_server):
             locked_until = time.monotonic() + 11
             n = 0
@@ -87,6 +88,7 @@ def test_no_request_waits_past_the_bound_and_readiness_follows_the_write_path(
                 sent.append(post(native_trace(trace_id=f"locked-{n}")))
                 n += 1
                 ready = client.get("/readyz")
+                readiness.append(ready.status_code)
                 if ready.status_code == 503:
                     reasons.add(ready.json()["reason"].split(":")[0])
                 time.sleep(0.5)  # a client sending twice a second
@@ -95,6 +97,10 @@ def test_no_request_waits_past_the_bound_and_readiness_follows_the_write_path(
                 assert r.status_code == 503 and r.headers["retry-after"] == "3", r.text
                 # Answered within the bound (plus parsing and the round trip).
                 assert r.elapsed.total_seconds() < 2.5, (r.elapsed, r.text)
+        # Once it said 503, never 200 again while the lock was held: a transaction whose
+        # traces were all withdrawn proves nothing about writes.
+        after = readiness[readiness.index(503):]
+        assert set(after) == {503}, readiness
         assert reasons == {"not taking writes"}
         # Nothing wrote since: /readyz finds out by itself that writes work again.
         wait_until(lambda: client.get("/readyz").status_code == 200, timeout=20,

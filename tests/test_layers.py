@@ -11,7 +11,7 @@ from pathlib import Path
 from tests.support import ROOT
 
 LAYERS: list[set[str]] = [
-    {"errors", "durations", "waits", "patterns"},
+    {"errors", "durations", "waits", "patterns", "outage"},
     {"domain", "files", "tokens"},
     {"formats"},
     {"config"},

@@ -1,7 +1,19 @@
 """Imported by the ingest processes' fork server alone (app/ingest/processes.py): the
 tokenizer, loaded once there, is shared by every process forked from it instead of
-each loading its own (~0.3 s and ~60 MB apiece)."""
+each loading its own (~0.3 s and ~60 MB apiece).
 
-from app.tokens import encoding
+Imported first, so that the fork server ignores SIGINT and SIGTERM from the start of
+its imports, as its processes do: systemd, Docker and a terminal signal the whole
+process group, and a fork server killed then (a traceback mid-import) was started again
+by the next process start (an interpreter importing the hub) while the serving process
+stopped. It ends when the serving process does (multiprocessing closes its pipe),
+kill -9 included."""
+
+import signal
+
+for _signal in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_signal, signal.SIG_IGN)
+
+from app.tokens import encoding  # noqa: E402 (after the signals, on purpose)
 
 encoding()

@@ -41,13 +41,13 @@ from app.errors import HubError
 from app.evaluation.redaction import Redacted
 from app.formats.otlp import NAME, wire
 from app.ingest.ingestor import count_outcome
-from app.ingest.inserter import INSERT, TraceRow, insert_traces
+from app.ingest.inserter import PreparedTrace, insert_traces
 from app.ingest.otlp import store
 from app.ingest.otlp.store import FINAL_STAGES, Due, Settled, TraceState
 
 log = logging.getLogger("atropos.otlp")
 
-Prepare = Callable[[list[Any], str | None], Awaitable[list[TraceRow | HubError]]]
+Prepare = Callable[[list[Any], str | None], Awaitable[list[PreparedTrace | HubError]]]
 # What a re-assembled trajectory's background stages had made of its previous version.
 _STARTED_OVER = {
     "compressed": None,
@@ -72,7 +72,7 @@ class _Pass:
     due: list[Due]
     stored: dict[str, Any]  # their trajectories already stored
     todo: list[str]  # those to make (again)
-    made: asyncio.Future[list[TraceRow | HubError]]
+    made: asyncio.Future[list[PreparedTrace | HubError]]
 
 
 class AssemblyStage:
@@ -144,8 +144,8 @@ class AssemblyStage:
         return len(current.due)
 
     async def _refused_by_database(
-        self, current: _Pass, made: list[TraceRow | HubError]
-    ) -> list[TraceRow | HubError]:
+        self, current: _Pass, made: list[PreparedTrace | HubError]
+    ) -> list[PreparedTrace | HubError]:
         """`made`, with the rows the database refuses made refusals: each trace's
         writes tried alone, in a savepoint, and all of them rolled back."""
         sorted_out = list(made)
@@ -158,7 +158,7 @@ class AssemblyStage:
                     try:
                         async with conn.begin_nested():
                             new = await conn.run_sync(insert_traces, [row])
-                            await _outcome(conn, trace_id, INSERT.row(row.values),
+                            await _outcome(conn, trace_id, row.row(),
                                            row.search_text, current.stored.get(trace_id), new)
                     except SQLAlchemyError as exc:
                         if not refuses_row(exc):
@@ -219,10 +219,10 @@ class AssemblyStage:
                       "bytes of them, the first by start time",
         }}
 
-    async def _write(self, current: _Pass, made: list[TraceRow | HubError]) -> None:
+    async def _write(self, current: _Pass, made: list[PreparedTrace | HubError]) -> None:
         due, stored = current.due, current.stored
         prepared = dict(zip(current.todo, made))
-        rows = {trace_id: r if isinstance(r, HubError) else INSERT.row(r.values)
+        rows = {trace_id: r if isinstance(r, HubError) else r.row()
                 for trace_id, r in prepared.items()}
         texts = {trace_id: r.search_text for trace_id, r in prepared.items()
                  if not isinstance(r, HubError)}
