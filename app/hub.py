@@ -23,6 +23,7 @@ from app.db import migrate
 from app.db.engine import create_engine, database_url, redacted
 from app.db.errors import outage_of, unusable_database
 from app.evaluation.environment import Environment
+from app.gateway.service import Gateway
 from app.ingest.ingestor import Ingestor, running_ingest
 from app.ingest.inserter import TraceInserter
 from app.ingest.otlp.receiver import SpanReceiver
@@ -34,6 +35,7 @@ from app.stages.delivery import DeliveryStage
 from app.stages.distribution import DistributionStage
 from app.stages.leases import Lease
 from app.stages.retention import RetentionStage
+from app.stages.rollouts import RolloutStage
 from app.stages.runner import StageRunner
 from app.targets import build_target
 
@@ -61,6 +63,8 @@ class Hub:
     spans: SpanReceiver  # OTLP/HTTP traces
     # Training runs (app/runs); None unless config.json's runs.enabled is true.
     runs: RunSupervisor | None = None
+    # The model endpoint (app/gateway); None unless gateway.enabled is true.
+    gateway: Gateway | None = None
 
     @property
     def config(self) -> HubConfig:
@@ -139,6 +143,29 @@ def add_assembly(stages: StageRunner, engine: AsyncEngine, config: HubConfig,
     time rather than with a commit."""
     stage = AssemblyStage(engine, config.otlp, ingestor.prepare, on_advance=stages.wake)
     stages.add(stage, every=stage.poll_seconds)
+    if config.gateway.enabled:
+        rollouts = RolloutStage(engine, config.gateway, ingestor.prepare, on_advance=stages.wake)
+        stages.add(rollouts, every=rollouts.poll_seconds)
+
+
+@asynccontextmanager
+async def running_gateway(settings: Settings, engine: AsyncEngine) -> AsyncIterator[
+        Gateway | None]:
+    """The gateway, with its HTTP client to the upstreams (connections bounded only by
+    the hub's own, trace_server.max_connections), when gateway.enabled is true."""
+    config = settings.config
+    if not config.gateway.enabled:
+        yield None
+        return
+    limits = httpx.Limits(max_connections=config.trace_server.max_connections,
+                          max_keepalive_connections=256)
+    async with httpx.AsyncClient(limits=limits, trust_env=True) as http:
+        gateway = Gateway(engine, config.gateway, settings.tinker.tinker, config.privacy, http,
+                          config.limits.retry_after_seconds)
+        try:
+            yield gateway
+        finally:
+            await gateway.close()
 
 
 @asynccontextmanager
@@ -164,6 +191,7 @@ async def running_hub(
                 engine, config, environment, admitted=True, on_commit=stages.wake,
                 start=False,  # _start_background starts the processes
             ) as ingest,
+            running_gateway(settings, engine) as gateway,
         ):
             access = Access(config.auth, engine)
             if config.auth.enabled and not config.atropos.require_key:
@@ -178,7 +206,7 @@ async def running_hub(
                 config.otlp, config.privacy,
             )
             hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos,
-                      spans)
+                      spans, gateway=gateway)
             add_assembly(stages, engine, config, ingest.ingestor)
             atropos.start()
             background = asyncio.create_task(

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.middleware.cors import CORSMiddleware
 
-from app.api import atropos, batches, ops, runs, traces, ui
+from app.api import atropos, batches, gateway, ops, runs, traces, ui
 from app.api.errors import install_error_handlers
 from app.api.http_metrics import RequestMetrics
 from app.api.openapi import install_openapi
@@ -53,11 +53,13 @@ def create_app(
     install_error_handlers(app, page=ui.error_page)
     app.router.routes.append(traces.ingest_route(config.trace_server.endpoint))
     app.router.routes.extend(atropos.submission_routes(config.atropos.require_key))
+    app.router.routes.extend(gateway.routes())
     app.include_router(atropos.router(config.atropos.require_key))
     app.include_router(traces.router(config.trace_server.endpoint))
     app.include_router(batches.router)
     app.include_router(ops.router)
     app.include_router(runs.router)
+    app.include_router(gateway.router)
     ui.install(app)
     if docs:
         ui.install_docs(app)

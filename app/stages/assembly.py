@@ -132,7 +132,7 @@ class AssemblyStage:
             )
             if not due:
                 return None
-            stored = await _stored(conn, [d.trace_id for d in due])
+            stored = await stored_trajectories(conn, [d.trace_id for d in due])
             todo = [d.trace_id for d in due if d.trace_id not in stored
                     or (stored[d.trace_id].source_format == NAME
                         and stored[d.trace_id].stage not in FINAL_STAGES)]
@@ -156,17 +156,17 @@ class AssemblyStage:
             new = await conn.run_sync(insert_traces, [r for r in made
                                                       if not isinstance(r, HubError)])
             for d in due:
-                outcome, error = await _outcome(conn, d.trace_id, rows.get(d.trace_id),
-                                                texts.get(d.trace_id, ""),
-                                                stored.get(d.trace_id), new)
-                outcomes[outcome] += 1
-                if outcome == "again":
+                what, error = await outcome(conn, d.trace_id, rows.get(d.trace_id),
+                                            texts.get(d.trace_id, ""),
+                                            stored.get(d.trace_id), new)
+                outcomes[what] += 1
+                if what == "again":
                     continue  # left open, and due: the next round takes it
                 if error is not None:
                     log.warning("OTLP trace %s makes no trajectory: %s", d.trace_id, error)
                 state = {"late": TraceState.SENT, "refused": TraceState.REFUSED}.get(
-                    outcome, TraceState.ASSEMBLED)
-                settled.append(Settled(d.trace_id, d.spans, state, late=outcome == "late",
+                    what, TraceState.ASSEMBLED)
+                settled.append(Settled(d.trace_id, d.spans, state, late=what == "late",
                                        error=error))
             await store.settle(conn, settled)
         for trace_id in new:  # received, as far as the metrics go, once made
@@ -197,21 +197,22 @@ class AssemblyStage:
         return forgotten
 
 
-async def _outcome(
+async def outcome(
     conn: AsyncConnection,
     trace_id: str,
     row: dict[str, Any] | HubError | None,
     text: str,
     stored: Any,
     new: set[str],
+    fmt: str = NAME,
 ) -> tuple[str, str | None]:
     """What became of a trace come due (`text`: its search text), and why it makes no
     trajectory if it does not:
     new | replaced (scored again) | unchanged | late (batched already: kept as it is) |
     refused | again (its trajectory moved meanwhile: it stays due)."""
-    if stored is not None and stored.source_format != NAME:
+    if stored is not None and stored.source_format != fmt:
         return "refused", (f"trace_id {trace_id} is already stored, from another format; "
-                           "its spans are kept but make no trajectory")
+                           f"what {fmt} received for it is kept but makes no trajectory")
     if row is None or (stored is not None and stored.stage in FINAL_STAGES):
         return "late", None
     if isinstance(row, HubError):
@@ -238,7 +239,7 @@ async def _outcome(
     return ("late" if stage in FINAL_STAGES else "again"), None
 
 
-async def _stored(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, Any]:
+async def stored_trajectories(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, Any]:
     """The trajectories already stored under these ids: their stage and format."""
     c = TRACES.c
     rows = await conn.execute(
