@@ -9,7 +9,9 @@ import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
 
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -20,23 +22,29 @@ from app.atropos import Atropos
 from app.compression import ModelSummarizer
 from app.config import CompressionFile, HubConfig, TinkerFile
 from app.db import migrate
+from app.db.dialect import OneHop
 from app.db.engine import create_engine, database_url, redacted
 from app.db.errors import outage_of, unusable_database
+from app.db.group_commit import GroupCommit
 from app.evaluation.environment import Environment
 from app.gateway.service import Gateway
-from app.ingest.ingestor import Ingestor, running_ingest
+from app.gateway.writer import CallWriter
+from app.ingest.ingestor import Ingestor, ingest_processes, running_ingest
 from app.ingest.inserter import TraceInserter
 from app.ingest.otlp.receiver import SpanReceiver
+from app.ingest.processes import ingest_outage
 from app.metrics import summarizing
+from app.outage import Outages
 from app.runs import RunSupervisor
 from app.stages.assembly import AssemblyStage
-from app.stages.compression import CompressionStage
-from app.stages.delivery import DeliveryStage
+from app.stages.compression import CompressionStage, model_outage
+from app.stages.delivery import DeliveryStage, training_outage
 from app.stages.distribution import DistributionStage
 from app.stages.leases import Lease
 from app.stages.retention import RetentionStage
 from app.stages.rollouts import RolloutStage
 from app.stages.runner import StageRunner
+from app.stages.schedule import claim_if_due
 from app.targets import build_target
 
 log = logging.getLogger("atropos")
@@ -55,6 +63,9 @@ class Settings:
 class Hub:
     settings: Settings
     engine: AsyncEngine
+    # The one write connection (on SQLite one thread) every group commit shares.
+    writer: OneHop
+    outages: Outages
     inserter: TraceInserter
     ingestor: Ingestor
     stages: StageRunner
@@ -65,10 +76,45 @@ class Hub:
     runs: RunSupervisor | None = None
     # The model endpoint (app/gateway); None unless gateway.enabled is true.
     gateway: Gateway | None = None
+    _probe: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 
     @property
     def config(self) -> HubConfig:
         return self.settings.config
+
+    @property
+    def group_commits(self) -> list[GroupCommit[Any, Any]]:
+        """Every writer that answers requests once it committed."""
+        commits: list[GroupCommit[Any, Any]] = [
+            self.inserter.commits, self.spans.commits, self.atropos.commits]
+        return commits if self.gateway is None else [*commits, self.gateway.commits]
+
+    def write_problem(self) -> str | None:
+        """Why the hub is not taking writes now (for /readyz), or None: a writer's
+        transaction running past limits.max_write_wait_seconds, or the database failing
+        for any writer or stage. Then a probe write (at most one at a time) finds out
+        when it works again, without traffic to prove it."""
+        max_wait = self.config.limits.max_write_wait_seconds
+        for commits in self.group_commits:
+            if (waited := commits.write_wait()) > max_wait:
+                return (f"no write of {commits.kind.name} has finished for {waited:.1f} s "
+                        f"(limits.max_write_wait_seconds is {max_wait:g})")
+        failing = self.outages.database.failing
+        if failing is None:
+            return None
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._probe_write(), name="write-probe")
+        return f"the last write failed: {failing}"
+
+    async def _probe_write(self) -> None:
+        """One small write of the hub's own: the `write_probe` row of scheduled_tasks."""
+        try:
+            await claim_if_due(self.engine, "write_probe", timedelta(0))
+        except Exception as exc:
+            if not self.outages.database.failed(exc, "probing whether writes work"):
+                log.exception("the write probe failed")
+        else:
+            self.outages.database.works()
 
 
 async def open_database(config: HubConfig) -> AsyncEngine:
@@ -101,12 +147,25 @@ async def database(config: HubConfig) -> AsyncIterator[AsyncEngine]:
         await engine.dispose()
 
 
+def hub_outages(engine: AsyncEngine, settings: Settings) -> Outages:
+    """The outage reporters of one hub process (app/outage.py)."""
+    return Outages(
+        database=outage_of(engine),
+        ingest=ingest_outage(),
+        model=model_outage(settings.compression.compression),
+        training=training_outage(),
+    )
+
+
 @asynccontextmanager
-async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterator[StageRunner]:
+async def running_stages(
+    settings: Settings, engine: AsyncEngine, outages: Outages | None = None
+) -> AsyncIterator[StageRunner]:
     """The background stages in pipeline order, with the HTTP client they share. Each
     stage wakes the runner when it moves traces on, so the next stage starts at once."""
     config = settings.config
-    runner = StageRunner(config.trace_server.flush_interval_seconds, outage_of(engine))
+    outages = outages or hub_outages(engine, settings)
+    runner = StageRunner(config.trace_server.flush_interval_seconds, outages.database)
     lease = Lease(config.workers.lease_seconds)
     async with httpx.AsyncClient() as http:
         policy = settings.compression.compression
@@ -118,6 +177,7 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
                 lease=lease,
                 summarizer=ModelSummarizer(http, settings.tinker.tinker),
                 on_advance=runner.wake,
+                model=outages.model,
             ),
             DistributionStage(engine, config.distributor, on_advance=runner.wake),
             DeliveryStage(
@@ -126,6 +186,7 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
                 config.distributor,
                 lease=lease,
                 on_advance=runner.wake,
+                training=outages.training,
             ),
         )
         if config.retention is not None:
@@ -149,10 +210,11 @@ def add_assembly(stages: StageRunner, engine: AsyncEngine, config: HubConfig,
 
 
 @asynccontextmanager
-async def running_gateway(settings: Settings, engine: AsyncEngine) -> AsyncIterator[
-        Gateway | None]:
+async def running_gateway(settings: Settings, engine: AsyncEngine, writer: OneHop,
+                          outages: Outages) -> AsyncIterator[Gateway | None]:
     """The gateway, with its HTTP client to the upstreams (connections bounded only by
-    the hub's own, trace_server.max_connections), when gateway.enabled is true."""
+    the hub's own, trace_server.max_connections) and its captures' group commit, when
+    gateway.enabled is true."""
     config = settings.config
     if not config.gateway.enabled:
         yield None
@@ -160,12 +222,16 @@ async def running_gateway(settings: Settings, engine: AsyncEngine) -> AsyncItera
     limits = httpx.Limits(max_connections=config.trace_server.max_connections,
                           max_keepalive_connections=256)
     async with httpx.AsyncClient(limits=limits, trust_env=True) as http:
+        limits_ = config.limits
+        captures = CallWriter(writer, outages.database, max_wait=limits_.max_write_wait_seconds,
+                              retry_after=limits_.retry_after_seconds)
+        captures.start()
         gateway = Gateway(engine, config.gateway, settings.tinker.tinker, config.privacy, http,
-                          config.limits.retry_after_seconds)
+                          captures, limits_.retry_after_seconds)
         try:
             yield gateway
         finally:
-            await gateway.close()
+            await captures.close()
 
 
 @asynccontextmanager
@@ -182,16 +248,20 @@ async def running_hub(
     only then, so that a restarted hub answers within a second (atroposlib's envs give
     up after three tries in 1.5-3 s). A trace that arrives earlier waits for them."""
     engine = engine or await open_database(settings.config)
+    writer = OneHop(engine)
+    outages = hub_outages(engine, settings)
+    # Started by _start_background.
+    processes = ingest_processes(settings.config, environment, outages.ingest)
     try:
         config = settings.config
         async with (
             summarizing(config.trace_server.log_summary_seconds),
-            running_stages(settings, engine) as stages,
+            running_stages(settings, engine, outages) as stages,
             running_ingest(
                 engine, config, environment, admitted=True, on_commit=stages.wake,
-                start=False,  # _start_background starts the processes
+                processes=processes, writer=writer, outage=outages.database,
             ) as ingest,
-            running_gateway(settings, engine) as gateway,
+            running_gateway(settings, engine, writer, outages) as gateway,
         ):
             access = Access(config.auth, engine)
             if config.auth.enabled and not config.atropos.require_key:
@@ -200,15 +270,21 @@ async def running_hub(
                     "(/register, /scored_data, /batch, ...) takes no key, so anyone who "
                     "reaches this port can add groups or take batches (docs/atropos.md)"
                 )
-            atropos = Atropos(engine, config.atropos, ingest.ingestor.processes, config.privacy)
-            spans = SpanReceiver(
-                engine, ingest.ingestor.processes, ingest.admission, config.limits,
-                config.otlp, config.privacy,
+            atropos = Atropos(
+                engine, config.atropos, processes, config.privacy, writer=writer,
+                outage=outages.database, max_wait=config.limits.max_write_wait_seconds,
             )
-            hub = Hub(settings, engine, ingest.inserter, ingest.ingestor, stages, access, atropos,
-                      spans, gateway=gateway)
+            spans = SpanReceiver(
+                engine, processes, ingest.admission, config.limits, config.otlp,
+                config.privacy, writer=writer, outage=outages.database,
+            )
+            hub = Hub(settings, engine, writer, outages, ingest.inserter, ingest.ingestor,
+                      stages, access, atropos, spans, gateway=gateway)
+            if gateway is not None:
+                gateway.write_problem = hub.write_problem
             add_assembly(stages, engine, config, ingest.ingestor)
             atropos.start()
+            spans.start()
             background = asyncio.create_task(
                 _start_background(hub, workers, answering), name="hub-background"
             )
@@ -229,13 +305,15 @@ async def running_hub(
                 await atropos.stop()
                 await spans.close()
     finally:
+        await processes.close()
+        await writer.close()
         await engine.dispose()
 
 
 async def _start_background(hub: Hub, workers: bool, answering: asyncio.Event | None) -> None:
     if answering is not None:
         await answering.wait()
-    hub.ingestor.start()
+    hub.ingestor.processes.start()
     if workers:
         hub.stages.start()
         log.info("Compression pipeline ready")

@@ -18,7 +18,7 @@ from app.config import EnvironmentConfig, LimitsConfig
 from app.errors import HubError, Invalid, Unavailable
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Preparer
-from app.ingest.inserter import INSERT, TraceRow
+from app.ingest.inserter import INSERT, PreparedTrace
 from app.ingest.processes import _LONG_ITEM_SECONDS, _SINCE, IngestProcesses
 from app.metrics import INGEST_RESTARTS, total
 from tests.support.builders import native_trace
@@ -45,10 +45,10 @@ async def test_rows_come_back_in_order_with_each_items_error() -> None:
                  for i in range(20)]
         replies = await asyncio.gather(*(processes.rows(items, None) for items in calls))
         for i, (first, bad, last) in enumerate(replies):
-            assert isinstance(first, TraceRow) and first.trace_id == f"t-{i}"
-            assert _untimed(first) == _untimed(TraceRow.of(PREPARER.row(calls[i][0])))
+            assert isinstance(first, PreparedTrace) and first.trace_id == f"t-{i}"
+            assert _untimed(first) == _untimed(PreparedTrace.of(PREPARER.row(calls[i][0])))
             assert isinstance(bad, Invalid) and bad.status == 422
-            assert isinstance(last, TraceRow) and last.trace_id == f"u-{i}"
+            assert isinstance(last, PreparedTrace) and last.trace_id == f"u-{i}"
         assert len(set(processes.pids)) == 2
     finally:
         await processes.close()
@@ -118,8 +118,8 @@ async def test_an_item_past_max_item_seconds_is_refused_and_its_process_replaced
         assert refused.field == "limits.max_item_seconds"
         assert "limits.max_item_seconds (0.1 s)" in refused.message
         # The items it held beside the slow one were prepared by its successor.
-        assert isinstance(before, TraceRow) and before.trace_id == "before"
-        assert isinstance(after, TraceRow) and after.trace_id == "after"
+        assert isinstance(before, PreparedTrace) and before.trace_id == "before"
+        assert isinstance(after, PreparedTrace) and after.trace_id == "after"
         assert pid is not None and not Path(f"/proc/{pid}").exists()
         assert processes.pids != [pid]
         assert total(INGEST_RESTARTS, reason="too_slow") == restarts + 1  # in /metrics
@@ -237,12 +237,12 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _trace_id(row: TraceRow | HubError) -> str:
-    assert isinstance(row, TraceRow), row
+def _trace_id(row: PreparedTrace | HubError) -> str:
+    assert isinstance(row, PreparedTrace), row
     return row.trace_id
 
 
-def _untimed(row: TraceRow) -> tuple[Any, ...]:
+def _untimed(row: PreparedTrace) -> tuple[Any, ...]:
     """The row but for when it was made."""
     times = {INSERT.columns.index("created_at"), INSERT.columns.index("updated_at")}
     values = tuple(v for i, v in enumerate(row.values) if i not in times)

@@ -20,7 +20,7 @@ from app.db.types import EncodedJSON, UtcTimeStamp, utc_text
 from app.errors import Conflict, Invalid
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Preparer
-from app.ingest.inserter import INSERT, Stored, TraceInserter, TraceRow, insert_traces
+from app.ingest.inserter import INSERT, PreparedTrace, Stored, TraceInserter, insert_traces
 from tests.support.builders import native_trace
 
 PREPARER = Preparer(Environment.from_config(EnvironmentConfig()), LimitsConfig())
@@ -36,10 +36,10 @@ async def test_a_refused_row_sinks_alone_in_its_group_commit(
     inserter = TraceInserter(engine)
     inserter.start()
     try:
-        good = [TraceRow.of(PREPARER.row(native_trace(trace_id=f"good-{i}")))
+        good = [PreparedTrace.of(PREPARER.row(native_trace(trace_id=f"good-{i}")))
                 for i in range(32)]
         # A NOT NULL column left empty: refused by both databases.
-        bad = [TraceRow.of(PREPARER.row(native_trace(trace_id=f"bad-{i}")) | {"status": None})
+        bad = [PreparedTrace.of(PREPARER.row(native_trace(trace_id=f"bad-{i}")) | {"status": None})
                for i in range(3)]
         rows = [bad[0], *good[:16], bad[1], *good[16:], bad[2]]
         # Submitted without yielding to the writer: one batch, one transaction.
@@ -79,7 +79,7 @@ async def test_rows_read_back_as_prepared_and_sqlite_keeps_the_seed_timestamp_te
             "rejected": PREPARER.row(rejected),
         }
         for row in rows.values():
-            await inserter.insert(TraceRow.of(row))
+            await inserter.insert(PreparedTrace.of(row))
         async with engine.connect() as conn:
             read = {r.trace_id: r._mapping for r in await conn.execute(sa.select(TRACES))}
             texts = dict((await conn.execute(
@@ -112,8 +112,8 @@ async def test_resends_in_and_across_batches(trace_server: dict[str, Any]) -> No
     inserter = TraceInserter(engine)
     inserter.start()
     try:
-        one = TraceRow.of(PREPARER.row(native_trace(trace_id="one")))
-        other = TraceRow.of(PREPARER.row(native_trace(trace_id="one", task="another task")))
+        one = PreparedTrace.of(PREPARER.row(native_trace(trace_id="one")))
+        other = PreparedTrace.of(PREPARER.row(native_trace(trace_id="one", task="another task")))
         together = await asyncio.gather(
             inserter.submit(one), inserter.submit(one), inserter.submit(other),
             return_exceptions=True)
@@ -138,7 +138,7 @@ async def test_a_search_text_written_again_replaces_the_stored_one(
     engine = create_engine(TraceServerConfig(**trace_server))
     await migrate.upgrade(engine)
     try:
-        rows = [TraceRow.of(PREPARER.row(native_trace(trace_id=tid))) for tid in ("a", "b")]
+        rows = [PreparedTrace.of(PREPARER.row(native_trace(trace_id=tid))) for tid in ("a", "b")]
         async with engine.begin() as conn:
             await conn.run_sync(insert_traces, rows)
             await conn.execute(sa.delete(TRACE_SEARCH).where(TRACE_SEARCH.c.trace_id == "b"))

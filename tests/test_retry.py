@@ -14,16 +14,26 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from app.config import CompressionConfig, DeliveryRetry, RetryPolicy, TraceServerConfig
+from app.config import (
+    CompressionConfig,
+    DeliveryRetry,
+    EnvironmentConfig,
+    LimitsConfig,
+    RetryPolicy,
+    TraceServerConfig,
+)
 from app.db.engine import create_engine
 from app.db.models import TRACES
 from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import Stage
 from app.errors import Unavailable
-from app.ingest.inserter import Stored, TraceInserter, TraceRow
+from app.evaluation.environment import Environment
+from app.ingest.ingestor import Preparer
+from app.ingest.inserter import PreparedTrace, TraceInserter
 from app.stages.compression import CompressionStage
 from app.stages.leases import Lease, claim, retry_later
+from tests.support.builders import native_trace
 from tests.support.databases import create_pg_database, drop_pg_database
 from tests.support.pipeline import insert_trace, migrated, stages
 
@@ -118,7 +128,7 @@ async def test_the_inserter_logs_a_bug_with_its_traceback_and_a_refusal_in_one_l
         try:
             with caplog.at_level(logging.ERROR, "atropos.ingest"), pytest.raises(Unavailable):
                 # No values at all: the insert's own code fails (a bug, not the database).
-                await inserter.insert(TraceRow(None, "", _answer("t-0"), "hash"))  # type: ignore[arg-type]
+                await inserter.insert(PreparedTrace(None, ""))  # type: ignore[arg-type]
         finally:
             await inserter.stop()
     [bug] = [r for r in caplog.records if r.name == "atropos.ingest"]
@@ -139,9 +149,9 @@ async def test_the_inserter_logs_a_bug_with_its_traceback_and_a_refusal_in_one_l
     inserter.start()
     try:
         with caplog.at_level(logging.ERROR, "atropos"), pytest.raises(Unavailable):
-            await inserter.insert(TraceRow(("t-1",), "", _answer("t-1"), "hash"))
+            await inserter.insert(_prepared("t-1"))
         with pytest.raises(Unavailable):
-            await inserter.insert(TraceRow(("t-2",), "", _answer("t-2"), "hash"))
+            await inserter.insert(_prepared("t-2"))
     finally:
         await inserter.stop()
         await engine.dispose()
@@ -153,5 +163,6 @@ async def test_the_inserter_logs_a_bug_with_its_traceback_and_a_refusal_in_one_l
     assert "\n" not in refused.getMessage() and "INSERT" not in refused.getMessage()
 
 
-def _answer(trace_id: str) -> Stored:
-    return Stored(trace_id, "accepted", "success", 1, 0.0, None, None, None)
+def _prepared(trace_id: str) -> PreparedTrace:
+    preparer = Preparer(Environment.from_config(EnvironmentConfig()), LimitsConfig())
+    return PreparedTrace.of(preparer.row(native_trace(trace_id=trace_id)))

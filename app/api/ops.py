@@ -37,23 +37,31 @@ NOT_READY: dict[int | str, dict[str, Any]] = {
 
 @router.get("/readyz", response_model=Ready, responses=NOT_READY)
 async def readyz(hub: HubDep) -> Ready | JSONResponse:
+    """503 while traces cannot be taken (the database, its writes, the ingest
+    processes); 200 otherwise, listing what else is failing (the summary model, the
+    training service), which holds up no trace's answer."""
+    failing = hub.outages.failing()
     try:
         revision = await migrate.current_revision(hub.engine)
     except (SQLAlchemyError, OSError) as exc:
-        return _not_ready(f"database unreachable: {type(exc).__name__}")
+        return _not_ready(f"database unreachable: {type(exc).__name__}", failing)
     head = migrate.head_revision()
     if revision != head:
-        return _not_ready(f"schema at {revision}, expected {head}")
+        return _not_ready(f"schema at {revision}, expected {head}", failing)
     # Reads may work while writes do not (a full disk, a lock held elsewhere): a load
     # balancer should stop sending traces until they do again.
-    writes = hub.inserter.readiness(hub.config.limits.max_write_wait_seconds)
+    writes = hub.write_problem()
     if writes is not None:
-        return _not_ready(f"not taking writes: {writes}")
-    return Ready(status="ready", schema_revision=head)
+        return _not_ready(f"not taking writes: {writes}", failing)
+    processes = failing.get(hub.outages.ingest.subject)
+    if processes is not None:
+        return _not_ready(f"the ingest processes are failing: {processes}", failing)
+    return Ready(status="ready", schema_revision=head, failing=failing)
 
 
-def _not_ready(reason: str) -> JSONResponse:
-    return JSONResponse(NotReady(status="unavailable", reason=reason).model_dump(), 503)
+def _not_ready(reason: str, failing: dict[str, str]) -> JSONResponse:
+    body = NotReady(status="unavailable", reason=reason, failing=failing)
+    return JSONResponse(body.model_dump(), 503)
 
 
 @router.get("/v1/stats", dependencies=[requires(Scope.READ)])

@@ -202,14 +202,22 @@ class Health(BaseModel):
     status: Literal["ok"] = Field(description="The process answers")
 
 
+_FAILING = (
+    "What the hub depends on that is failing now (the database, the ingest processes, "
+    "the summary model, the training service) -> what its last failure said"
+)
+
+
 class Ready(BaseModel):
     status: Literal["ready"]
     schema_revision: str = Field(description="The database's migration revision (the head)")
+    failing: dict[str, str] = Field(default_factory=dict, description=_FAILING)
 
 
 class NotReady(BaseModel):
     status: Literal["unavailable"]
     reason: str = Field(description="The database is unreachable, or its schema is not at the head")
+    failing: dict[str, str] = Field(default_factory=dict, description=_FAILING)
 
 
 class BatchCounts(BaseModel):

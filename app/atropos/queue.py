@@ -13,13 +13,10 @@ not yet served (buffered, queued or in a formed batch).
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
-from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from functools import partial
 from typing import Any
 
 import orjson
@@ -46,12 +43,13 @@ from app.atropos.tables import (
 )
 from app.config import AtroposConfig
 from app.db.dialect import Dialect, for_update, reserve_ids
-from app.db.errors import outage_of
+from app.db.group_commit import GroupCommit
 from app.db.types import utcnow
 from app.errors import HubError, Invalid, PayloadTooLarge, Unavailable
 from app.evaluation.redaction import Redactor, redactor_for
 from app.ingest.body import json_array
-from app.metrics import DB_COMMITS, GROUPS_RECEIVED, Labeled
+from app.metrics import GROUPS_RECEIVED, Labeled
+from app.outage import Outage
 
 log = logging.getLogger("atropos.queue")
 
@@ -131,120 +129,79 @@ class Placed:
     buffer_size: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _Request:
     groups: list[NewGroup]
     nbytes: int
-    done: asyncio.Future[list[Placed]]
 
 
 class GroupWriter:
-    """Two writer tasks, each taking whatever is pending when its transaction starts:
-    on SQLite the second transaction waits in line behind the one committing and
-    starts the moment that one's fsync is done, with everything that arrived
-    meanwhile; on PostgreSQL both run at once."""
+    """The group commit of Atropos groups (app/db/group_commit.py): each transaction
+    admits what fits the queue's bound and places it (queue or buffer)."""
 
-    def __init__(self, db: AtroposDb, config: AtroposConfig, presence: Presence) -> None:
+    name = "Atropos groups"
+
+    def __init__(
+        self,
+        db: AtroposDb,
+        config: AtroposConfig,
+        presence: Presence,
+        outage: Outage,
+        *,
+        max_wait: float | None = None,
+    ) -> None:
+        """`max_wait`: a submission's deadline (limits.max_write_wait_seconds): past it,
+        503 and never stored."""
         self._db = db
         self._config = config
         self._presence = presence
-        # Appended on the event loop, taken by the transaction (possibly in another
-        # thread): a deque's append and popleft are atomic.
-        self._pending: deque[_Request] = deque()
-        self._wake = asyncio.Event()
-        self._busy = 0
-        self._tasks: list[asyncio.Task[None]] = []
-        self._outage = outage_of(db.engine)
+        self._commits: GroupCommit[_Request, list[Placed]] = GroupCommit(
+            self, db.writer, outage,
+            max_items=_MAX_PENDING, max_weight=_MAX_COMMIT_BYTES,
+            weight=lambda request: request.nbytes, max_queue=_MAX_PENDING,
+            max_wait=max_wait, retry_after=config.retry_after_seconds,
+        )
+
+    @property
+    def commits(self) -> GroupCommit[_Request, list[Placed]]:
+        return self._commits
 
     async def submit(self, groups: list[NewGroup]) -> list[Placed]:
         """Store the groups (all or none); returns once they are committed."""
-        if not self._tasks:
-            raise Unavailable("the Atropos queue writer is not running", retry_after=1)
         nbytes = sum(g.nbytes for g in groups)
         self._check_fits_empty(len(groups), nbytes)
-        if len(self._pending) >= _MAX_PENDING:
-            raise self._overloaded("too many submissions are waiting to be stored")
-        request = _Request(groups, nbytes, asyncio.get_running_loop().create_future())
-        self._pending.append(request)
-        self._wake.set()
-        return await request.done
+        placed = await self._commits.submit(_Request(groups, nbytes))
+        for group in placed:
+            _received("buffered" if group.buffered else "queued").inc()
+        return placed
 
     def start(self) -> None:
-        self._tasks = [
-            asyncio.create_task(self._run(), name=f"atropos-group-writer-{n}") for n in (1, 2)
-        ]
+        self._commits.start()
 
     async def stop(self) -> None:
         """Store what was submitted, then stop."""
-        while self._pending or self._busy:
-            await asyncio.sleep(0.01)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await self._commits.stop()
 
-    async def _run(self) -> None:
-        while True:
-            if not self._pending:
-                self._wake.clear()  # nothing can be appended between the check and this
-                await self._wake.wait()
-                continue
-            taken: list[_Request] = []
-            self._busy += 1
-            started = time.monotonic()
-            try:
-                results = await self._db.write(partial(self._store, taken=taken))
-                if taken:  # the other writer may have taken everything first
-                    _commits.observe(time.monotonic() - started)
-                _count(results)
-                self._outage.works()
-            except Exception as exc:  # nothing in this transaction was committed
-                if not self._outage.failed(exc, "storing Atropos groups"):
-                    log.exception("storing %d Atropos submissions failed", len(taken))
-                error = Unavailable("the database did not accept the write; retry", retry_after=1)
-                results = [(request, error) for request in taken]
-            finally:
-                self._busy -= 1
-            for request, result in results:
-                if request.done.done():
-                    continue  # its client went away
-                if isinstance(result, HubError):
-                    request.done.set_exception(result)
-                else:
-                    request.done.set_result(result)
-
-    def _take(self, taken: list[_Request]) -> None:
-        """Moves what is pending now into `taken`, up to _MAX_COMMIT_BYTES (at least
-        one request)."""
-        size = 0
-        while self._pending and (not taken or size < _MAX_COMMIT_BYTES):
-            request = self._pending.popleft()
-            taken.append(request)
-            size += request.nbytes
-
-    def _store(
-        self, conn: sa.Connection, taken: list[_Request]
-    ) -> list[tuple[_Request, list[Placed] | HubError]]:
-        """One transaction (run off the event loop): take what is pending, admit what
-        fits, place it. `taken` lists what was taken, for the caller if this fails."""
-        results: list[tuple[_Request, list[Placed] | HubError]] = []
+    def write(
+        self, conn: sa.Connection, taken: Sequence[_Request]
+    ) -> list[list[Placed] | HubError]:
+        """One transaction (run off the event loop): admit what fits, place it."""
+        results: list[list[Placed] | HubError] = []
         groups, nbytes = _waiting(conn)
-        admitted: list[_Request] = []
-        self._take(taken)
         # A refused group was still sent by a living env.
         senders = self._presence.due(g.env_id for request in taken for g in request.groups)
         record(conn, senders, utcnow())
+        placer: _Placer | None = None
         for request in taken:
-            if self._fits(groups + len(request.groups), nbytes + request.nbytes):
-                admitted.append(request)
-                groups += len(request.groups)
-                nbytes += request.nbytes
-            else:
-                results.append((request, self._full(groups, nbytes)))
-        if admitted:
-            placer = _Placer(conn, self._db.dialect, _group_sizes(conn))
-            for request in admitted:
-                results.append((request, [placer.place(g) for g in request.groups]))
+            if not self._fits(groups + len(request.groups), nbytes + request.nbytes):
+                results.append(self._full(groups, nbytes))
+                continue
+            groups += len(request.groups)
+            nbytes += request.nbytes
+            if placer is None:
+                placer = _Placer(conn, self._db.dialect, _group_sizes(conn))
+            results.append([placer.place(g) for g in request.groups])
+        if placer is not None:
             placer.flush()
         return results
 
@@ -283,16 +240,7 @@ class GroupWriter:
         return Unavailable(message, retry_after=self._config.retry_after_seconds, code="queue_full")
 
 
-_commits = DB_COMMITS.labels("atropos_groups")
 _received = Labeled(GROUPS_RECEIVED)
-
-
-def _count(results: list[tuple[_Request, list[Placed] | HubError]]) -> None:
-    """The groups a commit stored, in the metrics (app/metrics.py)."""
-    for _, placed in results:
-        if not isinstance(placed, HubError):
-            for group in placed:
-                _received("buffered" if group.buffered else "queued").inc()
 
 
 class _Placer:

@@ -15,8 +15,12 @@ from app.atropos.queue import GroupWriter, Placed, prepare
 from app.atropos.segments import Segment, literal
 from app.atropos.tables import AtroposDb, Contention
 from app.config import AtroposConfig, PrivacyConfig
+from app.db.dialect import OneHop
+from app.db.errors import outage_of
+from app.db.group_commit import GroupCommit
 from app.errors import Unavailable
 from app.ingest.processes import IngestProcesses
+from app.outage import Outage
 
 # What atroposlib's /latest_example answers before any group has arrived.
 NO_EXAMPLE: dict[str, list[Any]] = {
@@ -39,16 +43,28 @@ class Atropos:
         config: AtroposConfig,
         processes: IngestProcesses,
         privacy: PrivacyConfig | None = None,
+        *,
+        writer: OneHop | None = None,
+        outage: Outage | None = None,
+        max_wait: float | None = None,
     ) -> None:
         """`processes`: where groups are validated, redacted and deflated, off the event
-        loop; `privacy`: what is redacted from them (docs/privacy.md)."""
+        loop; `privacy`: what is redacted from them (docs/privacy.md); `writer`,
+        `outage`: the hub's; `max_wait`: a submission's deadline for its commit
+        (limits.max_write_wait_seconds)."""
         self.config = config
         self._processes = processes
-        self.db = AtroposDb(engine)
+        self.db = AtroposDb(engine, writer)
         self._presence = Presence(config.env_timeout_seconds)
-        self._writer = GroupWriter(self.db, config, self._presence)
+        self._writer = GroupWriter(self.db, config, self._presence,
+                                   outage or outage_of(engine), max_wait=max_wait)
         # Sent to the processes as its JSON, compiled there once (queue.prepare).
         self._privacy = (privacy or PrivacyConfig()).model_dump_json()
+
+    @property
+    def commits(self) -> GroupCommit[Any, list[Placed]]:
+        """The group commit of submitted groups."""
+        return self._writer.commits
 
     def start(self) -> None:
         self._writer.start()

@@ -105,14 +105,16 @@ class AtroposDb:
     writer at a time and no wait on the event loop per statement). Reads go through
     `reading`."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, writer: OneHop | None = None) -> None:
+        """`writer`: the hub's one (without it, one of its own)."""
         self.engine = engine
         self.dialect: Dialect = dialect_of(engine)
-        self._hop = OneHop(engine)
+        self._own_writer = writer is None
+        self.writer = writer or OneHop(engine)
 
     async def write(self, work: Callable[[sa.Connection], T]) -> T:
         """Run `work` in one write transaction, committed if it returns."""
-        return await self._hop.run(work)
+        return await self.writer.run(work)
 
     @asynccontextmanager
     async def reading(self) -> AsyncIterator[AsyncConnection]:
@@ -125,7 +127,8 @@ class AtroposDb:
             return await conn.run_sync(work)
 
     async def close(self) -> None:
-        await self._hop.close()
+        if self._own_writer:
+            await self.writer.close()
 
 
 def run_state(conn: sa.Connection, *, lock: bool = False) -> AtroposRunState:

@@ -10,11 +10,8 @@ what failed and what to do (`unusable_database`).
 
 from __future__ import annotations
 
-import logging
 import sqlite3
-import time
 import weakref
-from collections import Counter
 
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Engine, make_url
@@ -24,8 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app.config import TraceServerConfig
 from app.db.engine import database_url
 from app.errors import HubError, Invalid, StartupError, Unavailable
-
-_log = logging.getLogger("atropos.database")
+from app.outage import Outage
 
 # PostgreSQL SQLSTATE classes of what is wrong with the data: 22 data exception (a NUL
 # in text or jsonb is 22P05), 23 integrity constraint violation.
@@ -58,42 +54,19 @@ def database_error(exc: SQLAlchemyError, retry_after: int = 1) -> HubError:
     )
 
 
-class Outage:
-    """The database failing while the hub runs, said as a person wants to read it: one
-    ERROR line per kind of failure (a lost connection, a full disk, a lock), not one per
-    request or retry, and one line when it works again. One per engine (`outage_of`):
-    every writer, stage and route of the process reports to the same one."""
+def database_outage() -> Outage:
+    """The reporter of the database failing while the hub runs (app/outage.py)."""
+    return Outage(
+        "the database",
+        "requests that need it get 503 and the stages wait",
+        classify=_database_failure,
+        logger="atropos.database",
+    )
 
-    def __init__(self) -> None:
-        self._since: float | None = None
-        self._kinds: Counter[str] = Counter()
 
-    def failed(self, exc: BaseException, doing: str) -> bool:
-        """Note a failure of the database while `doing` something (the first of its
-        kind is logged). False when `exc` is not the database failing: a bug, for the
-        caller to log with its traceback."""
-        said = database_refusal(exc)
-        if said is None:
-            return False
-        kind = failure_kind(exc)
-        if self._since is None:
-            self._since = time.monotonic()
-        self._kinds[kind] += 1
-        if self._kinds[kind] == 1:
-            _log.error("the database is failing (%s, while %s): %s; requests that need it "
-                       "get 503 and the stages wait. Said once per kind of failure until it "
-                       "works again", kind, doing, said)
-        return True
-
-    def works(self) -> None:
-        """The database answered: if it was failing, say that it works again."""
-        if self._since is None:
-            return
-        kinds = ", ".join(f"{n} {kind}" for kind, n in self._kinds.most_common())
-        _log.warning("the database works again after %.1f s (%d failures: %s)",
-                     time.monotonic() - self._since, sum(self._kinds.values()), kinds)
-        self._since = None
-        self._kinds.clear()
+def _database_failure(exc: BaseException) -> tuple[str, str] | None:
+    said = database_refusal(exc)
+    return None if said is None else (failure_kind(exc), said)
 
 
 _outages: weakref.WeakKeyDictionary[Engine, Outage] = weakref.WeakKeyDictionary()
@@ -103,7 +76,7 @@ def outage_of(engine: AsyncEngine) -> Outage:
     """The Outage of this engine's database, shared by everything using the engine."""
     outage = _outages.get(engine.sync_engine)
     if outage is None:
-        outage = _outages[engine.sync_engine] = Outage()
+        outage = _outages[engine.sync_engine] = database_outage()
     return outage
 
 

@@ -23,7 +23,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ from starlette.responses import Response, StreamingResponse
 
 from app.atropos.tables import STATE
 from app.config import GatewayConfig, GatewayRoute, PrivacyConfig, TinkerConfig
+from app.db.group_commit import GroupCommit
 from app.db.types import utcnow
 from app.errors import (
     BadGateway,
@@ -79,19 +80,23 @@ class Upstream:
 
 class Gateway:
     def __init__(self, engine: AsyncEngine, config: GatewayConfig, tinker: TinkerConfig,
-                 privacy: PrivacyConfig, http: httpx.AsyncClient, retry_after: int) -> None:
+                 privacy: PrivacyConfig, http: httpx.AsyncClient, writer: CallWriter,
+                 retry_after: int) -> None:
         self._engine = engine
         self._config = config
         self._tinker = tinker
         self._http = http
         self._redactor = Redactor(privacy)
-        self._writer = CallWriter(engine, retry_after)
+        self._writer = writer
+        # Why the hub cannot store now (the hub's write_problem, set once it exists).
+        self.write_problem: Callable[[], str | None] = lambda: None
         self._retry_after = retry_after
         self._timeout = httpx.Timeout(tinker.timeout_seconds)
         self._step: tuple[float, str | None] = (-1e9, None)
 
-    async def close(self) -> None:
-        await self._writer.close()
+    @property
+    def commits(self) -> GroupCommit[Captured, None]:
+        return self._writer.commits
 
     # --- calls ------------------------------------------------------------------
 
@@ -99,10 +104,10 @@ class Gateway:
                    rollout_id: str | None) -> Response:
         started, started_at = time.monotonic(), utcnow()
         body = _json_object(raw)
-        if self._writer.failing():
-            raise Unavailable("the hub cannot store captures now (the database failed); "
-                              "the call was not sent upstream: retry",
-                              retry_after=self._retry_after)
+        problem = self.write_problem()
+        if problem is not None:
+            raise Unavailable(f"the hub cannot store this call's capture now ({problem}); "
+                              "it was not sent upstream: retry", retry_after=self._retry_after)
         rollout_id = _rollout_id(rollout_id or headers.get(ROLLOUT_HEADER))
         messages = body.get("messages") if kind == "chat" else None
         messages = messages if isinstance(messages, list) else []

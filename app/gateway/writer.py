@@ -1,92 +1,58 @@
-"""The gateway's captures, committed in groups: the calls that finish while a
-transaction runs are written together in the next one, and each call's answer goes
-out once its capture is committed (`write` returns then)."""
+"""The gateway's captures as a kind of the hub's group commit (app/db/group_commit.py):
+the calls that finish while a transaction runs are written together in the next one,
+and each call's answer goes out once its capture is committed."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import deque
-from functools import partial
+from collections.abc import Sequence
 
-from sqlalchemy.ext.asyncio import AsyncEngine
+import sqlalchemy as sa
 
 from app.db.dialect import OneHop
-from app.db.errors import outage_of
-from app.errors import Unavailable
+from app.db.group_commit import GroupCommit
+from app.errors import HubError
 from app.gateway import store
 from app.gateway.store import Captured
+from app.outage import Outage
 
 log = logging.getLogger("atropos.gateway")
 
-# Calls per transaction at most (bounds its memory).
-_MAX_CALLS_PER_COMMIT = 1024
+
+class _Captures:
+    name = "gateway captures"
+
+    def write(self, conn: sa.Connection, items: Sequence[Captured]) -> list[None | HubError]:
+        store.write(conn, items)
+        return [None] * len(items)
 
 
 class CallWriter:
-    def __init__(self, engine: AsyncEngine, retry_after: int) -> None:
-        self._hop = OneHop(engine)
-        self._outage = outage_of(engine)
-        self._retry_after = retry_after
-        self._queue: deque[tuple[Captured, asyncio.Future[None]]] = deque()
-        self._writer: asyncio.Task[None] | None = None
-        self._failed_at: float | None = None  # the last failed write, until one works
-        self._detached: set[asyncio.Task[None]] = set()
+    def __init__(self, writer: OneHop, outage: Outage, *, max_wait: float,
+                 retry_after: int) -> None:
+        self.commits: GroupCommit[Captured, None] = GroupCommit(
+            _Captures(), writer, outage, max_wait=max_wait, retry_after=retry_after)
+        self._detached: set[asyncio.Future[None]] = set()
 
-    def failing(self) -> bool:
-        """True while the last write failed, for `retry_after` seconds after it: calls
-        are refused before the upstream is asked (then one is let through to try)."""
-        failed = self._failed_at
-        return failed is not None and time.monotonic() - failed < self._retry_after
+    def start(self) -> None:
+        self.commits.start()
 
     async def write(self, call: Captured) -> None:
-        """Returns once `call` is committed; Unavailable when the database refused it."""
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append((call, done))
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.create_task(self._write(), name="gateway-call-writer")
-        await asyncio.shield(done)  # a client gone mid-write does not stop it
+        """Returns once `call` is committed; Unavailable (503) when it was not."""
+        await asyncio.shield(self.commits.submit(call))  # an agent gone mid-write: kept
 
     def detach(self, call: Captured) -> None:
-        """Write `call` without a waiter (the agent that made it has gone); close()
-        waits for it."""
-        task = asyncio.get_running_loop().create_task(self._quietly(call))
-        self._detached.add(task)
-        task.add_done_callback(self._detached.discard)
+        """Write `call` without a waiter (the agent that made it has gone)."""
+        done = self.commits.submit(call)
+        self._detached.add(done)
+        done.add_done_callback(self._written)
 
-    async def _quietly(self, call: Captured) -> None:
-        try:
-            await self.write(call)
-        except Unavailable:
-            log.warning("the capture of a call of rollout %s was not stored: the database "
-                        "refused it (its agent had gone already)", call.rollout_id)
-
-    async def _write(self) -> None:
-        while self._queue:
-            batch = [self._queue.popleft()
-                     for _ in range(min(len(self._queue), _MAX_CALLS_PER_COMMIT))]
-            try:
-                await self._hop.run(partial(store.write, calls=[c for c, _ in batch]))
-            except Exception as exc:  # the batch failed as a whole: nobody was answered
-                if not self._outage.failed(exc, "storing gateway calls"):
-                    log.exception("storing %d gateway calls failed", len(batch))
-                self._failed_at = time.monotonic()
-                failure = Unavailable("the hub could not store this call's capture; retry",
-                                      retry_after=self._retry_after)
-                for _, done in batch:
-                    if not done.done():
-                        done.set_exception(failure)
-            else:
-                self._outage.works()
-                self._failed_at = None
-                for _, done in batch:
-                    if not done.done():
-                        done.set_result(None)
+    def _written(self, done: asyncio.Future[None]) -> None:
+        self._detached.discard(done)
+        if not done.cancelled() and done.exception() is not None:
+            log.warning("the capture of a call whose agent had gone was not stored: %s",
+                        done.exception())
 
     async def close(self) -> None:
-        if self._detached:
-            await asyncio.gather(*self._detached, return_exceptions=True)
-        if self._writer is not None:
-            await self._writer
-        await self._hop.close()
+        await self.commits.stop()  # what is queued is written first

@@ -23,6 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import formats
 from app.config import HubConfig, LimitsConfig, PrivacyConfig
+from app.db.dialect import OneHop
 from app.db.moves import TRACE_STAGES
 from app.db.search import search_text
 from app.db.types import EncodedJSON, utcnow
@@ -31,11 +32,12 @@ from app.errors import HubError, Invalid
 from app.evaluation.environment import Environment
 from app.evaluation.redaction import Redacted, Redactor
 from app.ingest.admission import Admission
-from app.ingest.inserter import Stored, TraceInserter, TraceRow
+from app.ingest.inserter import PreparedTrace, Stored, TraceInserter
 from app.ingest.limits import check_item, check_trace
 from app.ingest.processes import IngestProcesses
 from app.ingest.tokens import count_parts
 from app.metrics import REJECTIONS, TRACES_INGESTED, Labeled
+from app.outage import Outage
 
 MAX_TRACE_ID_LENGTH = 200
 # env, agent.model, agent.name, policy_version: String(200) columns, which PostgreSQL
@@ -117,7 +119,7 @@ class Preparer:
             "search_text": search_text(trace),
         }
 
-    def prepare(self, item: Any, fmt: str | None) -> TraceRow | HubError:
+    def prepare(self, item: Any, fmt: str | None) -> PreparedTrace | HubError:
         """The item's row, ready to insert, or the HubError that refuses it. An item may
         come as bytes (`formats.load`: its JSON text, or an OTLP protobuf request),
         which is cheaper to send to a process than the parsed value; or `Redacted`
@@ -126,7 +128,7 @@ class Preparer:
         if isinstance(item, Redacted):
             item, earlier = item.item, item.counts
         try:
-            return TraceRow.of(self.row(
+            return PreparedTrace.of(self.row(
                 formats.load(item, fmt) if isinstance(item, bytes) else item, fmt,
                 redacted=earlier,
             ))
@@ -134,37 +136,34 @@ class Preparer:
             return exc
 
 
+def ingest_processes(
+    config: HubConfig, environment: Environment, outage: Outage | None = None
+) -> IngestProcesses:
+    """The ingest processes of one hub (default: one per CPU, at most 8), not started:
+    every part that prepares work off the event loop shares them."""
+    preparer = Preparer(environment, config.limits, Redactor(config.privacy))
+    return IngestProcesses(preparer, config.trace_server.ingest_processes or min(_cpus(), 8),
+                           outage=outage)
+
+
 class Ingestor:
     def __init__(
         self,
         inserter: TraceInserter,
-        environment: Environment,
-        limits: LimitsConfig | None = None,
+        processes: IngestProcesses,
         *,
         admission: Admission | None = None,
-        processes: int | None = None,
-        privacy: PrivacyConfig | None = None,
     ) -> None:
-        """`admission` bounds the work in flight (the HTTP API); without it (`atropos
-        import`), callers wait for each chunk and are their own back-pressure.
-        `processes`: ingest processes (default: one per CPU, at most 8)."""
+        """`processes`: where items are prepared (the hub's); `admission` bounds the
+        work in flight (the HTTP API); without it (`atropos import`), callers wait for
+        each chunk and are their own back-pressure."""
         self._inserter = inserter
         self._admission = admission
-        preparer = Preparer(
-            environment, limits or LimitsConfig(), Redactor(privacy or PrivacyConfig())
-        )
-        self._processes = IngestProcesses(preparer, processes or min(_cpus(), 8))
+        self._processes = processes
 
     @property
     def processes(self) -> IngestProcesses:
-        """Shared with the Atropos API, whose groups are validated there too."""
         return self._processes
-
-    def start(self) -> None:
-        self._processes.start()
-
-    async def close(self) -> None:
-        await self._processes.close()
 
     async def ingest(self, item: Any, fmt: str | None = None) -> Stored:
         """Store one trace (any accepted format) and answer its stored result."""
@@ -199,7 +198,7 @@ class Ingestor:
 
     async def prepare(
         self, items: list[Any], fmt: str | None = None
-    ) -> list[TraceRow | HubError]:
+    ) -> list[PreparedTrace | HubError]:
         """Each item's row (parsed, scored, filtered, its tokens counted) or the
         HubError that refuses it, in order, without storing it: for callers that store
         rows themselves (the OTLP assembly stage)."""
@@ -210,7 +209,7 @@ class Ingestor:
     def _admit(self, traces: int) -> AbstractContextManager[None]:
         return self._admission.admit(traces) if self._admission else nullcontext()
 
-    def _submit(self, row: TraceRow) -> asyncio.Future[Stored] | HubError:
+    def _submit(self, row: PreparedTrace) -> asyncio.Future[Stored] | HubError:
         try:
             return self._inserter.submit(row)
         except HubError as exc:
@@ -232,7 +231,9 @@ async def running_ingest(
     *,
     admitted: bool,
     on_commit: Callable[[], None] | None = None,
-    start: bool = True,
+    processes: IngestProcesses | None = None,
+    writer: OneHop | None = None,
+    outage: Outage | None = None,
 ) -> AsyncIterator[IngestPath]:
     """The ingest path of one process, running: the ingest processes that prepare rows
     and the inserter that commits them (`atropos serve` and `atropos import` alike).
@@ -240,46 +241,41 @@ async def running_ingest(
     `admitted`: the work in flight is bounded by config.limits, past which new traces
     get 503 (the HTTP API), as is a trace not committed within
     limits.max_write_wait_seconds; without it (`atropos import`) the callers wait for
-    each chunk and are their own back-pressure. `start`: start the ingest processes now;
-    else the caller does (`ingestor.start()`), and items wait for them. On exit what is
-    queued is committed first, then the processes end."""
-    if admitted:
-        limits = config.limits
-        inserter = TraceInserter(
-            engine,
-            max_queue=limits.max_queued_traces,
-            max_wait=limits.max_write_wait_seconds,
-            retry_after=limits.retry_after_seconds,
-            on_commit=on_commit,
-        )
-        admission: Admission | None = Admission(config.limits, inserter.write_wait)
-    else:
-        inserter, admission = TraceInserter(engine, on_commit=on_commit), None
-    ingestor = Ingestor(
-        inserter,
-        environment,
-        config.limits,
-        admission=admission,
-        processes=config.trace_server.ingest_processes,
-        privacy=config.privacy,
+    each chunk and are their own back-pressure. `processes`, `writer`, `outage`: the
+    hub's, which starts and ends them; without them the path has its own, started now.
+    On exit what is queued is committed first."""
+    limits = config.limits
+    inserter = TraceInserter(
+        engine,
+        writer=writer,
+        outage=outage,
+        max_queue=limits.max_queued_traces if admitted else 10_000,
+        max_wait=limits.max_write_wait_seconds if admitted else None,
+        retry_after=limits.retry_after_seconds,
+        on_commit=on_commit,
     )
+    admission = Admission(limits, inserter.write_wait) if admitted else None
+    own = processes is None
+    if processes is None:
+        processes = ingest_processes(config, environment)
+        processes.start()
+    ingestor = Ingestor(inserter, processes, admission=admission)
     inserter.start()
-    if start:
-        ingestor.start()
     try:
         yield IngestPath(inserter, ingestor, admission)
     finally:
         await inserter.stop()  # answers what is queued before the engine goes
-        await ingestor.close()
+        if own:
+            await processes.close()
 
 
 _ingested = Labeled(TRACES_INGESTED)
 _rejected_by = Labeled(REJECTIONS)
 
 
-def _counted(row: TraceRow | HubError, result: Stored | HubError, fmt: str | None) -> None:
+def _counted(row: PreparedTrace | HubError, result: Stored | HubError, fmt: str | None) -> None:
     """The trace's outcome in the metrics (app/metrics.py)."""
-    source = row.source_format if isinstance(row, TraceRow) else fmt or "unknown"
+    source = row.source_format if isinstance(row, PreparedTrace) else fmt or "unknown"
     if isinstance(result, HubError):
         count_outcome(source, "unavailable" if result.status == 503 else "refused")
     elif result.duplicate:

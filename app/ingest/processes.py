@@ -40,12 +40,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from app.errors import HubError, Invalid, Unavailable
 from app.ingest.tokens import encoding
 from app.metrics import INGEST_RESTARTS
+from app.outage import Outage
 
 if TYPE_CHECKING:
     from app.ingest.ingestor import Preparer
-    from app.ingest.inserter import TraceRow
+    from app.ingest.inserter import PreparedTrace
 
-Reply = list["TraceRow | HubError"]
+Reply = list["PreparedTrace | HubError"]
 R = TypeVar("R")
 
 log = logging.getLogger("atropos.ingest")
@@ -92,9 +93,11 @@ class _Process:
 
 
 class IngestProcesses:
-    def __init__(self, preparer: Preparer, processes: int) -> None:
+    def __init__(self, preparer: Preparer, processes: int, *, outage: Outage | None = None) -> None:
+        """`outage`: where the processes failing to start or dying is said (the hub's)."""
         self._preparer = preparer
         self._size = processes
+        self._outage = outage or ingest_outage()
         self._processes: list[_Process] = []
         self._starting = asyncio.Lock()
         self._started: asyncio.Task[None] | None = None
@@ -114,10 +117,9 @@ class IngestProcesses:
     async def _start_all(self) -> None:
         try:
             await self._fill()
-        except OSError as exc:  # no fork, no socket: the system's limits
-            log.error("the ingest processes did not start (%s); the next trace tries again", exc)
-        except Exception:
-            log.exception("the ingest processes did not start; the next trace tries again")
+        except Exception as exc:
+            if not self._outage.failed(exc, "starting the ingest processes"):
+                log.exception("the ingest processes did not start; the next trace tries again")
 
     async def rows(self, items: list[Any], fmt: str | None) -> Reply:
         """Each item's row or the HubError that refuses it, in order."""
@@ -164,6 +166,7 @@ class IngestProcesses:
         async with self._starting:
             while len(self._processes) < self._size:
                 self._processes.append(await self._start())
+        self._outage.works()
 
     async def _start(self) -> _Process:
         ours, theirs = socket.socketpair()
@@ -212,10 +215,9 @@ class IngestProcesses:
                 INGEST_RESTARTS.labels("died" if proc.too_slow is None else "too_slow").inc()
             await asyncio.to_thread(proc.process.join, 5)
             if proc.too_slow is None:
-                log.error(
-                    "an ingest process stopped (exit code %s); another starts on the next "
-                    "trace",
-                    proc.process.exitcode,
+                self._outage.failed(
+                    ProcessStopped(f"exit code {proc.process.exitcode}"),
+                    "preparing traces",
                 )
         for number, frame in enumerate(proc.waiting, start=proc.answered):
             if frame.done.done():
@@ -311,6 +313,24 @@ class IngestProcesses:
                 await proc.task  # the kill ends its socket: what it held fails with 503
             await asyncio.to_thread(proc.process.join, 5)
             proc.writer.close()
+
+
+class ProcessStopped(Exception):
+    """An ingest process ended while the hub runs (killed, out of memory)."""
+
+
+def ingest_outage() -> Outage:
+    """The reporter of the ingest processes failing (app/outage.py)."""
+    return Outage("the ingest processes",
+                  "what they held gets 503, and another starts on the next trace",
+                  classify=_process_failure, logger="atropos.ingest")
+
+
+def _process_failure(exc: BaseException) -> tuple[str, str] | None:
+    """Not starting (no fork, no socket: the system's limits) or one stopping."""
+    if isinstance(exc, OSError | ProcessStopped):
+        return type(exc).__name__, str(exc) or type(exc).__name__
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,13 +39,13 @@ from app.errors import HubError
 from app.evaluation.redaction import Redacted
 from app.formats.otlp import NAME, wire
 from app.ingest.ingestor import count_outcome
-from app.ingest.inserter import INSERT, TraceRow, insert_traces
+from app.ingest.inserter import PreparedTrace, insert_traces
 from app.ingest.otlp import store
 from app.ingest.otlp.store import FINAL_STAGES, Due, Settled, TraceState
 
 log = logging.getLogger("atropos.otlp")
 
-Prepare = Callable[[list[Any], str | None], Awaitable[list[TraceRow | HubError]]]
+Prepare = Callable[[list[Any], str | None], Awaitable[list[PreparedTrace | HubError]]]
 # What a re-assembled trajectory's background stages had made of its previous version.
 _STARTED_OVER = {
     "compressed": None,
@@ -68,7 +68,7 @@ class _Pass:
     due: list[Due]
     stored: dict[str, Any]  # their trajectories already stored
     todo: list[str]  # those to make (again)
-    made: asyncio.Future[list[TraceRow | HubError]]
+    made: asyncio.Future[list[PreparedTrace | HubError]]
 
 
 class AssemblyStage:
@@ -143,10 +143,10 @@ class AssemblyStage:
         made = asyncio.ensure_future(self._prepare(items, NAME))
         return _Pass(due, stored, todo, made)
 
-    async def _write(self, current: _Pass, made: list[TraceRow | HubError]) -> None:
+    async def _write(self, current: _Pass, made: list[PreparedTrace | HubError]) -> None:
         due, stored = current.due, current.stored
         prepared = dict(zip(current.todo, made))
-        rows = {trace_id: r if isinstance(r, HubError) else INSERT.row(r.values)
+        rows = {trace_id: r if isinstance(r, HubError) else r.row()
                 for trace_id, r in prepared.items()}
         texts = {trace_id: r.search_text for trace_id, r in prepared.items()
                  if not isinstance(r, HubError)}

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +44,7 @@ from app.db.moves import TRACE_STAGES
 from app.domain import Stage, Trace
 from app.llm import LLMError
 from app.metrics import COMPRESSION_TOKENS_IN, COMPRESSION_TOKENS_OUT, COMPRESSIONS
+from app.outage import Outage
 from app.stages.leases import RELEASED, Heartbeat, Lease, claim, held_by, retry_later
 
 log = logging.getLogger("atropos.compression")
@@ -65,7 +65,9 @@ class CompressionStage:
         summarizer: Summarizer | None = None,
         batch: int | None = None,
         on_advance: Callable[[], None] | None = None,
+        model: Outage | None = None,
     ) -> None:
+        """`model`: where the summary model failing is said (the hub's)."""
         self._engine = engine
         self._policy = policy
         self._max_trace_tokens = max_trace_tokens
@@ -85,7 +87,7 @@ class CompressionStage:
         self._calls_from = smallest_compressed(policy, max_trace_tokens)
         self._calls: set[asyncio.Task[None]] = set()
         self._call_slots = asyncio.Semaphore(policy.max_concurrent_calls)
-        self._model = _ModelHealth(policy)
+        self._model = model or model_outage(policy)
 
     async def run_once(self) -> int:
         if not self._model_bound:
@@ -215,7 +217,13 @@ class CompressionStage:
                                         compression={"skipped": result.reason}):
                         finished.append(result)
                 else:
-                    self._model.compressed(row.trace_id, result)
+                    if result.model_failed:
+                        assert result.fallback is not None
+                        self._model.failed(result.fallback, f"summarizing trace {row.trace_id}")
+                        log.debug("trace %s: compressed with key_decision_extract: %s",
+                                  row.trace_id, result.fallback)
+                    elif result.strategy == "summarize_middle":
+                        self._model.works()
                     if await self._move(
                         conn,
                         row.trace_id,
@@ -251,8 +259,8 @@ class CompressionStage:
             wake=self._on_advance, stage_error=error,
         )
         if isinstance(exc, LLMError):
-            # Said once per outage (_ModelHealth); each trace's turn in one line.
-            self._model.failed(error)
+            # Said once per outage (app/outage.py); each trace's turn in one line.
+            self._model.failed(exc, f"summarizing trace {row.trace_id}")
             if delay is None:
                 log.info("trace %s: the summary model failed %d times, giving up "
                          "(compression_failed): %s", row.trace_id, row.attempts, error)
@@ -283,40 +291,19 @@ def _count(finished: list[Compressed | Skipped], gave_up: int) -> None:
             COMPRESSION_TOKENS_OUT.labels(result.strategy).inc(result.tokens_after)
 
 
-class _ModelHealth:
-    """Whether the summary model is failing, so that an outage is said once: a WARNING
-    when the first call fails, an INFO line when a call succeeds again."""
-
-    def __init__(self, policy: CompressionConfig) -> None:
-        self._policy = policy
-        self._since: float | None = None
-        self._failures = 0
-        self._fallbacks = 0
-
-    def failed(self, error: str) -> None:
-        self._failures += 1
-        if self._since is not None:
-            return
-        self._since = time.monotonic()
-        policy = self._policy
-        then = (
-            "compressed with key_decision_extract (compression.on_model_failure: fallback)"
-            if policy.on_model_failure == "fallback"
-            else "left compression_failed (compression.on_model_failure: retry)"
-        )
-        log.warning("the summary model is failing (%s): traces that need it are retried "
-                    "(compression.retry: %d attempts), then %s; said once until it answers "
-                    "again", error, policy.retry.max_attempts, then)
-
-    def compressed(self, trace_id: str, result: Compressed) -> None:
-        if result.model_failed:
-            assert result.fallback is not None
-            self.failed(result.fallback)
-            self._fallbacks += 1
-            log.debug("trace %s: compressed with key_decision_extract: %s",
-                      trace_id, result.fallback)
-        elif result.strategy == "summarize_middle" and self._since is not None:
-            log.info("the summary model answers again after %.0f s (%d failed calls, %d "
-                     "traces fell back to key_decision_extract)",
-                     time.monotonic() - self._since, self._failures, self._fallbacks)
-            self._since, self._failures, self._fallbacks = None, 0, 0
+def model_outage(policy: CompressionConfig) -> Outage:
+    """The reporter of the summary model failing (app/outage.py), saying what becomes of
+    the traces that need it meanwhile."""
+    then = (
+        "compressed with key_decision_extract (compression.on_model_failure: fallback)"
+        if policy.on_model_failure == "fallback"
+        else "left compression_failed (compression.on_model_failure: retry)"
+    )
+    return Outage(
+        "the summary model",
+        f"traces that need it are retried (compression.retry: {policy.retry.max_attempts} "
+        f"attempts), then {then}",
+        classify=lambda exc: (type(exc).__name__, str(exc)) if isinstance(exc, LLMError) else None,
+        logger="atropos.compression",
+        again="answers again",
+    )

@@ -29,6 +29,7 @@ from app.db.types import utcnow
 from app.domain import BatchState, Stage, Trace
 from app.llm import LLMError
 from app.metrics import DELIVERY_ATTEMPTS
+from app.outage import Outage
 from app.stages.leases import RELEASED, Heartbeat, Lease, claim, held_by, retry_later
 from app.targets import Batch, BatchItem, DeliveryError, Target
 from app.training import TrainingFailed
@@ -42,6 +43,19 @@ EXPECTED_FAILURES = (DeliveryError, LLMError, TrainingFailed, TrainingTimeout,
                      httpx.HTTPError, OSError)
 
 
+def training_outage() -> Outage:
+    """The reporter of the training service (the target's) failing (app/outage.py)."""
+    return Outage(
+        "the training service",
+        "batches are retried (distributor.retry), each attempt said at INFO",
+        classify=lambda exc: (
+            (type(exc).__name__, str(exc) or type(exc).__name__)
+            if isinstance(exc, EXPECTED_FAILURES) else None
+        ),
+        logger="atropos.delivery",
+    )
+
+
 class DeliveryStage:
     name = "delivery"
 
@@ -53,9 +67,12 @@ class DeliveryStage:
         *,
         lease: Lease,
         on_advance: Callable[[], None] | None = None,
+        training: Outage | None = None,
     ) -> None:
+        """`training`: where the training service failing is said (the hub's)."""
         self._engine = engine
         self._target = target
+        self._training = training or training_outage()
         self._config = config
         self._lease = lease
         self._on_advance = on_advance
@@ -93,6 +110,7 @@ class DeliveryStage:
             await self._failed(row.batch_id, row.attempts, exc)
             return 1
         self._attempted("delivered", started)
+        self._training.works()
         if await self._acknowledge(batch, receipt) and self._on_advance is not None:
             self._on_advance()
         return 1
@@ -158,12 +176,15 @@ class DeliveryStage:
                 give_up=BATCH_STATES.move(BatchState.FAILED, expected=[BatchState.PENDING]),
                 wake=self._on_advance, last_error=error,
             )
-        trace = None if isinstance(exc, EXPECTED_FAILURES) else exc
+        expected = self._training.failed(exc, f"delivering batch {batch_id}")
+        trace = None if expected else exc
         if delay is None:
             log.error("batch %s: delivery to %s failed %d times, giving up: %s; "
                       "`atropos batches retry %s` re-queues it", batch_id,
                       self._target.name, attempts, error, batch_id, exc_info=trace)
         else:
-            log.warning("batch %s: delivery to %s failed (attempt %d of %d), retrying in "
-                        "%.1f s: %s", batch_id, self._target.name, attempts,
-                        policy.max_attempts, delay, error, exc_info=trace)
+            # The service failing is said once (app/outage.py); each attempt in one line.
+            log.log(logging.INFO if expected else logging.WARNING,
+                    "batch %s: delivery to %s failed (attempt %d of %d), retrying in "
+                    "%.1f s: %s", batch_id, self._target.name, attempts,
+                    policy.max_attempts, delay, error, exc_info=trace)

@@ -30,12 +30,12 @@ from app.formats.gateway import NAME, document
 from app.gateway import store
 from app.gateway.store import FINAL_STAGES, RolloutState, Settled
 from app.ingest.ingestor import count_outcome
-from app.ingest.inserter import INSERT, TraceRow, insert_traces
+from app.ingest.inserter import PreparedTrace, insert_traces
 from app.stages.assembly import outcome, stored_trajectories
 
 log = logging.getLogger("atropos.gateway")
 
-Prepare = Callable[[list[Any], str | None], Awaitable[list[TraceRow | HubError]]]
+Prepare = Callable[[list[Any], str | None], Awaitable[list[PreparedTrace | HubError]]]
 
 
 class RolloutStage:
@@ -67,7 +67,7 @@ class RolloutStage:
         items = [_item(found[i]) for i in todo]
         made = await self._prepare(items, NAME)
         prepared = dict(zip(todo, made))
-        rows = {i: r if isinstance(r, HubError) else INSERT.row(r.values)
+        rows = {i: r if isinstance(r, HubError) else r.row()
                 for i, r in prepared.items()}
         texts = {i: r.search_text for i, r in prepared.items() if not isinstance(r, HubError)}
         outcomes: Counter[str] = Counter()

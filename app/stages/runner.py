@@ -19,7 +19,8 @@ import asyncio
 import logging
 from typing import Protocol, runtime_checkable
 
-from app.db.errors import Outage
+from app.errors import Unavailable
+from app.outage import Outage
 from app.waits import event_set_within
 
 log = logging.getLogger("atropos.worker")
@@ -77,7 +78,7 @@ class StageRunner:
         while True:
             advanced = 0
             for stage in self.stages:
-                advanced += await self._run_stage(stage)
+                advanced += max(0, await self._run_stage(stage))
                 if isinstance(stage, Concurrent):
                     await stage.settle()
             total += advanced
@@ -105,13 +106,19 @@ class StageRunner:
         sleep = min(self._every.get(stage.name, self._flush_interval), self._flush_interval)
         while True:
             wake.clear()
-            while await self._run_stage(stage):
+            while (advanced := await self._run_stage(stage)) > 0:
                 pass
-            await event_set_within(wake, sleep)
+            await event_set_within(wake, min(sleep, _PASSING_SECONDS) if advanced < 0 else sleep)
 
     async def _run_stage(self, stage: PipelineStage) -> int:
+        """Items advanced; -1 after a failure that passes by itself (an ingest process
+        stopped mid-pass: said by its own outage), which is retried soon."""
         try:
             advanced = await stage.run_once()
+        except Unavailable as exc:
+            log.info("stage %s: %s; retrying in %g s", stage.name, exc.message,
+                     _PASSING_SECONDS)
+            return -1
         except Exception as exc:
             # A stage failing on one item records that on the row itself; this is the
             # database failing (said once per kind), or a bug (with its traceback). The
@@ -119,5 +126,10 @@ class StageRunner:
             if not self._outage.failed(exc, f"running the {stage.name} stage"):
                 log.exception("stage %s failed; retrying after the flush interval", stage.name)
             return 0
-        self._outage.works()
+        if advanced:  # it wrote: the database works (a pass with nothing to do proves nothing)
+            self._outage.works()
         return advanced
+
+
+# How soon a stage tries again after a failure that passes by itself.
+_PASSING_SECONDS = 1.0

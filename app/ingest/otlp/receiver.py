@@ -4,8 +4,8 @@ A body is OTLP when its Content-Type is `application/x-protobuf` (an
 ExportTraceServiceRequest), or when it is JSON whose top level has `resourceSpans`
 (OTLP/JSON); anything else is left to the hub's own formats. It is read in an ingest
 process (app/ingest/otlp/request.py: decoded, its spans counted, their secrets
-redacted), and its spans are committed before the answer (one transaction, in one hop:
-app/db/dialect.OneHop); a span resent by an exporter retrying is stored once. Spans
+redacted), and its spans are committed before the answer (the group commit of spans,
+app/db/group_commit.py); a span resent by an exporter retrying is stored once. Spans
 that cannot be used (no valid trace or span id) are counted and reported, and the
 others stored: OTLP's partial success.
 
@@ -23,18 +23,18 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
-from functools import partial
 
+import sqlalchemy as sa
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import LimitsConfig, OtlpConfig, PrivacyConfig
 from app.db.dialect import OneHop
-from app.db.errors import outage_of
+from app.db.group_commit import GroupCommit
 from app.db.types import utcnow
 from app.errors import Unavailable
 from app.formats.otlp import wire
@@ -43,6 +43,7 @@ from app.ingest.body import NDJSON_TYPES
 from app.ingest.otlp import store
 from app.ingest.otlp.request import Encoding, read
 from app.ingest.processes import IngestProcesses
+from app.outage import Outage
 
 log = logging.getLogger("atropos.otlp")
 
@@ -81,17 +82,22 @@ def otlp_body(body: bytes, content_type: str) -> OtlpBody | None:
     return OtlpBody("json", body)
 
 
-@dataclass(slots=True)
-class _Waiting:
-    records: list[wire.SpanRecord]
-    done: asyncio.Future[None]
-    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
+class _SpanKind:
+    """Spans, for the group commit: each item is one request's usable spans."""
+
+    name = "OTLP spans"
+
+    def write(
+        self, conn: sa.Connection, items: Sequence[list[wire.SpanRecord]]
+    ) -> list[None]:
+        store.add_spans(conn, [record for records in items for record in records], utcnow())
+        return [None] * len(items)
 
 
 class SpanReceiver:
-    """Group commit, as for traces (app/ingest/inserter.py): the spans of the requests
-    that queued while a transaction ran are written together in the next one, so that
-    concurrent exporters share its fsync; each request is answered once it committed."""
+    """The spans of the requests that queued while a transaction ran are written
+    together in the next one, so that concurrent exporters share its fsync; each
+    request is answered once it committed."""
 
     def __init__(
         self,
@@ -101,12 +107,14 @@ class SpanReceiver:
         limits: LimitsConfig,
         config: OtlpConfig,
         privacy: PrivacyConfig,
+        *,
+        writer: OneHop,
+        outage: Outage,
     ) -> None:
         """`processes`: where requests are read; `admission`: the HTTP API's, which
-        then also counts this writer's stalls."""
+        then also counts this writer's stalls, and bounds each request's wait for its
+        commit by limits.max_write_wait_seconds; `writer`, `outage`: the hub's."""
         self._engine = engine
-        self._hop = OneHop(engine)
-        self._outage = outage_of(engine)
         self._processes = processes
         self._admission = admission
         self._limits = limits
@@ -115,16 +123,21 @@ class SpanReceiver:
         self._privacy = privacy.model_dump_json()
         self._oldest_due: datetime | None = None  # of the open traces, at the last look
         self._looked_at = -math.inf
-        self._queue: deque[_Waiting] = deque()
-        self._writer: asyncio.Task[None] | None = None
-        self._writing_since: float | None = None
+        self.commits: GroupCommit[list[wire.SpanRecord], None] = GroupCommit(
+            _SpanKind(), writer, outage,
+            max_items=10_000, max_weight=_MAX_SPANS_PER_COMMIT, weight=len,
+            max_wait=limits.max_write_wait_seconds if admission is not None else None,
+            retry_after=limits.retry_after_seconds,
+        )
         if admission is not None:
             admission.watch(self.write_wait)
 
+    def start(self) -> None:
+        self.commits.start()
+
     def write_wait(self) -> float:
         """How long the write in progress has run (0.0 when idle)."""
-        since = self._writing_since
-        return 0.0 if since is None else time.monotonic() - since
+        return self.commits.write_wait()
 
     async def receive(self, body: OtlpBody) -> Receipt | None:
         """Store the request's usable spans; returns once they are committed. None for
@@ -181,7 +194,7 @@ class SpanReceiver:
                     self._oldest_due = await store.oldest_due(
                         conn, utcnow(), self._config.quiet_seconds, self._config.max_wait_seconds
                     )
-            except SQLAlchemyError:
+            except (SQLAlchemyError, OSError):
                 pass  # the spans' write finds out, and answers for it
         if self._oldest_due is None:
             return 0.0
@@ -191,76 +204,12 @@ class SpanReceiver:
         return self._admission.admit(places) if self._admission else nullcontext()
 
     async def _store(self, records: list[wire.SpanRecord]) -> None:
-        loop = asyncio.get_running_loop()
-        waiting = _Waiting(records, loop.create_future())
-        if self._admission is not None:
-            waiting.timer = loop.call_later(
-                self._limits.max_write_wait_seconds, self._too_late, waiting
-            )
-        self._queue.append(waiting)
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.create_task(self._write(), name="otlp-span-writer")
-        await asyncio.shield(waiting.done)  # a client gone mid-write does not stop it
-
-    def _too_late(self, waiting: _Waiting) -> None:
-        """Its deadline (limits.max_write_wait_seconds): 503, and no longer written if
-        still queued. A transaction already writing it may still commit it: harmless,
-        since the exporter's retry is then stored once."""
-        if not waiting.done.done():
-            waiting.done.set_exception(Unavailable(
-                f"the database did not commit these spans within "
-                f"{self._limits.max_write_wait_seconds:g} s (limits.max_write_wait_seconds); "
-                "send them again",
-                retry_after=self._limits.retry_after_seconds,
-                code="overloaded",
-                field="limits.max_write_wait_seconds",
-            ))
-
-    async def _write(self) -> None:
-        while self._queue:
-            batch: list[_Waiting] = []
-            spans = 0
-            while self._queue and (not batch or spans < _MAX_SPANS_PER_COMMIT):
-                waiting = self._queue.popleft()
-                if waiting.done.done():
-                    continue  # answered 503 at its deadline: not written
-                batch.append(waiting)
-                spans += len(waiting.records)
-            if not batch:
-                continue
-            records = [record for waiting in batch for record in waiting.records]
-            self._writing_since = time.monotonic()
-            try:
-                await self._hop.run(partial(store.add_spans, records=records, now=utcnow()))
-            except Exception as exc:  # the batch failed as a whole: nobody was acknowledged
-                # Said once per kind of failure (app/db/errors.Outage), never with the
-                # statement's parameters (the spans).
-                if not self._outage.failed(exc, "storing OTLP spans"):
-                    log.exception("storing %d spans failed", len(records))
-                self._settle(batch, Unavailable("the database did not accept the spans; retry",
-                                                retry_after=self._limits.retry_after_seconds))
-            else:
-                self._outage.works()
-                self._settle(batch, None)
-            finally:
-                self._writing_since = None
-
-    @staticmethod
-    def _settle(batch: list[_Waiting], failure: Exception | None) -> None:
-        for waiting in batch:
-            if waiting.timer is not None:
-                waiting.timer.cancel()
-            if waiting.done.done():
-                continue
-            if failure is None:
-                waiting.done.set_result(None)
-            else:
-                waiting.done.set_exception(failure)
+        # A client gone mid-write does not stop it.
+        await asyncio.shield(self.commits.submit(records))
 
     async def close(self) -> None:
-        if self._writer is not None:
-            await self._writer  # what was queued is committed (and answered) first
-        await self._hop.close()
+        """What was queued is committed (and answered) first."""
+        await self.commits.stop()
 
 
 def _message(reasons: list[str]) -> str:
