@@ -5,6 +5,9 @@ rollout one trajectory with its exact tokens."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -311,3 +314,57 @@ def test_models_lists_the_upstreams_and_the_finish_of_an_unknown_rollout_is_404(
     with hub.client() as c:
         bad = c.post("/v1/rollouts/x/finish", json={"reward": "lots"})
         assert bad.status_code == 422
+
+
+ATROPOS_ENV = """
+import asyncio, json, sys
+from atroposlib.envs.server_handling.openai_server import OpenAIServer
+from atroposlib.envs.server_handling.server_baseline import APIServerConfig
+
+async def main():
+    server = OpenAIServer(APIServerConfig(base_url=sys.argv[1], api_key="env-key",
+                                          model_name="policy", health_check=False))
+    first = "Q: what is 6 x 7?\\nA:"
+    one = await server.completion(prompt=first, max_tokens=16)
+    two = await server.completion(prompt=first + one.choices[0].text + "\\nQ: and 7 x 6?\\nA:",
+                                  max_tokens=16)
+    print(json.dumps([one.choices[0].text, two.choices[0].text]))
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture(scope="session")
+def atroposlib_servers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.support.atroposlib import RegistryUnreachable, install_server_classes
+
+    try:
+        return install_server_classes(tmp_path_factory.mktemp("atroposlib-servers"))
+    except RegistryUnreachable as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"the package index is unreachable (and CI is unset): {exc}")
+
+
+def test_atroposlibs_openai_server_calls_completions_and_its_tokens_are_kept(
+    hub: InProcessHub, fake: FakeVllm, atroposlib_servers: Path
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", ATROPOS_ENV, f"{hub.url}/v1/rollouts/atropos-1"],
+        env={**os.environ, "PYTHONPATH": str(atroposlib_servers)},
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == ["The answer is 42.", "The answer is 42."]
+    assert all(b["model"] == "fake-policy" and b["return_token_ids"] for b in fake.received)
+    assert finish(hub, "atropos-1", reward=1.0).status_code == 200
+    record = trace(hub, "atropos-1")
+    assert record["trace"]["task"] == "Q: what is 6 x 7?\nA:"
+    assert [s["type"] for s in record["trace"]["steps"]] == ["message", "message", "final"]
+    assert record["trace"]["steps"][1]["content"] == "\nQ: and 7 x 6?\nA:"
+    tokens = trace(hub, "atropos-1", view="tokens")
+    # The end token the model generated is not in the next prompt, which the env sent
+    # as text: the chain breaks at the second call, and says so.
+    assert tokens["exact"] is False and tokens["broken_at"] == 1
+    assert [len(s["token_ids"]) for s in tokens["samples"]] == [18, 18]
+    assert sum(m != -100 for m in tokens["masks"]) == 18
