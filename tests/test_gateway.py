@@ -156,6 +156,14 @@ def test_a_tool_loop_through_the_sdk_becomes_one_trajectory_with_exact_tokens(
     assert tokens["logprobs"][generated[0]] == pytest.approx(-0.01 * (first_prompt % 7 + 1))
     assert tokens["logprobs"][0] == 1.0
 
+    # The dashboard shows the calls: latency, finish reason, token ids.
+    with hub.client() as c:
+        page = c.get("/ui/traces/run-1")
+    assert page.status_code == 200
+    calls_table = page.text[page.text.index("Model calls"):page.text.index("Tokens view")]
+    assert calls_table.count("<td>yes</td>") == 2 and "tool_calls" in calls_table
+    assert f"{calls[0]['latency_ms']:.1f}" in calls_table
+
 
 def test_streamed_calls_pass_chunk_by_chunk_and_are_captured_whole(
     hub: InProcessHub, fake: FakeVllm
