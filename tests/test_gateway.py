@@ -376,3 +376,49 @@ def test_atroposlibs_openai_server_calls_completions_and_its_tokens_are_kept(
     assert tokens["exact"] is False and tokens["broken_at"] == 1
     assert [len(s["token_ids"]) for s in tokens["samples"]] == [18, 18]
     assert sum(m != -100 for m in tokens["masks"]) == 18
+
+
+@pytest.mark.framework
+async def test_the_openai_agents_sdk_runs_its_tool_loop_through_the_gateway(
+    hub: InProcessHub, fake: FakeVllm
+) -> None:
+    from agents import (
+        Agent,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)  # its traces would go to OpenAI's servers
+    read: list[str] = []
+
+    @function_tool
+    def read_file(path: str) -> str:
+        """Read a file."""
+        read.append(path)
+        return "# Project\nIt answers 42."
+
+    client = openai.AsyncOpenAI(base_url=f"{hub.url}/v1/rollouts/agents-1", api_key="k",
+                                max_retries=0)
+    agent = Agent(name="reader", instructions="Answer from the files.", tools=[read_file],
+                  model=OpenAIChatCompletionsModel(model="policy", openai_client=client))
+    result = await Runner.run(agent, "What does README.md say?")
+    assert result.final_output == "The answer is 42."
+    assert read == ["README.md"]
+    await client.close()
+    finish(hub, "agents-1", reward=1.0)
+    record = await wait_until_async(lambda: _stored(hub, "agents-1"), 30, what="agents-1")
+    steps = record["trace"]["steps"]
+    assert [s["type"] for s in steps] == ["message", "action", "observation", "final"]
+    assert steps[0]["content"] == "Answer from the files."
+    assert steps[2]["content"] == "# Project\nIt answers 42."
+    async with hub.async_client() as c:
+        tokens = (await c.get("/v1/traces/agents-1", params={"view": "tokens"})).json()
+    assert tokens["exact"] is True
+
+
+async def _stored(hub: InProcessHub, trace_id: str) -> dict[str, Any] | None:
+    async with hub.async_client() as c:
+        r = await c.get(f"/v1/traces/{trace_id}")
+    return dict(r.json()) if r.status_code == 200 else None

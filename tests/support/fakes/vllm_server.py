@@ -159,8 +159,7 @@ class FakeVllm:
             choice["token_ids"] = completion
         if wants_logprobs:
             choice["logprobs"] = {"content": [
-                {"token": chr(t) if t < 0x110000 else "<end>", "logprob": logprob(start + j)}
-                for j, t in enumerate(completion)]}
+                _token_logprob(t, start + j) for j, t in enumerate(completion)]}
         answer = {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
         if ids:
             answer["prompt_token_ids"] = prompt
@@ -201,8 +200,7 @@ class FakeVllm:
                 choice["token_ids"] = piece_ids
             if wants_logprobs:
                 choice["logprobs"] = {"content": [
-                    {"token": "t", "logprob": logprob(position + j)}
-                    for j in range(len(piece_ids))]}
+                    _token_logprob(t, position + j) for j, t in enumerate(piece_ids)]}
             position += len(piece_ids)
             sent += len(piece_ids)
             if self.chunk_delay:
@@ -238,6 +236,12 @@ class FakeVllm:
                       "usage": {"prompt_tokens": len(prompt),
                                 "completion_tokens": len(completion),
                                 "total_tokens": len(prompt) + len(completion)}})
+
+
+def _token_logprob(token: int, position: int) -> dict[str, Any]:
+    text = "<|end|>" if token == END else chr(token)
+    return {"token": text, "logprob": logprob(position), "bytes": list(text.encode()),
+            "top_logprobs": []}
 
 
 def _event(chunk: dict[str, Any]) -> bytes:
