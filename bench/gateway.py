@@ -119,7 +119,7 @@ def main() -> None:
         procs.append(_start([sys.executable, "-m", "app.cli", "serve", "--config", str(config)],
                             {"BENCH_KEY": KEY}))
         targets = {"direct": upstream, "hub": f"http://127.0.0.1:{hub_port}/v1"}
-        _wait(f"http://127.0.0.1:{hub_port}/healthz")
+        _wait(f"http://127.0.0.1:{hub_port}/healthz", timeout=300)
         if options.litellm:
             lite_port = _port()
             lite = work / "litellm.yaml"

@@ -29,9 +29,22 @@ _CALLS: tuple[tuple[str, Kind, str], ...] = (
     ("/responses", "responses", "OpenAI's Responses API, forwarded and captured"),
 )
 _ANSWERS: dict[int | str, dict[str, Any]] = {
-    200: {"description": "The upstream's answer as it gave it (JSON, or an SSE stream); "
-                         "an upstream error passes through with its status and body"},
+    200: {"description": "The upstream's answer as it gave it (JSON, or an SSE stream with "
+                         "`stream: true`); an upstream error passes through with its status "
+                         "and body",
+          "content": {"application/json": {"schema": {"type": "object"}},
+                      "text/event-stream": {"schema": {"type": "string"}}}},
     **errors(400, 403, 422, 502, 503, 504),
+}
+_REQUEST: dict[str, Any] = {"requestBody": {
+    "required": True,
+    "description": "The OpenAI API's request, as the agent's SDK sends it",
+    "content": {"application/json": {"schema": {"type": "object"}}},
+}}
+_MODELS: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The upstream's models, and the routes' names",
+          "content": {"application/json": {"schema": {"type": "object"}}}},
+    **errors(403, 502),
 }
 
 
@@ -62,11 +75,11 @@ def routes() -> list[DirectRoute]:
         for path, kind, summary in _CALLS:
             out.append(DirectRoute(prefix + path, _call(kind), scopes=(Scope.GATEWAY,),
                                    methods=["POST"], tags=["gateway"], summary=summary,
-                                   responses=_ANSWERS))
+                                   responses=_ANSWERS, openapi_extra=_REQUEST))
         out.append(DirectRoute(prefix + "/models", _models, scopes=(Scope.GATEWAY,),
                                methods=["GET"], tags=["gateway"],
                                summary="The upstream's models, and the routes' names",
-                               responses=errors(403, 502)))
+                               responses=_MODELS))
     return out
 
 

@@ -96,6 +96,7 @@ class FakeVllm:
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     keep: bool = True  # record requests (off for the bench)
+    streams_ended: int = 0  # streams whose last byte was sent
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -107,6 +108,7 @@ class FakeVllm:
     def reset(self) -> None:
         self.reply, self.faults, self.chunk_delay = agent_reply, [], 0.0
         self.received, self.headers = [], []
+        self.streams_ended = 0
 
     async def _admit(self, request: Request) -> tuple[dict[str, Any], Response | None]:
         body = orjson.loads(await request.body()) if request.method == "POST" else {}
@@ -209,6 +211,7 @@ class FakeVllm:
         if (body.get("stream_options") or {}).get("include_usage"):
             yield _event({**base, "choices": [], "usage": usage})
         yield b"data: [DONE]\n\n"
+        self.streams_ended += 1
 
     async def _completions(self, request: Request) -> Response:
         body, refused = await self._admit(request)
