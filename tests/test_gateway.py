@@ -423,3 +423,37 @@ async def _stored(hub: InProcessHub, trace_id: str) -> dict[str, Any] | None:
     async with hub.async_client() as c:
         r = await c.get(f"/v1/traces/{trace_id}")
     return dict(r.json()) if r.status_code == 200 else None
+
+
+def test_while_the_hub_cannot_store_calls_get_503_before_the_upstream_is_paid(
+    start_hub: StartHub, tmp_path: Path, upstream: tuple[FakeVllm, str], fake: FakeVllm,
+) -> None:
+    import sqlite3
+
+    db = tmp_path / "locked.db"
+    hub = start_hub({"storage_backend": "sqlite", "db_path": str(db)}, listen=True,
+                    gateway={"enabled": True,
+                             "upstream": {"base_url": upstream[1], "api_key_env": KEY_ENV}},
+                    limits={"max_write_wait_seconds": 1})
+    ask = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+    lock = sqlite3.connect(db, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")  # another process holds the database: no write commits
+    try:
+        with hub.client() as c:
+            first = c.post("/v1/rollouts/locked-1/chat/completions", json=ask)
+            # Its answer came, but its capture could not be stored: the agent never
+            # gets an answer the hub did not keep.
+            assert first.status_code == 503 and "retry-after" in first.headers
+            paid = len(fake.received)
+            second = c.post("/v1/rollouts/locked-1/chat/completions", json=ask)
+            assert second.status_code == 503 and "retry-after" in second.headers
+            assert "not sent upstream" in second.json()["error"]["message"]
+            assert len(fake.received) == paid
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+
+    def answered() -> bool:
+        with hub.client() as c:
+            return c.post("/v1/rollouts/locked-1/chat/completions", json=ask).status_code == 200
+    wait_until(answered, 60, what="calls answered again once the database works")
