@@ -127,12 +127,16 @@ def main() -> None:
                 "model_list:\n  - model_name: policy\n    litellm_params:\n"
                 f"      model: openai/fake-policy\n      api_base: {upstream}\n"
                 f"      api_key: {KEY}\n")
-            procs.append(_start([options.litellm, "--config", str(lite), "--port",
-                                 str(lite_port), "--host", "127.0.0.1"],
-                                {"LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
-                                 "LITELLM_LOCAL_MODEL_COST_MAP": "True"}))
+            with open(work / "litellm.log", "wb") as log:
+                procs.append(subprocess.Popen(
+                    [options.litellm, "--config", str(lite), "--port", str(lite_port),
+                     "--host", "127.0.0.1", "--num_workers", "1"],
+                    env={**os.environ,
+                         "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
+                         "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+                    stdout=log, stderr=subprocess.STDOUT))
             targets["litellm"] = f"http://127.0.0.1:{lite_port}/v1"
-            _wait(targets["litellm"] + "/models", timeout=120)
+            _wait(f"http://127.0.0.1:{lite_port}/health/liveliness", timeout=300)
         print(f"{'':8} {'1 at a time':>22} {'32 at a time':>22} {'first byte p50':>15}")
         for name, url in targets.items():
             one = asyncio.run(_run(url, 1, options.calls // 4))

@@ -3,7 +3,13 @@ is lost, nor a finish the hub acknowledged."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,6 +23,7 @@ from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.process
 KEY_ENV = "GATEWAY_TEST_UPSTREAM_KEY"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -89,3 +96,71 @@ def test_kill_after_a_finish_keeps_the_finish(
     hub.start()
     record = _trajectory(hub, "killed-2")
     assert record["env_reward"] == 4.0 and record["status"] == "success"
+
+
+def _rss_mb(pid: int, field: str) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.fixture
+def upstream_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The fake upstream in a process of its own (500 streams at once are more than it
+    serves beside their clients in one interpreter); its base URL."""
+    monkeypatch.setenv(KEY_ENV, FakeVllm().key)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tests.support.fakes.vllm_server", str(port)],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    url = f"http://127.0.0.1:{port}/v1"
+
+    def answers() -> bool:
+        assert proc.poll() is None, "the fake upstream exited"
+        try:
+            return httpx.get(url + "/models").status_code == 401  # it wants its key
+        except httpx.HTTPError:
+            return False
+    try:
+        wait_until(answers, 60, what="the fake upstream")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.soak
+async def test_500_concurrent_streams_are_each_passed_and_captured_in_bounded_memory(
+    start_hub_process: StartHubProcess, trace_server: dict[str, Any], upstream_process: str,
+) -> None:
+    # The machine running the tests is shared: commits may wait longer than the default.
+    hub = start_hub_process(trace_server, gateway={
+        "enabled": True, "upstream": {"base_url": upstream_process, "api_key_env": KEY_ENV}},
+        limits={"max_write_wait_seconds": 60})
+    assert hub.proc is not None
+    before = _rss_mb(hub.proc.pid, "VmRSS")
+    client = openai.AsyncOpenAI(base_url=f"{hub.url}/v1", api_key="k", max_retries=0,
+                                timeout=240, http_client=httpx.AsyncClient(
+                                    limits=httpx.Limits(max_connections=600), timeout=240))
+
+    async def one(i: int) -> tuple[str, str]:
+        answer = await client.chat.completions.with_raw_response.create(
+            model="policy", messages=[{"role": "user", "content": str(i)}], stream=True)
+        text = ""
+        async for chunk in answer.parse():
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+        return answer.headers["x-rollout-id"], text
+
+    try:
+        results = await asyncio.gather(*(one(i) for i in range(500)))
+    finally:
+        await client.close()
+    assert [text for _, text in results] == ["The answer is 42."] * 500
+    assert len({rollout for rollout, _ in results}) == 500  # each a new conversation
+    # Every call was committed before its last byte: all 500 are stored now.
+    with hub.client() as c:
+        assert c.get("/v1/stats").json()["gateway"]["calls"] == 500
+    # No answer is buffered whole: 500 streams at once cost the hub little memory.
+    assert _rss_mb(hub.proc.pid, "VmHWM") - before < 200

@@ -248,6 +248,18 @@ class RewardBucket(BaseModel):
     traces: int
 
 
+class GatewayCounts(BaseModel):
+    """Gateway rollouts by assembly state (docs/gateway.md), and their calls."""
+
+    open_rollouts: int = Field(description="Rollouts with calls their trajectory does not hold yet")
+    assembled_rollouts: int = Field(description="Rollouts made into a trajectory")
+    refused_rollouts: int = Field(description="Rollouts whose calls make no trajectory (see "
+                                  "the log for why)")
+    calls: int = Field(description="Model calls captured")
+    late_changes: int = Field(description="Calls and finishes that came after the rollout's "
+                              "trajectory was batched: kept, not used")
+
+
 class OtlpCounts(BaseModel):
     """OTLP traces by assembly state (docs/otlp.md), and their spans."""
 
@@ -312,6 +324,7 @@ class TraceStats(BaseModel):
     )
     reward_histogram: list[RewardBucket]
     otlp: OtlpCounts
+    gateway: GatewayCounts
     atropos: AtroposStats = Field(description="The Atropos API's registered envs")
 
 

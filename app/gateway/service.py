@@ -328,7 +328,14 @@ class _Call:
         await answer.aclose()
         captured = self._record(answer.status_code, assembly.response(), error=error,
                                 first_byte=first_byte)
-        await self.gateway._writer.write(captured)  # Unavailable: the stream ends short
+        try:
+            await self.gateway._writer.write(captured)
+        except HubError as exc:
+            # The answer has begun: no status can say so now. The stream ends short of
+            # its last events, which the agent's client reports as a broken stream.
+            log.warning("a streamed answer of rollout %s ends short: its capture was not "
+                        "stored (%s)", self.rollout_id, exc.message)
+            return
         tail = b"".join(held) + (pending if finished else b"")
         if tail:
             yield tail

@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from app.db.dialect import dialect_of, insert, insert_ignoring_conflicts
-from app.db.models import GATEWAY_CALLS, GATEWAY_ROLLOUTS, TRACES
+from app.db.models import GATEWAY_CALLS, GATEWAY_ROLLOUTS
 from app.db.moves import StateMachine
 from app.domain import Stage
 
@@ -219,7 +219,3 @@ async def counts(conn: AsyncConnection) -> dict[str, int]:
         out["calls"] += int(calls or 0)
         out["late_changes"] += int(late or 0)
     return out
-
-
-def trajectory_stage(conn: sa.Connection, rollout_id: str) -> str | None:
-    return conn.scalar(sa.select(TRACES.c.stage).where(TRACES.c.trace_id == rollout_id))
