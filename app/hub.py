@@ -251,7 +251,8 @@ async def running_hub(
     writer = OneHop(engine)
     outages = hub_outages(engine, settings)
     # Started by _start_background.
-    processes = ingest_processes(settings.config, environment, outages.ingest)
+    processes = ingest_processes(settings.config, environment, outages.ingest,
+                                 start_wait=settings.config.limits.max_write_wait_seconds)
     try:
         config = settings.config
         async with (

@@ -36,19 +36,25 @@ class Outage:
         classify: Classify = _any_failure,
         logger: str = "atropos",
         again: str = "works again",
+        plural: bool = False,
+        level: int = logging.ERROR,
     ) -> None:
         """`subject`: what fails, as a sentence's subject ("the database");
         `consequence`: what the hub does meanwhile, for the first line;
         `classify`: which exceptions are this subject failing; `again`: what the
-        recovery line says of it."""
+        recovery line says of it; `level`: the failing line's (the recovery's is one
+        below)."""
         self.subject = subject
         self._consequence = consequence
         self._again = again
+        self._is = "are" if plural else "is"
+        self._level = level
         self._classify = classify
         self._log = logging.getLogger(logger)
         self._since: float | None = None
         self._kinds: Counter[str] = Counter()
         self._last: str | None = None
+        self._kind: str | None = None
 
     @property
     def failing(self) -> str | None:
@@ -59,18 +65,23 @@ class Outage:
         """Note a failure while `doing` something (the first of its kind is logged):
         an exception, or what was said of it. False when `exc` is not this subject
         failing: a bug, for the caller to log with its traceback."""
-        classified = ("error", exc) if isinstance(exc, str) else self._classify(exc)
+        if isinstance(exc, str):  # of the kind said last: the same failure, told again
+            classified: tuple[str, str] | None = (self._kind or "error", exc)
+        else:
+            classified = self._classify(exc)
         if classified is None:
             return False
         kind, said = classified
+        self._kind = kind
         if self._since is None:
             self._since = time.monotonic()
         self._kinds[kind] += 1
         self._last = said
         if self._kinds[kind] == 1:
-            self._log.error(
-                "%s is failing (%s, while %s): %s; %s. Said once per kind of failure until "
-                "it works again", self.subject, kind, doing, said, self._consequence)
+            self._log.log(
+                self._level, "%s %s failing (%s, while %s): %s; %s. Said once per kind of "
+                "failure until %s %s", self.subject, self._is, kind, doing, said,
+                self._consequence, "they" if self._is == "are" else "it", self._again)
         return True
 
     def works(self) -> None:
@@ -78,11 +89,13 @@ class Outage:
         if self._since is None:
             return
         kinds = ", ".join(f"{n} {kind}" for kind, n in self._kinds.most_common())
-        self._log.warning("%s %s after %.1f s (%d failures: %s)", self.subject, self._again,
-                          time.monotonic() - self._since, sum(self._kinds.values()), kinds)
+        self._log.log(self._level - 10, "%s %s after %.1f s (%d failures: %s)",
+                      self.subject, self._again, time.monotonic() - self._since,
+                      sum(self._kinds.values()), kinds)
         self._since = None
         self._kinds.clear()
         self._last = None
+        self._kind = None
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,7 @@ def test_no_request_waits_past_the_bound_and_readiness_follows_the_write_path(
         assert client.get("/readyz").status_code == 200
         sent: list[Future[httpx.Response]] = []
         reasons = set()
+        readiness: list[int] = []
         with write_lock(trace_server):
             locked_until = time.monotonic() + 11
             n = 0
@@ -87,9 +88,14 @@ def test_no_request_waits_past_the_bound_and_readiness_follows_the_write_path(
                 sent.append(post(native_trace(trace_id=f"locked-{n}")))
                 n += 1
                 ready = client.get("/readyz")
+                readiness.append(ready.status_code)
                 if ready.status_code == 503:
                     reasons.add(ready.json()["reason"].split(":")[0])
                 time.sleep(0.5)  # a client sending twice a second
+        # Once it said 503, never 200 again while the lock was held: a transaction whose
+        # traces were all withdrawn proves nothing about writes.
+        after = readiness[readiness.index(503):]
+        assert set(after) == {503}, readiness
             for answer in sent:
                 r = answer.result(10)
                 assert r.status_code == 503 and r.headers["retry-after"] == "3", r.text

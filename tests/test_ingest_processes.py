@@ -214,6 +214,20 @@ def test_a_stop_signal_to_the_whole_group_finishes_requests_in_flight(
     hub.stop()
 
 
+@pytest.mark.process
+def test_a_stop_signal_while_the_processes_start_ends_within_dockers_stop_timeout(
+    start_hub_process: Any, tmp_path: Path
+) -> None:
+    """SIGTERM to the group as soon as the hub listens, while its fork server imports the
+    hub: the fork server was killed, started again by the next process start, and
+    waited for (10.2-10.8 s, past Docker's default 10 s before SIGKILL)."""
+    hub: HubProcess = start_hub_process(_sqlite(tmp_path), "--no-workers")
+    assert hub.proc is not None
+    os.killpg(hub.proc.pid, signal.SIGTERM)
+    assert hub.wait(timeout=10) == 0
+    assert "Traceback" not in hub.log, hub.log
+
+
 def test_ingest_processes_start_with_the_hub_and_die_with_it(
     start_hub_process: Any, tmp_path: Path
 ) -> None:

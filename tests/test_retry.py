@@ -126,12 +126,12 @@ async def test_the_inserter_logs_a_bug_with_its_traceback_and_a_refusal_in_one_l
         inserter = TraceInserter(engine)
         inserter.start()
         try:
-            with caplog.at_level(logging.ERROR, "atropos.ingest"), pytest.raises(Unavailable):
+            with caplog.at_level(logging.ERROR, "atropos.database"), pytest.raises(Unavailable):
                 # No values at all: the insert's own code fails (a bug, not the database).
                 await inserter.insert(PreparedTrace(None, ""))  # type: ignore[arg-type]
         finally:
             await inserter.stop()
-    [bug] = [r for r in caplog.records if r.name == "atropos.ingest"]
+    [bug] = [r for r in caplog.records if r.name == "atropos.database"]
     assert bug.exc_info is not None and bug.exc_info[0] is TypeError
 
     caplog.clear()

@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from app.api import otlp
 from app.api.responses import JSONResponse
-from app.db.errors import database_error, database_refusal, outage_of
+from app.db.errors import database_error, database_refusal
 from app.errors import BadRequest, HubError, Invalid, NotFound, Unavailable
 
 # Renders an error as a web page for the requests that asked for a page (the
@@ -67,12 +67,25 @@ def install_error_handlers(app: FastAPI, page: PageRenderer | None = None) -> No
         # said once per kind of failure, not per request.
         error = database_error(exc)
         if isinstance(error, Unavailable):
-            outage_of(request.state.hub.engine).failed(
+            request.state.hub.outages.database.failed(
                 exc, f"answering {request.method} {request.url.path}")
         else:
             # Not str(exc): it carries the statement and its parameters (trace contents).
             said = database_refusal(exc) or type(exc).__name__
             log.warning("%s %s: %s (%s)", request.method, request.url.path, error.message, said)
+        return otlp.error_response(request, error) or error_response(error)
+
+    @app.exception_handler(OSError)
+    async def _os_error(request: Request, exc: OSError) -> Response:
+        # asyncpg's lost or refused connections are OSErrors that SQLAlchemy does not
+        # wrap when they happen outside a statement: the database failing, so 503 with
+        # Retry-After (OTLP exporters retry only 429, 502, 503, 504), never a 500.
+        request.state.hub.outages.database.failed(
+            exc, f"answering {request.method} {request.url.path}")
+        error = Unavailable(
+            f"the database is not available for this now ({type(exc).__name__}); retry",
+            retry_after=request.state.hub.config.limits.retry_after_seconds,
+        )
         return otlp.error_response(request, error) or error_response(error)
 
     @app.exception_handler(ClientDisconnect)

@@ -137,13 +137,18 @@ class Preparer:
 
 
 def ingest_processes(
-    config: HubConfig, environment: Environment, outage: Outage | None = None
+    config: HubConfig,
+    environment: Environment,
+    outage: Outage | None = None,
+    *,
+    start_wait: float | None = None,
 ) -> IngestProcesses:
     """The ingest processes of one hub (default: one per CPU, at most 8), not started:
-    every part that prepares work off the event loop shares them."""
+    every part that prepares work off the event loop shares them. `start_wait`: how
+    long a call waits for them to start (app/ingest/processes.py)."""
     preparer = Preparer(environment, config.limits, Redactor(config.privacy))
     return IngestProcesses(preparer, config.trace_server.ingest_processes or min(_cpus(), 8),
-                           outage=outage)
+                           outage=outage, start_wait=start_wait)
 
 
 class Ingestor:

@@ -135,18 +135,11 @@ class PreparedTrace:
     @property
     def stored(self) -> Stored:
         """The answer once it is stored."""
-        json = {name: None if self[name] is None else orjson.loads(self[name])
-                for name in _JSON_ANSWERS}
-        return Stored(
-            trace_id=self.trace_id,
-            stage=self["stage"],
-            status=self["status"],
-            total_tokens=self["total_tokens"],
-            reward=self["reward"],
-            env_reward=self["env_reward"],
-            reward_breakdown=json["reward_breakdown"],
-            reject_reasons=json["reject_reasons"],
-        )
+        row = {column.name: self[column.name] for column in RESULT_COLUMNS}
+        for name in _JSON_ANSWERS:  # inserted as their JSON text
+            if row[name] is not None:
+                row[name] = orjson.loads(row[name])
+        return _stored(row, duplicate=False)
 
 
 class _TraceKind:

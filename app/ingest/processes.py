@@ -30,6 +30,7 @@ import pickle
 import signal
 import socket
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -93,14 +94,25 @@ class _Process:
 
 
 class IngestProcesses:
-    def __init__(self, preparer: Preparer, processes: int, *, outage: Outage | None = None) -> None:
-        """`outage`: where the processes failing to start or dying is said (the hub's)."""
+    def __init__(
+        self,
+        preparer: Preparer,
+        processes: int,
+        *,
+        outage: Outage | None = None,
+        start_wait: float | None = None,
+    ) -> None:
+        """`outage`: where the processes failing to start or dying is said (the hub's);
+        `start_wait`: how long a call waits for the processes to start, then 503 (None:
+        as long as they take)."""
         self._preparer = preparer
+        self._start_wait = start_wait
         self._size = processes
         self._outage = outage or ingest_outage()
         self._processes: list[_Process] = []
         self._starting = asyncio.Lock()
         self._started: asyncio.Task[None] | None = None
+        self._started_at = 0.0
         self._watchdog: asyncio.Task[None] | None = None
         self._resent: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -112,12 +124,21 @@ class IngestProcesses:
     def start(self) -> None:
         """Starts the processes in the background (~1 s: the fork server imports the hub
         and loads the tokenizer first), so that the first trace does not wait."""
-        self._started = asyncio.create_task(self._start_all(), name="ingest-processes")
+        self._filling()
+
+    def _filling(self) -> asyncio.Task[None]:
+        """The start of the missing processes, one at a time."""
+        if self._started is None or self._started.done():
+            self._started = asyncio.create_task(self._start_all(), name="ingest-processes")
+            self._started_at = time.monotonic()
+        return self._started
 
     async def _start_all(self) -> None:
         try:
             await self._fill()
         except Exception as exc:
+            if self._closing:
+                return  # the fork server stopped with the hub's process group
             if not self._outage.failed(exc, "starting the ingest processes"):
                 log.exception("the ingest processes did not start; the next trace tries again")
 
@@ -130,6 +151,8 @@ class IngestProcesses:
         by name), args and result are pickled. What it raises is raised here."""
         data = pickle.dumps((work, args), protocol=pickle.HIGHEST_PROTOCOL)
         proc = await self._pick()
+        if proc is None:
+            return await asyncio.to_thread(_inline, self._preparer, work, args)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[R] = loop.create_future()
         if not proc.outgoing:
@@ -146,25 +169,44 @@ class IngestProcesses:
             proc.writer.write(b"".join(proc.outgoing))
         proc.outgoing.clear()
 
-    async def _pick(self) -> _Process:
+    async def _pick(self) -> _Process | None:
         """The first process that holds less than _SPILL_BYTES of work and has not been
         on one item for _LONG_ITEM_SECONDS, else the one holding the least: while one
-        process keeps up the others sleep, and a slow item holds up no other."""
+        process keeps up the others sleep, and a slow item holds up no other. None
+        while none has started within `start_wait`."""
         if self._closing:
             raise Unavailable("the hub is stopping; retry shortly", retry_after=1)
-        if len(self._processes) < self._size:
-            await self._fill()  # not started yet, or one died
+        if len(self._processes) < self._size:  # not started yet, or one died
+            filling = self._filling()
+            if not self._processes and not await self._first(filling):
+                return None
         long_since = time.monotonic() - _LONG_ITEM_SECONDS
         for proc in self._processes:
             if proc.held < _SPILL_BYTES and not 0.0 < proc.progress[_SINCE] < long_since:
                 return proc
         return min(self._processes, key=lambda p: p.held)
 
+    async def _first(self, filling: asyncio.Task[None]) -> bool:
+        """Waits for the processes to start, until `start_wait` after their start began
+        (the hub's is limits.max_write_wait_seconds); False if none has started by then:
+        the call is then made in the serving process (in a thread), so that a trace
+        sent while the hub starts waits no longer than that bound for its preparing."""
+        left = None
+        if self._start_wait is not None:
+            left = max(0.0, self._started_at + self._start_wait - time.monotonic())
+        try:
+            await asyncio.wait_for(asyncio.shield(filling), left)
+        except TimeoutError:
+            self._outage.failed(
+                f"none started within {self._start_wait:g} s (limits.max_write_wait_seconds); "
+                "preparing in the serving process meanwhile", "starting the ingest processes")
+        return bool(self._processes)
+
     async def _fill(self) -> None:
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch(), name="ingest-watchdog")
         async with self._starting:
-            while len(self._processes) < self._size:
+            while len(self._processes) < self._size and not self._closing:
                 self._processes.append(await self._start())
         self._outage.works()
 
@@ -178,8 +220,8 @@ class IngestProcesses:
             daemon=True,
         )
         # The first start also starts the fork server (an interpreter importing the
-        # hub): off the event loop.
-        await asyncio.to_thread(process.start)
+        # hub): off the event loop, in a thread that a stopping hub does not wait for.
+        await _in_daemon_thread(process.start)
         theirs.close()
         reader, writer = await asyncio.open_connection(sock=ours)
         proc = _Process(process, reader, writer, progress)
@@ -296,9 +338,13 @@ class IngestProcesses:
         """Ends each process once it has answered what it was sent (by then, normally
         nothing: the server has finished its requests); one still busy after `timeout`
         seconds is killed."""
-        if self._started is not None:
-            await self._started  # a process being started is then closed with the rest
-        self._closing = True
+        self._closing = True  # no process starts from now on
+        if self._started is not None and not self._started.done():
+            # A start in progress (the fork server importing the hub, seconds under
+            # load) is abandoned, not waited for: a process it makes meets a closed
+            # socket and ends.
+            self._started.cancel()
+            await asyncio.gather(self._started, return_exceptions=True)
         if self._watchdog is not None:
             self._watchdog.cancel()
         processes, self._processes = self._processes, []
@@ -315,6 +361,35 @@ class IngestProcesses:
             proc.writer.close()
 
 
+async def _in_daemon_thread(work: Callable[[], object]) -> None:
+    """work() in a daemon thread: unlike asyncio.to_thread's, the interpreter does not
+    wait for it at exit."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(exc: BaseException | None) -> None:
+        if done.done():
+            return
+        if exc is None:
+            done.set_result(None)
+        else:
+            done.set_exception(exc)
+
+    def run() -> None:
+        failure: BaseException | None = None
+        try:
+            work()
+        except BaseException as exc:
+            failure = exc
+        try:
+            loop.call_soon_threadsafe(settle, failure)
+        except RuntimeError:
+            pass  # the loop is closed: nobody waits any more
+
+    threading.Thread(target=run, name="ingest-start", daemon=True).start()
+    await done
+
+
 class ProcessStopped(Exception):
     """An ingest process ended while the hub runs (killed, out of memory)."""
 
@@ -323,12 +398,14 @@ def ingest_outage() -> Outage:
     """The reporter of the ingest processes failing (app/outage.py)."""
     return Outage("the ingest processes",
                   "what they held gets 503, and another starts on the next trace",
-                  classify=_process_failure, logger="atropos.ingest")
+                  classify=_process_failure, logger="atropos.ingest", again="work again",
+                  plural=True)
 
 
 def _process_failure(exc: BaseException) -> tuple[str, str] | None:
-    """Not starting (no fork, no socket: the system's limits) or one stopping."""
-    if isinstance(exc, OSError | ProcessStopped):
+    """Not starting (no fork, no socket: the system's limits; the fork server gone) or
+    one stopping."""
+    if isinstance(exc, OSError | EOFError | ProcessStopped):
         return type(exc).__name__, str(exc) or type(exc).__name__
     return None
 
@@ -349,6 +426,15 @@ def _item_started(index: int) -> None:
     _progress[_SINCE] = 0.0  # so that the item and its start are read together
     _progress[_ITEM] = index
     _progress[_SINCE] = time.monotonic()
+
+
+def _inline(preparer: Preparer, work: Callable[..., R], args: tuple[Any, ...]) -> R:
+    """A call made in the serving process (no ingest process is up yet)."""
+    if work is _rows:
+        items, fmt = args
+        rows: Any = [preparer.prepare(item, fmt) for item in items]
+        return rows  # type: ignore[no-any-return]
+    return work(*args)
 
 
 def _rows(items: list[Any], fmt: str | None) -> Reply:

@@ -306,4 +306,5 @@ def model_outage(policy: CompressionConfig) -> Outage:
         classify=lambda exc: (type(exc).__name__, str(exc)) if isinstance(exc, LLMError) else None,
         logger="atropos.compression",
         again="answers again",
+        level=logging.WARNING,
     )
