@@ -144,22 +144,12 @@ class AssemblyStage:
         return _Pass(due, stored, todo, made)
 
     async def _write(self, current: _Pass, made: list[PreparedTrace | HubError]) -> None:
-        due, stored = current.due, current.stored
-        prepared = dict(zip(current.todo, made))
-        rows = {trace_id: r if isinstance(r, HubError) else r.row()
-                for trace_id, r in prepared.items()}
-        texts = {trace_id: r.search_text for trace_id, r in prepared.items()
-                 if not isinstance(r, HubError)}
-        outcomes: Counter[str] = Counter()
+        due = current.due
         settled: list[Settled] = []
         async with self._engine.begin() as conn:
-            new = await conn.run_sync(insert_traces, [r for r in made
-                                                      if not isinstance(r, HubError)])
-            for d in due:
-                what, error = await outcome(conn, d.trace_id, rows.get(d.trace_id),
-                                            texts.get(d.trace_id, ""),
-                                            stored.get(d.trace_id), new)
-                outcomes[what] += 1
+            written = await write_trajectories(conn, [d.trace_id for d in due], current.todo,
+                                               made, current.stored, NAME)
+            for d, (what, error) in zip(due, written.outcomes):
                 if what == "again":
                     continue  # left open, and due: the next round takes it
                 if error is not None:
@@ -169,13 +159,7 @@ class AssemblyStage:
                 settled.append(Settled(d.trace_id, d.spans, state, late=what == "late",
                                        error=error))
             await store.settle(conn, settled)
-        for trace_id in new:  # received, as far as the metrics go, once made
-            row = rows[trace_id]
-            assert not isinstance(row, HubError)
-            count_outcome(NAME, "rejected" if row["stage"] == Stage.REJECTED else "accepted",
-                          row["reject_reasons"])
-        for _ in range(outcomes["refused"]):
-            count_outcome(NAME, "refused")
+        outcomes = written.counted(NAME)
         log.info("OTLP: %d traces assembled (%s)", len(due),
                  ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())))
         if (outcomes["new"] or outcomes["replaced"]) and self._on_advance is not None:
@@ -195,6 +179,46 @@ class AssemblyStage:
             log.info("OTLP: the spans of %d traces deleted (batched, deleted or refused)",
                      forgotten)
         return forgotten
+
+
+@dataclass(slots=True)
+class Written:
+    """What became of each trace come due (`outcome`), in order, and the rows of those
+    stored new."""
+
+    outcomes: list[tuple[str, str | None]]
+    new: set[str]
+    rows: dict[str, dict[str, Any] | HubError]
+
+    def counted(self, fmt: str) -> Counter[str]:
+        """The outcomes, counted; the traces made (received, as far as the metrics go,
+        once made) and refused are counted in the ingest metrics too."""
+        for trace_id in self.new:
+            row = self.rows[trace_id]
+            assert not isinstance(row, HubError)
+            count_outcome(fmt, "rejected" if row["stage"] == Stage.REJECTED else "accepted",
+                          row["reject_reasons"])
+        outcomes = Counter(what for what, _ in self.outcomes)
+        for _ in range(outcomes["refused"]):
+            count_outcome(fmt, "refused")
+        return outcomes
+
+
+async def write_trajectories(
+    conn: AsyncConnection, due: list[str], todo: list[str],
+    made: list[PreparedTrace | HubError], stored: dict[str, Any], fmt: str,
+) -> Written:
+    """Store the trajectories made for `todo` (new ones inserted, others replaced, in
+    `conn`'s transaction) and say what became of each trace of `due`."""
+    prepared = dict(zip(todo, made))
+    rows = {trace_id: r if isinstance(r, HubError) else r.row()
+            for trace_id, r in prepared.items()}
+    texts = {trace_id: r.search_text for trace_id, r in prepared.items()
+             if not isinstance(r, HubError)}
+    new = await conn.run_sync(insert_traces, [r for r in made if not isinstance(r, HubError)])
+    outcomes = [await outcome(conn, trace_id, rows.get(trace_id), texts.get(trace_id, ""),
+                              stored.get(trace_id), new, fmt) for trace_id in due]
+    return Written(outcomes, new, rows)
 
 
 async def outcome(

@@ -23,15 +23,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import GatewayConfig
 from app.db.types import utcnow
-from app.domain import Stage
 from app.errors import HubError
 from app.evaluation.redaction import Redacted
 from app.formats.gateway import NAME, document
 from app.gateway import store
 from app.gateway.store import FINAL_STAGES, RolloutState, Settled
-from app.ingest.ingestor import count_outcome
-from app.ingest.inserter import PreparedTrace, insert_traces
-from app.stages.assembly import outcome, stored_trajectories
+from app.ingest.inserter import PreparedTrace
+from app.stages.assembly import stored_trajectories, write_trajectories
 
 log = logging.getLogger("atropos.gateway")
 
@@ -64,24 +62,13 @@ class RolloutStage:
             todo = [i for i in ids if i not in stored
                     or (stored[i].source_format == NAME and stored[i].stage not in FINAL_STAGES)]
             found = await store.rollouts(conn, todo)
-        items = [_item(found[i]) for i in todo]
-        made = await self._prepare(items, NAME)
-        prepared = dict(zip(todo, made))
-        rows = {i: r if isinstance(r, HubError) else r.row()
-                for i, r in prepared.items()}
-        texts = {i: r.search_text for i, r in prepared.items() if not isinstance(r, HubError)}
-        outcomes: Counter[str] = Counter()
+        made = await self._prepare([_item(found[i]) for i in todo], NAME)
         settled: list[Settled] = []
         async with self._engine.begin() as conn:
-            new = await conn.run_sync(insert_traces, [r for r in made
-                                                      if not isinstance(r, HubError)])
-            for d in due:
-                what, error = await outcome(conn, d.rollout_id, rows.get(d.rollout_id),
-                                            texts.get(d.rollout_id, ""),
-                                            stored.get(d.rollout_id), new, NAME)
-                outcomes[what] += 1
+            written = await write_trajectories(conn, ids, todo, made, stored, NAME)
+            for d, (what, error) in zip(due, written.outcomes):
                 if what == "again":
-                    continue
+                    continue  # it moved meanwhile, and stays due: the next round takes it
                 if error is not None:
                     log.warning("gateway rollout %s makes no trajectory: %s", d.rollout_id,
                                 error)
@@ -89,11 +76,7 @@ class RolloutStage:
                 settled.append(Settled(d.rollout_id, d.changes, state, late=what == "late",
                                        error=error))
             await store.settle(conn, settled)
-        for trace_id in new:
-            row = rows[trace_id]
-            assert not isinstance(row, HubError)
-            count_outcome(NAME, "rejected" if row["stage"] == Stage.REJECTED else "accepted",
-                          row["reject_reasons"])
+        outcomes = written.counted(NAME)
         log.info("gateway: %d rollouts assembled (%s)", len(due),
                  ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())))
         if (outcomes["new"] or outcomes["replaced"]) and self._on_advance is not None:
