@@ -457,3 +457,26 @@ def test_while_the_hub_cannot_store_calls_get_503_before_the_upstream_is_paid(
         with hub.client() as c:
             return c.post("/v1/rollouts/locked-1/chat/completions", json=ask).status_code == 200
     wait_until(answered, 60, what="calls answered again once the database works")
+
+
+def test_with_auth_on_agents_need_a_gateway_key(
+    start_hub: StartHub, trace_server: dict[str, Any], upstream: tuple[FakeVllm, str],
+    fake: FakeVllm,
+) -> None:
+    from tests.support.databases import make_api_key
+
+    hub = start_hub(trace_server, listen=True, auth={"enabled": True}, gateway={
+        "enabled": True, "upstream": {"base_url": upstream[1], "api_key_env": KEY_ENV}})
+    gateway_key = make_api_key(trace_server, "gateway", name="agents")
+    ingest_key = make_api_key(trace_server, "ingest", name="collector")
+    ask = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+    with hub.client() as c:
+        assert c.post("/v1/chat/completions", json=ask).status_code == 401
+        refused = c.post("/v1/chat/completions", json=ask,
+                         headers={"Authorization": f"Bearer {ingest_key}"})
+        assert refused.status_code == 403
+        assert not fake.received  # nothing paid for a refused agent
+    client = openai.OpenAI(base_url=f"{hub.url}/v1", api_key=gateway_key, max_retries=0)
+    assert client.chat.completions.create(**ask).choices[0].message.content  # type: ignore[call-overload]
+    # The hub's key went no further: the upstream saw only its own.
+    assert fake.headers[-1]["authorization"] == f"Bearer {fake.key}"
