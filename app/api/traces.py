@@ -108,9 +108,14 @@ def router(endpoint: str) -> APIRouter:
         endpoint + "/{trace_id:path}", dependencies=[requires(Scope.READ)],
         responses={200: {"model": TraceRecord | TokenView}, **errors(404, 422)},
     )
-    async def get(trace_id: str, conn: ConnDep, view: View = "canonical") -> Any:
+    async def get(
+        trace_id: str, conn: ConnDep, response: Response, view: View = "canonical"
+    ) -> Any:
         """One trace: its canonical, original or compressed view; or, for a trajectory
         made by the gateway, `tokens`: {tokens, masks, logprobs, exact} (docs/gateway.md)."""
+        # A trace may hold what a person should not find in a shared cache or a
+        # browser's history: nothing keeps a copy.
+        response.headers["Cache-Control"] = "no-store"
         if view == "tokens":
             source_format, original = await get_original(conn, trace_id)
             return TokenView.model_validate(token_view(trace_id, source_format, original))

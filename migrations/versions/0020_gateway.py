@@ -2,7 +2,7 @@
 become trajectories
 
 Revision ID: 0020
-Revises: 0014
+Revises: 0017
 Create Date: 2026-12-04
 """
 
@@ -14,7 +14,7 @@ from alembic import op
 from migrations.types import JSON_, TIMESTAMP
 
 revision = "0020"
-down_revision = "0014"
+down_revision = "0017"
 branch_labels = None
 depends_on = None
 
