@@ -546,6 +546,59 @@ class OtlpConfig(_Section):
     max_bytes_per_trace: int = Field(32 * 2**20, gt=0)
 
 
+def _http_url(value: str | None) -> str | None:
+    if value is not None and not value.startswith(("http://", "https://")):
+        raise ValueError("must be an http:// or https:// URL, e.g. http://127.0.0.1:8001/v1")
+    return value.rstrip("/") if value else value
+
+
+HttpUrl = Annotated[str, AfterValidator(_http_url)]
+
+
+class GatewayUpstream(_Section):
+    """Where the gateway sends calls; each key defaults to the tinker section's."""
+
+    base_url: HttpUrl | None = None
+    # The name of the environment variable holding the upstream's key, never the key.
+    api_key_env: str | None = None
+
+
+class GatewayRoute(_Section):
+    """A rule for calls naming `model` (`"*"`: any): the model name sent upstream, the
+    upstream, fields added to (or dropped from) the request, the policy version."""
+
+    model: str = Field(min_length=1)
+    upstream_model: str | None = None
+    base_url: HttpUrl | None = None
+    api_key_env: str | None = None
+    add: dict[str, Any] = Field(default_factory=dict)
+    drop: list[str] = Field(default_factory=list)
+    # The policy version serving this route's calls, recorded on each; without it,
+    # the Atropos trainer's current step when one is registered.
+    version: str | None = None
+
+    @model_validator(mode="after")
+    def _add_or_drop(self) -> GatewayRoute:
+        both = sorted(set(self.add) & set(self.drop))
+        if both:
+            raise ValueError(f"{', '.join(both)}: a field is added or dropped, not both")
+        if "model" in self.add or "model" in self.drop:
+            raise ValueError("the model is rewritten with upstream_model, not add or drop")
+        return self
+
+
+class GatewayConfig(_Section):
+    """The OpenAI-compatible model endpoint (docs/gateway.md): calls forwarded to the
+    upstream and captured, each rollout one trajectory."""
+
+    enabled: bool = False
+    upstream: GatewayUpstream = Field(default_factory=GatewayUpstream)
+    # First match wins; a call no route matches goes to `upstream` unchanged.
+    routes: list[GatewayRoute] = Field(default_factory=list)
+    # A rollout with no call for this long closes by itself (a finish closes it now).
+    quiet_seconds: float = Field(30, gt=0)
+
+
 class HubConfig(_Section):
     """config.json"""
 
@@ -561,6 +614,7 @@ class HubConfig(_Section):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     otlp: OtlpConfig = Field(default_factory=OtlpConfig)
     privacy: PrivacyConfig = Field(default_factory=PrivacyConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     # Absent: nothing is pruned but by `atropos prune`.
     retention: RetentionConfig | None = None
 

@@ -14,7 +14,9 @@ HubError
  ├── Unauthorized (401)           no key, or not a valid one; WWW-Authenticate: Bearer
  ├── Forbidden (403)              a valid key without the scope the route needs
  ├── RateLimited (429)            over auth.rate_limit_per_second; carries Retry-After
- └── Unavailable (503)            overload; carries Retry-After
+ ├── Unavailable (503)            overload; carries Retry-After
+ ├── BadGateway (502)             the gateway's upstream is unreachable or failed mid-answer
+ └── GatewayTimeout (504)         the gateway's upstream did not answer in time
 StartupError                      stops start-up with one line (no tokenizer, ...)
  └── ConfigError                  a bad config file
 ServiceError                      a service the hub calls failed or refused (one line, the fix)
@@ -139,6 +141,16 @@ class RateLimited(_RetryLater):
 class Unavailable(_RetryLater):
     status = 503
     code = "unavailable"
+
+
+class BadGateway(HubError):
+    status = 502
+    code = "upstream_unreachable"
+
+
+class GatewayTimeout(HubError):
+    status = 504
+    code = "upstream_timeout"
 
 
 class StartupError(Exception):

@@ -28,6 +28,8 @@ from app.db.errors import outage_of, unusable_database
 from app.db.group_commit import GroupCommit
 from app.db.schedule import claim_if_due
 from app.evaluation.environment import Environment
+from app.gateway.service import Gateway
+from app.gateway.writer import CallWriter
 from app.ingest.ingestor import Ingestor, ingest_processes, running_ingest
 from app.ingest.inserter import TraceInserter
 from app.ingest.otlp.receiver import SpanReceiver
@@ -41,6 +43,7 @@ from app.stages.delivery import DeliveryStage, training_outage
 from app.stages.distribution import DistributionStage
 from app.stages.leases import Lease
 from app.stages.retention import RetentionStage
+from app.stages.rollouts import RolloutStage
 from app.stages.runner import StageRunner
 from app.targets import build_target
 
@@ -71,6 +74,8 @@ class Hub:
     spans: SpanReceiver  # OTLP/HTTP traces
     # Training runs (app/runs); None unless config.json's runs.enabled is true.
     runs: RunSupervisor | None = None
+    # The model endpoint (app/gateway); None unless gateway.enabled is true.
+    gateway: Gateway | None = None
     _probe: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -80,7 +85,9 @@ class Hub:
     @property
     def group_commits(self) -> list[GroupCommit[Any, Any]]:
         """Every writer that answers requests once it committed."""
-        return [self.inserter.commits, self.spans.commits, self.atropos.commits]
+        commits: list[GroupCommit[Any, Any]] = [
+            self.inserter.commits, self.spans.commits, self.atropos.commits]
+        return commits if self.gateway is None else [*commits, self.gateway.commits]
 
     def write_problem(self) -> str | None:
         """Why the hub is not taking writes now (for /readyz), or None: a writer's
@@ -197,6 +204,34 @@ def add_assembly(stages: StageRunner, engine: AsyncEngine, config: HubConfig,
     time rather than with a commit."""
     stage = AssemblyStage(engine, config.otlp, ingestor.prepare, on_advance=stages.wake)
     stages.add(stage, every=stage.poll_seconds)
+    if config.gateway.enabled:
+        rollouts = RolloutStage(engine, config.gateway, ingestor.prepare, on_advance=stages.wake)
+        stages.add(rollouts, every=rollouts.poll_seconds)
+
+
+@asynccontextmanager
+async def running_gateway(settings: Settings, engine: AsyncEngine, writer: OneHop,
+                          outages: Outages) -> AsyncIterator[Gateway | None]:
+    """The gateway, with its HTTP client to the upstreams (connections bounded only by
+    the hub's own, trace_server.max_connections) and its captures' group commit, when
+    gateway.enabled is true."""
+    config = settings.config
+    if not config.gateway.enabled:
+        yield None
+        return
+    limits = httpx.Limits(max_connections=config.trace_server.max_connections,
+                          max_keepalive_connections=256)
+    async with httpx.AsyncClient(limits=limits, trust_env=True) as http:
+        limits_ = config.limits
+        captures = CallWriter(writer, outages.database, max_wait=limits_.max_write_wait_seconds,
+                              retry_after=limits_.retry_after_seconds)
+        captures.start()
+        gateway = Gateway(engine, config.gateway, settings.tinker.tinker, config.privacy, http,
+                          captures, limits_.retry_after_seconds)
+        try:
+            yield gateway
+        finally:
+            await captures.close()
 
 
 @asynccontextmanager
@@ -227,6 +262,7 @@ async def running_hub(
                 engine, config, environment, admitted=True, on_commit=stages.wake,
                 processes=processes, writer=writer, outage=outages.database,
             ) as ingest,
+            running_gateway(settings, engine, writer, outages) as gateway,
         ):
             access = Access(config.auth, engine)
             if config.auth.enabled and not config.atropos.keys_required(config.auth):
@@ -244,7 +280,9 @@ async def running_hub(
                 config.privacy, writer=writer, outage=outages.database,
             )
             hub = Hub(settings, engine, writer, outages, ingest.inserter, ingest.ingestor,
-                      stages, access, atropos, spans)
+                      stages, access, atropos, spans, gateway=gateway)
+            if gateway is not None:
+                gateway.write_problem = hub.write_problem
             add_assembly(stages, engine, config, ingest.ingestor)
             atropos.start()
             spans.start()

@@ -19,6 +19,7 @@ LAYERS: list[set[str]] = [
     {"db", "compression", "import_sources", "training"},
     {"access", "targets", "ingest"},
     {"atropos", "runs"},
+    {"gateway"},
     {"stages"},
     {"hub"},
     {"api"},

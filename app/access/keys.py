@@ -42,6 +42,8 @@ class Scope(StrEnum):
     READ = "read"
     TRAIN = "train"
     REVIEW = "review"
+    # Model calls through the gateway (/v1/chat/completions, /v1/rollouts/...).
+    GATEWAY = "gateway"
     ADMIN = "admin"
 
 
@@ -51,6 +53,7 @@ _INCLUDES: dict[Scope, frozenset[Scope]] = {
     Scope.READ: frozenset({Scope.READ}),
     Scope.TRAIN: frozenset({Scope.TRAIN}),
     Scope.REVIEW: frozenset({Scope.REVIEW, Scope.READ}),
+    Scope.GATEWAY: frozenset({Scope.GATEWAY}),
     Scope.ADMIN: frozenset(Scope),
 }
 

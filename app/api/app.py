@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 from starlette.middleware.cors import CORSMiddleware
 
-from app.api import atropos, batches, ops, runs, traces, ui
+from app.api import atropos, batches, gateway, ops, runs, traces, ui
 from app.api.errors import install_error_handlers
 from app.api.http_metrics import RequestMetrics
 from app.api.middleware import BodiesInFlight, HostCheck, PageHeaders
@@ -62,11 +62,13 @@ def create_app(
     app.router.routes.append(traces.ingest_route(config.trace_server.endpoint))
     atropos_keys = config.atropos.keys_required(config.auth)
     app.router.routes.extend(atropos.submission_routes(atropos_keys))
+    app.router.routes.extend(gateway.routes())
     app.include_router(atropos.router(atropos_keys))
     app.include_router(traces.router(config.trace_server.endpoint))
     app.include_router(batches.router)
     app.include_router(ops.router)
     app.include_router(runs.router)
+    app.include_router(gateway.router)
     ui.install(app)
     if docs:
         ui.install_docs(app)

@@ -16,6 +16,7 @@ from app.api.responses import JSONResponse
 from app.api.schemas import Health, NotReady, Ready, TraceStats
 from app.db import migrate, trace_queries
 from app.db.types import utcnow
+from app.gateway import store as gateway_store
 from app.ingest.otlp import store as otlp_store
 
 router = APIRouter(tags=["ops"])
@@ -69,7 +70,8 @@ async def stats(conn: ConnDep, hub: HubDep) -> TraceStats:
     figures = await trace_queries.stats(conn)
     atropos = {"envs": await hub.atropos.env_stats(), **await hub.atropos.queue_figures()}
     return TraceStats.model_validate(
-        {**figures, "otlp": await otlp_store.counts(conn), "atropos": atropos}
+        {**figures, "otlp": await otlp_store.counts(conn),
+         "gateway": await gateway_store.counts(conn), "atropos": atropos}
     )
 
 

@@ -257,6 +257,18 @@ class OtlpRefusal(BaseModel):
     traces: int
 
 
+class GatewayCounts(BaseModel):
+    """Gateway rollouts by assembly state (docs/gateway.md), and their calls."""
+
+    open_rollouts: int = Field(description="Rollouts with calls their trajectory does not hold yet")
+    assembled_rollouts: int = Field(description="Rollouts made into a trajectory")
+    refused_rollouts: int = Field(description="Rollouts whose calls make no trajectory (see "
+                                  "the log for why)")
+    calls: int = Field(description="Model calls captured")
+    late_changes: int = Field(description="Calls and finishes that came after the rollout's "
+                              "trajectory was batched: kept, not used")
+
+
 class OtlpCounts(BaseModel):
     """OTLP traces by assembly state (docs/otlp.md), and their spans."""
 
@@ -324,6 +336,7 @@ class TraceStats(BaseModel):
     )
     reward_histogram: list[RewardBucket]
     otlp: OtlpCounts
+    gateway: GatewayCounts
     atropos: AtroposStats = Field(description="The Atropos API's registered envs")
 
 
@@ -478,3 +491,36 @@ class AtroposInfo(BaseModel):
 class WandbInfo(BaseModel):
     group: str | None
     project: str | None
+
+
+class RolloutFinish(BaseModel):
+    """POST /v1/rollouts/{rollout_id}/finish: the rollout is over (its trajectory is
+    made now); a later finish replaces this one (a reward that arrives late)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float | None = Field(None, allow_inf_nan=False,
+                                 description="The environment's reward: the trace's env_reward")
+    status: Status | None = Field(None, description="The task's outcome")
+    task: str | None = Field(None, description="The task, when not the first user message")
+    metadata: dict[str, Any] | None = Field(None, description="Kept in the trace's metadata")
+
+
+class RolloutFinished(BaseModel):
+    rollout_id: str
+    trace_id: str = Field(description="The trajectory's id: GET /v1/traces/{trace_id}")
+    calls: int = Field(description="Calls captured for the rollout so far")
+
+
+class TokenView(BaseModel):
+    """GET /v1/traces/{id}?view=tokens, for a gateway trajectory (docs/gateway.md)."""
+
+    tokens: list[int]
+    masks: list[int] = Field(description="-100 except on generated positions (the token id)")
+    logprobs: list[float | None] = Field(description="One per position: the upstream's on "
+                                         "generated positions, 1.0 elsewhere")
+    exact: bool = Field(description="Every call's prompt ids begin with the previous call's "
+                        "prompt and completion ids")
+    broken_at: int | None = Field(None, description="The first call that breaks the chain")
+    samples: list[dict[str, Any]] | None = Field(
+        None, description="Each call's prompt ids, completion ids and logprobs (when not exact)")

@@ -23,12 +23,14 @@ from app.api.schemas import (
     ReviewBody,
     ReviewClaim,
     ReviewSaved,
+    TokenView,
     TracePage,
     TraceRecord,
 )
 from app.db.review_queries import ReviewInput, claim_next, save_review
-from app.db.trace_queries import View, get_trace, list_traces
+from app.db.trace_queries import View, get_original, get_trace, list_traces
 from app.errors import HubError
+from app.gateway.tokens import token_view
 from app.ingest.body import parse_items, read_body
 from app.ingest.inserter import Stored
 from app.ingest.otlp.receiver import otlp_body
@@ -104,14 +106,19 @@ def router(endpoint: str) -> APIRouter:
     @api.get(
         # :path, so that a trace_id holding "/" (raw or as %2F) is read back too.
         endpoint + "/{trace_id:path}", dependencies=[requires(Scope.READ)],
-        responses=errors(404),
+        responses={200: {"model": TraceRecord | TokenView}, **errors(404, 422)},
     )
     async def get(
         trace_id: str, conn: ConnDep, response: Response, view: View = "canonical"
-    ) -> TraceRecord:
+    ) -> Any:
+        """One trace: its canonical, original or compressed view; or, for a trajectory
+        made by the gateway, `tokens`: {tokens, masks, logprobs, exact} (docs/gateway.md)."""
         # A trace may hold what a person should not find in a shared cache or a
         # browser's history: nothing keeps a copy.
         response.headers["Cache-Control"] = "no-store"
+        if view == "tokens":
+            source_format, original = await get_original(conn, trace_id)
+            return TokenView.model_validate(token_view(trace_id, source_format, original))
         return TraceRecord.model_validate(await get_trace(conn, trace_id, view))
 
     @api.post(endpoint + "/{trace_id}/review", responses=errors(404, 422))

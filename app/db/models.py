@@ -450,5 +450,47 @@ class OtlpTraceRow(Base):
     error: Mapped[str | None] = mapped_column(sa.Text)
 
 
+class GatewayCallRow(Base):
+    """One model call through the gateway (app/gateway), committed before its answer's
+    last byte reached the agent: the request as sent (secrets redacted), the answer as
+    received (a stream assembled), the token ids and logprobs the upstream returned,
+    latency, usage, status. `continues`: the digest of its messages followed by its
+    answer, which the next call of the same conversation begins with (stitching)."""
+
+    __tablename__ = "gateway_calls"
+
+    rollout_id: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
+    call_id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    started_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    continues: Mapped[str | None] = mapped_column(sa.String(64), index=True)
+    call: Mapped[dict[str, Any]] = mapped_column(JSON_)
+
+
+class GatewayRolloutRow(Base):
+    """A rollout's assembly (app/gateway/store.py RolloutState): open (calls or a finish
+    its trajectory does not hold yet; due at once when finished, else after
+    gateway.quiet_seconds without a call) -> assembled (the trajectory, the trace
+    `rollout_id`, holds them) | refused (`error` says why). A call or a finish reopens
+    it; one that comes after the trajectory was batched is counted late."""
+
+    __tablename__ = "gateway_rollouts"
+
+    rollout_id: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
+    state: Mapped[str] = mapped_column(sa.String(16), index=True)
+    calls: Mapped[int] = mapped_column(sa.Integer)  # calls captured
+    # Changes (calls and finishes) received, and those the stage has dealt with.
+    changes: Mapped[int] = mapped_column(sa.Integer)
+    seen_changes: Mapped[int] = mapped_column(sa.Integer)
+    late_changes: Mapped[int] = mapped_column(sa.Integer)
+    finished: Mapped[bool] = mapped_column(sa.Boolean)
+    # {reward?, status?, task?, metadata?} as POST .../finish sent them (the last one).
+    finish: Mapped[dict[str, Any] | None] = mapped_column(JSON_)
+    first_call_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    last_change_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    error: Mapped[str | None] = mapped_column(sa.Text)
+
+
 OTLP_SPANS: sa.Table = OtlpSpanRow.__table__  # type: ignore[assignment]
 OTLP_TRACES: sa.Table = OtlpTraceRow.__table__  # type: ignore[assignment]
+GATEWAY_CALLS: sa.Table = GatewayCallRow.__table__  # type: ignore[assignment]
+GATEWAY_ROLLOUTS: sa.Table = GatewayRolloutRow.__table__  # type: ignore[assignment]

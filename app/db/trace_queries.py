@@ -35,7 +35,7 @@ from app.domain import BatchState, Label, Stage
 from app.errors import BadRequest, NotFound
 
 HISTOGRAM_BUCKET = 5.0
-View = Literal["canonical", "original", "compressed"]
+View = Literal["canonical", "original", "compressed", "tokens"]
 # A trace's review label, or `unreviewed` for the traces nobody has reviewed yet.
 LabelFilter = Literal["good", "bad", "unreviewed"]
 # The orders a page can come in: a column, descending with a leading "-". Each ties on
@@ -126,6 +126,16 @@ def labelled(label: LabelFilter) -> sa.ColumnElement[bool]:
     if label == "unreviewed":
         return ~reviewed.exists()
     return reviewed.where(review.c.label == Label(label).value).exists()
+
+
+async def get_original(conn: AsyncConnection, trace_id: str) -> tuple[str, Any]:
+    """The trace's source format and original, as it was stored."""
+    row = (await conn.execute(
+        sa.select(TRACES.c.source_format, TRACES.c.original).where(TRACES.c.trace_id == trace_id)
+    )).one_or_none()
+    if row is None:
+        raise NotFound(f"no trace with trace_id {trace_id!r}", field="trace_id")
+    return row.source_format, row.original
 
 
 async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import orjson
 
 from app.domain import Trace
 from app.errors import BadRequest, Invalid, UnknownFormat
-from app.formats import atif, native, openai, otlp, sharegpt
+from app.formats import atif, gateway, native, openai, otlp, sharegpt
 from app.formats._common import type_name
 from app.formats.spec import Export, Format
 
@@ -51,7 +51,7 @@ __all__ = [
 
 # The registration: in detection order.
 REGISTERED: tuple[Format, ...] = (
-    atif.FORMAT, openai.FORMAT, sharegpt.FORMAT, native.FORMAT, otlp.FORMAT
+    atif.FORMAT, openai.FORMAT, sharegpt.FORMAT, native.FORMAT, otlp.FORMAT, gateway.FORMAT
 )
 
 FORMATS: Mapping[str, Format] = MappingProxyType({f.name: f for f in REGISTERED})

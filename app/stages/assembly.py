@@ -158,8 +158,8 @@ class AssemblyStage:
                     try:
                         async with conn.begin_nested():
                             new = await conn.run_sync(insert_traces, [row])
-                            await _outcome(conn, trace_id, row.row(),
-                                           row.search_text, current.stored.get(trace_id), new)
+                            await outcome(conn, trace_id, row.row(), row.search_text,
+                                          current.stored.get(trace_id), new)
                     except SQLAlchemyError as exc:
                         if not refuses_row(exc):
                             raise
@@ -189,7 +189,7 @@ class AssemblyStage:
             )
             if not due:
                 return None
-            stored = await _stored(conn, [d.trace_id for d in due])
+            stored = await stored_trajectories(conn, [d.trace_id for d in due])
             todo = [d.trace_id for d in due if d.trace_id not in stored
                     or (stored[d.trace_id].source_format == NAME
                         and stored[d.trace_id].stage not in FINAL_STAGES)]
@@ -220,38 +220,22 @@ class AssemblyStage:
         }}
 
     async def _write(self, current: _Pass, made: list[PreparedTrace | HubError]) -> None:
-        due, stored = current.due, current.stored
-        prepared = dict(zip(current.todo, made))
-        rows = {trace_id: r if isinstance(r, HubError) else r.row()
-                for trace_id, r in prepared.items()}
-        texts = {trace_id: r.search_text for trace_id, r in prepared.items()
-                 if not isinstance(r, HubError)}
-        outcomes: Counter[str] = Counter()
+        due = current.due
         settled: list[Settled] = []
         async with self._engine.begin() as conn:
-            new = await conn.run_sync(insert_traces, [r for r in made
-                                                      if not isinstance(r, HubError)])
-            for d in due:
-                outcome, error = await _outcome(conn, d.trace_id, rows.get(d.trace_id),
-                                                texts.get(d.trace_id, ""),
-                                                stored.get(d.trace_id), new)
-                outcomes[outcome] += 1
-                if outcome == "again":
+            written = await write_trajectories(conn, [d.trace_id for d in due], current.todo,
+                                               made, current.stored, NAME)
+            for d, (what, error) in zip(due, written.outcomes):
+                if what == "again":
                     continue  # left open, and due: the next round takes it
                 if error is not None:
                     self._refused(d.trace_id, error)
                 state = {"late": TraceState.SENT, "refused": TraceState.REFUSED}.get(
-                    outcome, TraceState.ASSEMBLED)
-                settled.append(Settled(d.trace_id, d.spans, state, late=outcome == "late",
+                    what, TraceState.ASSEMBLED)
+                settled.append(Settled(d.trace_id, d.spans, state, late=what == "late",
                                        error=error))
             await store.settle(conn, settled)
-        for trace_id in new:  # received, as far as the metrics go, once made
-            row = rows[trace_id]
-            assert not isinstance(row, HubError)
-            count_outcome(NAME, "rejected" if row["stage"] == Stage.REJECTED else "accepted",
-                          row["reject_reasons"])
-        for _ in range(outcomes["refused"]):
-            count_outcome(NAME, "refused")
+        outcomes = written.counted(NAME)
         log.info("OTLP: %d traces assembled (%s)", len(due),
                  ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())))
         if (outcomes["new"] or outcomes["replaced"]) and self._on_advance is not None:
@@ -282,21 +266,62 @@ class AssemblyStage:
         return forgotten
 
 
-async def _outcome(
+@dataclass(slots=True)
+class Written:
+    """What became of each trace come due (`outcome`), in order, and the rows of those
+    stored new."""
+
+    outcomes: list[tuple[str, str | None]]
+    new: set[str]
+    rows: dict[str, dict[str, Any] | HubError]
+
+    def counted(self, fmt: str) -> Counter[str]:
+        """The outcomes, counted; the traces made (received, as far as the metrics go,
+        once made) and refused are counted in the ingest metrics too."""
+        for trace_id in self.new:
+            row = self.rows[trace_id]
+            assert not isinstance(row, HubError)
+            count_outcome(fmt, "rejected" if row["stage"] == Stage.REJECTED else "accepted",
+                          row["reject_reasons"])
+        outcomes = Counter(what for what, _ in self.outcomes)
+        for _ in range(outcomes["refused"]):
+            count_outcome(fmt, "refused")
+        return outcomes
+
+
+async def write_trajectories(
+    conn: AsyncConnection, due: list[str], todo: list[str],
+    made: list[PreparedTrace | HubError], stored: dict[str, Any], fmt: str,
+) -> Written:
+    """Store the trajectories made for `todo` (new ones inserted, others replaced, in
+    `conn`'s transaction) and say what became of each trace of `due`."""
+    prepared = dict(zip(todo, made))
+    rows = {trace_id: r if isinstance(r, HubError) else r.row()
+            for trace_id, r in prepared.items()}
+    texts = {trace_id: r.search_text for trace_id, r in prepared.items()
+             if not isinstance(r, HubError)}
+    new = await conn.run_sync(insert_traces, [r for r in made if not isinstance(r, HubError)])
+    outcomes = [await outcome(conn, trace_id, rows.get(trace_id), texts.get(trace_id, ""),
+                              stored.get(trace_id), new, fmt) for trace_id in due]
+    return Written(outcomes, new, rows)
+
+
+async def outcome(
     conn: AsyncConnection,
     trace_id: str,
     row: dict[str, Any] | HubError | None,
     text: str,
     stored: Any,
     new: set[str],
+    fmt: str = NAME,
 ) -> tuple[str, str | None]:
     """What became of a trace come due (`text`: its search text), and why it makes no
     trajectory if it does not:
     new | replaced (scored again) | unchanged | late (batched already: kept as it is) |
     refused | again (its trajectory moved meanwhile: it stays due)."""
-    if stored is not None and stored.source_format != NAME:
+    if stored is not None and stored.source_format != fmt:
         return "refused", (f"trace_id {trace_id} is already stored, from another format; "
-                           "its spans are kept but make no trajectory")
+                           f"what {fmt} received for it is kept but makes no trajectory")
     if row is None or (stored is not None and stored.stage in FINAL_STAGES):
         return "late", None
     if isinstance(row, HubError):
@@ -329,7 +354,7 @@ async def _outcome(
     return ("late" if stage in FINAL_STAGES else "again"), None
 
 
-async def _stored(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, Any]:
+async def stored_trajectories(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, Any]:
     """The trajectories already stored under these ids: their stage and format."""
     c = TRACES.c
     rows = await conn.execute(

@@ -42,6 +42,16 @@ def install_atroposlib(target: Path) -> Path:
     return target
 
 
+def install_server_classes(target: Path) -> Path:
+    """atroposlib with what its model server classes (envs/server_handling, e.g.
+    OpenAIServer) import besides the hub's dependencies: aiohttp, tenacity, pydantic-cli
+    (without its own dependencies: it would bring another pydantic)."""
+    install_atroposlib(target)
+    _pip(target, "aiohttp")
+    _pip(target, "--no-deps", "tenacity", "pydantic-cli")
+    return target
+
+
 def _pip(target: Path, *args: str) -> None:
     result = subprocess.run(
         [

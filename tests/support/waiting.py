@@ -13,7 +13,7 @@ T = TypeVar("T")
 POLL = 0.05
 
 
-def wait_until(check: Callable[[], T], timeout: float = 30, what: str = "condition",
+def wait_until(check: Callable[[], T | None], timeout: float = 30, what: str = "condition",
                poll: float = POLL) -> T:
     """The first truthy value of `check()`, polled until `timeout` seconds have passed."""
     deadline = time.monotonic() + timeout

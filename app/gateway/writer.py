@@ -1,0 +1,58 @@
+"""The gateway's captures as a kind of the hub's group commit (app/db/group_commit.py):
+the calls that finish while a transaction runs are written together in the next one,
+and each call's answer goes out once its capture is committed."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import sqlalchemy as sa
+
+from app.db.dialect import OneHop
+from app.db.group_commit import GroupCommit
+from app.errors import HubError
+from app.gateway import store
+from app.gateway.store import Captured
+from app.outage import Outage
+
+log = logging.getLogger("atropos.gateway")
+
+
+class _Captures:
+    name = "gateway captures"
+
+    def write(self, conn: sa.Connection, items: Sequence[Captured]) -> list[None | HubError]:
+        store.write(conn, items)
+        return [None] * len(items)
+
+
+class CallWriter:
+    def __init__(self, writer: OneHop, outage: Outage, *, max_wait: float,
+                 retry_after: int) -> None:
+        self.commits: GroupCommit[Captured, None] = GroupCommit(
+            _Captures(), writer, outage, max_wait=max_wait, retry_after=retry_after)
+        self._detached: set[asyncio.Future[None]] = set()
+
+    def start(self) -> None:
+        self.commits.start()
+
+    async def write(self, call: Captured) -> None:
+        """Returns once `call` is committed; Unavailable (503) when it was not."""
+        await asyncio.shield(self.commits.submit(call))  # an agent gone mid-write: kept
+
+    def detach(self, call: Captured) -> None:
+        """Write `call` without a waiter (the agent that made it has gone)."""
+        done = self.commits.submit(call)
+        self._detached.add(done)
+        done.add_done_callback(self._written)
+
+    def _written(self, done: asyncio.Future[None]) -> None:
+        self._detached.discard(done)
+        if not done.cancelled() and done.exception() is not None:
+            log.warning("the capture of a call whose agent had gone was not stored: %s",
+                        done.exception())
+
+    async def close(self) -> None:
+        await self.commits.stop()  # what is queued is written first

@@ -1,0 +1,155 @@
+"""Gateway benchmark: small chat calls with the openai SDK's async client, one at a
+time and 32 at a time, straight to a vLLM-like fake upstream, through `atropos serve`
+with the gateway on (every call captured and committed), and through LiteLLM's proxy on
+the same upstream, in one run. Prints calls/s, p50 latency, and the time to the first
+streamed byte (one at a time).
+
+    python bench/gateway.py                                        # direct and hub
+    python bench/gateway.py --litellm /work/venvs/litellm/bin/litellm
+
+LiteLLM is not a dependency of the hub: install `litellm[proxy]` in a venv of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "sk-upstream"
+MESSAGES = [{"role": "user", "content": "Say something short."}]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=1, headers={"authorization": f"Bearer {KEY}"})
+            return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise SystemExit(f"{url} did not answer in {timeout} s")
+
+
+def _start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                                 **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+async def _run(base_url: str, concurrency: int, calls: int) -> tuple[float, float]:
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=KEY, max_retries=0,
+                                http_client=httpx.AsyncClient(
+                                    limits=httpx.Limits(max_connections=concurrency)))
+    latencies: list[float] = []
+    queue = iter(range(calls))
+
+    async def worker() -> None:
+        for _ in queue:
+            t = time.perf_counter()
+            await client.chat.completions.create(model="policy", messages=MESSAGES,
+                                                 max_tokens=16)
+            latencies.append(time.perf_counter() - t)
+
+    for _ in range(min(20, calls)):  # warm-up: connections, caches
+        await client.chat.completions.create(model="policy", messages=MESSAGES)
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    await client.close()
+    return calls / elapsed, statistics.median(latencies) * 1000
+
+
+async def _first_byte(base_url: str, calls: int) -> float:
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=KEY, max_retries=0)
+    waits = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        stream = await client.chat.completions.create(model="policy", messages=MESSAGES,
+                                                      stream=True)
+        async for _ in stream:
+            waits.append(time.perf_counter() - t)
+            break
+        async for _ in stream:
+            pass
+    await client.close()
+    return statistics.median(waits) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--litellm", help="the litellm command of a venv with litellm[proxy]")
+    options = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    procs = []
+    try:
+        up_port = _port()
+        procs.append(_start([sys.executable, "-m", "tests.support.fakes.vllm_server",
+                             str(up_port)]))
+        upstream = f"http://127.0.0.1:{up_port}/v1"
+        _wait(upstream + "/models")
+        hub_port = _port()
+        config = work / "config.json"
+        config.write_text(json.dumps({
+            "trace_server": {"host": "127.0.0.1", "port": hub_port,
+                             "db_path": str(work / "traces.db")},
+            "distributor": {"target": "jsonl", "output_dir": str(work / "batches")},
+            "gateway": {"enabled": True,
+                        "upstream": {"base_url": upstream, "api_key_env": "BENCH_KEY"}},
+        }))
+        procs.append(_start([sys.executable, "-m", "app.cli", "serve", "--config", str(config)],
+                            {"BENCH_KEY": KEY}))
+        targets = {"direct": upstream, "hub": f"http://127.0.0.1:{hub_port}/v1"}
+        _wait(f"http://127.0.0.1:{hub_port}/healthz", timeout=300)
+        if options.litellm:
+            lite_port = _port()
+            lite = work / "litellm.yaml"
+            lite.write_text(
+                "model_list:\n  - model_name: policy\n    litellm_params:\n"
+                f"      model: openai/fake-policy\n      api_base: {upstream}\n"
+                f"      api_key: {KEY}\n")
+            with open(work / "litellm.log", "wb") as log:
+                procs.append(subprocess.Popen(
+                    [options.litellm, "--config", str(lite), "--port", str(lite_port),
+                     "--host", "127.0.0.1", "--num_workers", "1"],
+                    env={**os.environ,
+                         "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
+                         "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+                    stdout=log, stderr=subprocess.STDOUT))
+            targets["litellm"] = f"http://127.0.0.1:{lite_port}/v1"
+            _wait(f"http://127.0.0.1:{lite_port}/health/liveliness", timeout=300)
+        print(f"{'':8} {'1 at a time':>22} {'32 at a time':>22} {'first byte p50':>15}")
+        for name, url in targets.items():
+            one = asyncio.run(_run(url, 1, options.calls // 4))
+            many = asyncio.run(_run(url, 32, options.calls))
+            ttfb = asyncio.run(_first_byte(url, 200))
+            print(f"{name:8} {one[0]:8.0f}/s p50 {one[1]:6.2f} ms {many[0]:8.0f}/s p50 "
+                  f"{many[1]:6.2f} ms {ttfb:12.2f} ms")
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()
