@@ -420,7 +420,7 @@ def _card(directory: Path, args: argparse.Namespace, query: ExportQuery, tally: 
 
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
-    parser = command(commands, "export", run, help="stored traces to a training file or dataset",
+    parser = command(commands, "export", run,
                      example="atropos export --config config.json --format openai "
                              "-o train.jsonl")
     parser.add_argument("--format", required=True, choices=sorted(FORMATS))

@@ -131,7 +131,6 @@ def _split(chunk: list[Record], summary: Summary) -> list[Parsed]:
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
     imp = command(commands, "import", _import,
-                  help="store trajectory files through the pipeline",
                   example="atropos import --config config.json runs/tau-bench/ "
                           "--url http://127.0.0.1:8000")
     imp.add_argument("paths", nargs="+", type=Path, help="files or folders of trajectories")
