@@ -8,10 +8,11 @@ What is selected, by default, is what training would get: traces that are not
 rejected and whose reward passes distributor.min_reward_threshold (for dpo, whose
 pairs need the low runs too: every scored trace that is not rejected), leaving out the
 traces a reviewer labelled `bad` (never batched, so never exported by default either).
-`--all` lifts those defaults (`--label bad` asks for the bad ones); `--stage`, `--min-reward` and `--since` narrow any selection. What is
-left out is printed by reason, with counts: by the selection, by `--dedup` (identical
-content, the oldest kept), by `--decontaminate FILE` (the task shares a word 13-gram
-with a line of FILE), and traces the format cannot hold (no assistant turn).
+`--all` lifts those defaults (`--label bad` asks for the bad ones); `--stage`,
+`--min-reward` and `--since` narrow any selection. What is left out is printed by
+reason, with counts: by the selection, by `--dedup` (identical content, the oldest
+kept), by `--decontaminate FILE` (the task shares a word 13-gram with a line of FILE),
+and traces the format cannot hold (no assistant turn).
 
 Streamed: traces are read in pages of PAGE rows by keyset (created_at, trace_id), each
 page written and dropped before the next is read, so memory stays flat whatever the

@@ -164,8 +164,8 @@ def _named_training_service(settings: Settings, config: str | None) -> None:
     if "base_url" in settings.tinker.tinker.model_fields_set:
         return
     raise ConfigError(
-        f"{Path(config or 'config.json').name}: distributor.target is tinker, which sends every batch to a "
-        "training service, but no tinker.json names one: pass --tinker FILE with "
+        f"{Path(config or 'config.json').name}: distributor.target is tinker, which sends "
+        "every batch to a training service, but no tinker.json names one: pass --tinker FILE with "
         'tinker.base_url set, or deliver to "jsonl" (files in distributor.output_dir)'
     )
 
