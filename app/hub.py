@@ -97,6 +97,10 @@ async def database(config: HubConfig) -> AsyncIterator[AsyncEngine]:
         await engine.dispose()
 
 
+# How soon the stages see traces committed by another process.
+ARRIVALS_SECONDS = 1.0
+
+
 @asynccontextmanager
 async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterator[StageRunner]:
     """The background stages in pipeline order, with the HTTP client they share. Each
@@ -106,6 +110,9 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
     lease = Lease(config.workers.lease_seconds)
     async with httpx.AsyncClient() as http:
         policy = settings.compression.compression
+        # Traces another process commits (`atropos import` into the database, another
+        # replica's ingest) wake no stage here: the first stage looks for them every
+        # ARRIVALS_SECONDS, so that they move on within it.
         runner.add(
             CompressionStage(
                 engine,
@@ -115,6 +122,9 @@ async def running_stages(settings: Settings, engine: AsyncEngine) -> AsyncIterat
                 summarizer=ModelSummarizer(http, settings.tinker.tinker),
                 on_advance=runner.wake,
             ),
+            every=ARRIVALS_SECONDS,
+        )
+        runner.add(
             DistributionStage(engine, config.distributor, on_advance=runner.wake),
             DeliveryStage(
                 engine,

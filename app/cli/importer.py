@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -51,18 +52,34 @@ class Summary:
             for reason in answer.get("reject_reasons") or []:
                 self.rejected[reason["filter"]] += 1
 
+    @property
+    def read(self) -> int:
+        return self.stored + self.duplicates + len(self.refused) + len(self.unreadable)
+
     def lines(self) -> list[str]:
-        out = [
-            f"stored: {self.stored}",
-            f"duplicates: {self.duplicates}",
-            "rejected by filter: "
-            + (", ".join(f"{k} {v}" for k, v in sorted(self.rejected.items())) or "none"),
-            f"refused: {len(self.refused)}",
-            f"unreadable: {len(self.unreadable)}",
-        ]
+        """One line of counts, then what was rejected by filter, refused or unreadable,
+        the unreadable grouped by reason."""
+        rejected = sum(self.rejected.values())
+        out = [f"read {self.read}, stored {self.stored}, duplicates {self.duplicates}, "
+               f"rejected {rejected}, refused {len(self.refused)}, "
+               f"unreadable {len(self.unreadable)}"]
+        if rejected:
+            out.append("  rejected by filter: " + ", ".join(
+                f"{name} {n}" for name, n in sorted(self.rejected.items())))
         out += [f"  refused {loc}: {why}" for loc, why in self.refused]
-        out += [f"  unreadable {loc}: {why}" for loc, why in self.unreadable]
+        by_reason: dict[str, list[str]] = {}
+        for loc, why in self.unreadable:
+            by_reason.setdefault(why, []).append(loc)
+        for why, locations in sorted(by_reason.items(), key=lambda item: -len(item[1])):
+            shown = ", ".join(locations[:_LOCATIONS_SHOWN])
+            more = len(locations) - _LOCATIONS_SHOWN
+            out.append(f"  unreadable {len(locations)}: {why} ({shown}"
+                       + (f" and {more} more)" if more > 0 else ")"))
         return out
+
+
+# Where an unreadable reason was met: the first few places, enough to look at one.
+_LOCATIONS_SHOWN = 3
 
 
 def records(paths: Iterable[Path], fmt: str) -> Iterator[Record]:
@@ -169,7 +186,10 @@ async def _import(args: argparse.Namespace) -> int:
               "read. Importing the same paths again stores the rest (the stored ones come "
               "back as duplicates)")
         return 130
-    failed = summary.refused or (args.strict and summary.unreadable)
+    nothing_read = summary.read == len(summary.unreadable)
+    failed = nothing_read or summary.refused or (args.strict and summary.unreadable)
+    if nothing_read:
+        print("nothing could be read from " + ", ".join(map(str, args.paths)), file=sys.stderr)
     return 1 if failed else 0
 
 
