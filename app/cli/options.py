@@ -8,11 +8,11 @@ import asyncio
 import signal
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from app.durations import parse_duration
+from app.durations import parse_duration, parse_moment
 
 if TYPE_CHECKING:
     from app.hub import Settings
@@ -178,16 +178,9 @@ def add_since(parser: argparse.ArgumentParser) -> None:
 def moment(value: str) -> datetime:
     """An ISO 8601 date or time (UTC unless it says otherwise), or an age: 30m, 12h, 7d."""
     try:
-        return datetime.now(UTC) - parse_duration(value)
-    except ValueError:
-        pass
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"not an ISO 8601 date or time, nor an age like 7d: {value!r}"
-        ) from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+        return parse_moment(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def duration(value: str) -> timedelta:
