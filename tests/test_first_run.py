@@ -209,7 +209,8 @@ def test_import_says_what_it_read_and_fails_when_nothing_could_be(tmp_path: Path
     assert first == "read 3, stored 0, duplicates 0, rejected 0, refused 0, unreadable 3"
     # Grouped by reason, with where to look.
     assert len(details) == 2, done.stdout
-    assert details[0].startswith("  unreadable 2: invalid JSON") and "junk.jsonl:1" in details[0]
+    assert details[0].startswith("  unreadable 2: invalid JSON"), details
+    assert "junk.jsonl:1, " in details[0] and "junk.jsonl:3)" in details[0]
     assert "nothing could be read" in done.stderr
 
 

@@ -43,7 +43,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import files, formats
-from app.cli.options import Commands, add_since, command
+from app.cli.options import Commands, add_since, command, counted
 from app.cli.progress import Progress
 from app.config import load_config
 from app.db.models import TRACES
@@ -475,9 +475,9 @@ async def run(args: argparse.Namespace) -> int:
     if _to_directory(args):
         _card(Path(args.output), args, query,
               tally, Environment.from_config(config.environment).fingerprint)
-    what = "pairs" if args.format == "dpo" else "traces"
+    what = counted(tally.total, "pair" if args.format == "dpo" else "trace")
     splits = ", ".join(f"{tally.written[s]} {s}" for s in SPLITS)
-    print(f"exported {tally.total} {what} as {args.format} to {args.output}"
+    print(f"exported {what} as {args.format} to {args.output}"
           + (f" ({splits})" if tally.written["test"] else ""), file=sys.stderr)
     print(tally.summary(), file=sys.stderr)
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -69,7 +70,7 @@ class Summary:
         out += [f"  refused {loc}: {why}" for loc, why in self.refused]
         by_reason: dict[str, list[str]] = {}
         for loc, why in self.unreadable:
-            by_reason.setdefault(why, []).append(loc)
+            by_reason.setdefault(_kind(why), []).append(loc)
         for why, locations in sorted(by_reason.items(), key=lambda item: -len(item[1])):
             shown = ", ".join(locations[:_LOCATIONS_SHOWN])
             more = len(locations) - _LOCATIONS_SHOWN
@@ -80,6 +81,12 @@ class Summary:
 
 # Where an unreadable reason was met: the first few places, enough to look at one.
 _LOCATIONS_SHOWN = 3
+
+
+def _kind(reason: str) -> str:
+    """A reason without the particulars of one record (its numbers, what follows in
+    parentheses), so that the records one problem spoils are counted together."""
+    return re.sub(r"\d+", "N", reason.split(" (", 1)[0])
 
 
 def records(paths: Iterable[Path], fmt: str) -> Iterator[Record]:

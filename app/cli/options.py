@@ -188,3 +188,8 @@ def duration(value: str) -> timedelta:
         return parse_duration(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def counted(n: int, noun: str) -> str:
+    """`1 trace`, `2 traces`: a count with its noun in the right number."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"

@@ -14,7 +14,7 @@ import uvicorn
 
 from app.api.app import create_app
 from app.api.server import exposure, listening_socket, server_config
-from app.cli.options import Commands, add_hub_files, command, load_settings
+from app.cli.options import Commands, add_hub_files, command, counted, load_settings
 from app.errors import StartupError
 from app.evaluation.environment import Environment
 from app.hub import add_assembly, database, open_database, running_stages
@@ -115,7 +115,7 @@ async def _worker(args: argparse.Namespace) -> int:
         add_assembly(stages, engine, config, ingest.ingestor)
         if args.burst:
             advanced = await stages.drain()
-            log.info("burst done: %d items advanced", advanced)
+            log.info("burst done: %s advanced", counted(advanced, "item"))
             return 0
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
