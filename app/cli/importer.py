@@ -38,7 +38,8 @@ RETRIES_WHEN_BUSY = 20
 class Summary:
     stored: int = 0
     duplicates: int = 0
-    rejected: Counter[str] = field(default_factory=Counter)
+    rejected_traces: int = 0  # stored, at stage rejected
+    rejected: Counter[str] = field(default_factory=Counter)  # by filter (one trace: several)
     refused: list[tuple[str, str]] = field(default_factory=list)  # (location, error)
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (location, reason)
 
@@ -50,6 +51,7 @@ class Summary:
             self.duplicates += 1
         else:
             self.stored += 1
+            self.rejected_traces += bool(answer.get("reject_reasons"))
             for reason in answer.get("reject_reasons") or []:
                 self.rejected[reason["filter"]] += 1
 
@@ -60,11 +62,10 @@ class Summary:
     def lines(self) -> list[str]:
         """One line of counts, then what was rejected by filter, refused or unreadable,
         the unreadable grouped by reason."""
-        rejected = sum(self.rejected.values())
         out = [f"read {self.read}, stored {self.stored}, duplicates {self.duplicates}, "
-               f"rejected {rejected}, refused {len(self.refused)}, "
+               f"rejected {self.rejected_traces}, refused {len(self.refused)}, "
                f"unreadable {len(self.unreadable)}"]
-        if rejected:
+        if self.rejected:
             out.append("  rejected by filter: " + ", ".join(
                 f"{name} {n}" for name, n in sorted(self.rejected.items())))
         out += [f"  refused {loc}: {why}" for loc, why in self.refused]
