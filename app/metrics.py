@@ -121,6 +121,39 @@ DB_COMMITS = Histogram(
 )
 
 
+# The values a label takes, where they are known before anything happens.
+INGEST_OUTCOMES = ("accepted", "rejected", "duplicate", "refused", "unavailable")
+COMPRESSION_OUTCOMES = ("compressed", "skipped", "failed")
+DELIVERY_RESULTS = ("delivered", "failed")
+GROUP_PLACES = ("queued", "buffered")
+RESTART_REASONS = ("too_slow", "died")
+WRITERS = ("traces", "atropos_groups")
+
+
+def start_at_zero(*, formats: Iterable[str], filters: Iterable[str], strategy: str,
+                  target: str) -> None:
+    """Every series whose labels are known at start-up, at 0: a fresh hub's dashboard
+    shows 0 rather than "No data", and rate() has a start. (A process that records
+    into a series creates it anyway; this is for the ones nothing has touched yet.)"""
+    for fmt in formats:
+        for outcome in INGEST_OUTCOMES:
+            TRACES_INGESTED.labels(fmt, outcome)
+    for name in filters:
+        REJECTIONS.labels(name)
+    for outcome in COMPRESSION_OUTCOMES:
+        COMPRESSIONS.labels(outcome)
+    COMPRESSION_TOKENS_IN.labels(strategy)
+    COMPRESSION_TOKENS_OUT.labels(strategy)
+    for result in DELIVERY_RESULTS:
+        DELIVERY_ATTEMPTS.labels(target, result)
+    for place in GROUP_PLACES:
+        GROUPS_RECEIVED.labels(place)
+    for reason in RESTART_REASONS:
+        INGEST_RESTARTS.labels(reason)
+    for writer in WRITERS:
+        DB_COMMITS.labels(writer)
+
+
 M = TypeVar("M", Counter, Histogram)
 
 

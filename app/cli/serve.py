@@ -12,15 +12,16 @@ from contextlib import contextmanager
 
 import uvicorn
 
+from app import formats
 from app.api.app import create_app
 from app.api.server import exposure, listening_socket, server_config
 from app.cli.options import Commands, add_hub_files, command, counted, load_settings
 from app.errors import StartupError
 from app.evaluation.environment import Environment
-from app.hub import add_assembly, database, open_database, running_stages
+from app.hub import Settings, add_assembly, database, open_database, running_stages
 from app.ingest.ingestor import running_ingest
 from app.ingest.tokens import encoding
-from app.metrics import summarizing
+from app.metrics import start_at_zero, summarizing
 
 log = logging.getLogger("atropos")
 
@@ -49,6 +50,7 @@ async def _serve(args: argparse.Namespace) -> int:
     # Rules first, then the database: a mistake costs no migration. The tokenizer
     # loads once the server answers (see running_hub).
     environment = Environment.from_config(settings.config.environment)
+    _metrics_at_zero(settings, environment)
     # Opened here so that a database it cannot reach stops start-up; the app's
     # lifespan owns it from then on.
     engine = await open_database(settings.config)
@@ -105,6 +107,7 @@ async def _worker(args: argparse.Namespace) -> int:
     settings = load_settings(args, delivers=True)
     config = settings.config
     environment = Environment.from_config(config.environment)
+    _metrics_at_zero(settings, environment)
     encoding()  # the compression stage counts tokens
     async with (
         database(config) as engine,
@@ -127,3 +130,9 @@ async def _worker(args: argparse.Namespace) -> int:
             await stopping.wait()
         log.info("stopping: leases of unfinished work expire for the next worker")
         return 0
+
+
+def _metrics_at_zero(settings: Settings, environment: Environment) -> None:
+    start_at_zero(formats=formats.FORMATS, filters=environment.filters.names,
+                  strategy=settings.compression.compression.strategy,
+                  target=settings.config.distributor.target)
