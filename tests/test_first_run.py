@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sqlite3
 import subprocess
@@ -243,3 +244,25 @@ def test_an_import_into_a_running_hubs_database_moves_on_at_once(tmp_path: Path)
     finally:
         hub.stop()
     assert stored_traces(db) == 200
+
+
+# --- the dashboard with auth off ----------------------------------------------------
+
+
+def test_with_auth_off_no_page_speaks_of_keys(start_hub: Any, trace_server: dict[str, Any],
+                                              tmp_path: Path) -> None:
+    from tests.support.pipeline import ingest
+
+    hub = start_hub(trace_server, distributor={"batch_size": 1, "min_reward_threshold": 0,
+                                               "output_dir": str(tmp_path / "batches")})
+    with hub.client() as client:
+        ingest(client, ["t0"])
+        batches = wait_until(lambda: client.get("/v1/batches").json()["batches"], timeout=60,
+                             what="a batch")
+        pages = ["/ui", "/ui/traces", "/ui/traces/t0", "/ui/review", "/ui/batches",
+                 f"/ui/batches/{batches[0]['batch_id']}", "/ui/runs", "/ui/atropos"]
+        for page in pages:
+            r = client.get(page, follow_redirects=True)
+            assert r.status_code == 200, page
+            text = re.sub(r"<[^>]+>", " ", r.text).lower()
+            assert not re.search(r"\b(api key|admin key|sign in|keys?\b)", text), page
