@@ -21,6 +21,7 @@ on them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 from collections.abc import AsyncIterator, Iterable
@@ -202,6 +203,30 @@ _SUMMARY: tuple[tuple[str, Counter | Histogram, dict[str, str]], ...] = (
 )
 
 
+# Refused requests (4xx) by client address and status since the last summary: the
+# first of each is said at once, the rest counted into one line per interval.
+_refusals: collections.Counter[tuple[str, int]] = collections.Counter()
+_refusal_log = logging.getLogger("atropos.http")
+
+
+def refused(client: str, status: int) -> None:
+    """A request answered 4xx. Visible at the default level without a line per
+    request: one for the first from a client with that status, then a count."""
+    key = (client, status)
+    _refusals[key] += 1
+    if _refusals[key] == 1:
+        _refusal_log.info("answered %d to %s; more such answers to it are counted in the "
+                          "log's summary", status, client)
+
+
+def _refusal_lines(every: float) -> None:
+    for (client, status), n in sorted(_refusals.items()):
+        if n > 1:
+            _refusal_log.info("answered %d to %s: %d more in the last %g s", status,
+                              client, n - 1, every)
+    _refusals.clear()
+
+
 def _summary_totals() -> dict[str, float]:
     return {what: total(metric, **labels) for what, metric, labels in _SUMMARY}
 
@@ -219,6 +244,7 @@ async def log_summaries(every: float) -> None:
         if any(done.values()):
             said = ", ".join(f"{n} {what}" for what, n in done.items() if n or what == "traces in")
             _summary_log.info("in the last %g s: %s", every, said)
+        _refusal_lines(every)
 
 
 @asynccontextmanager

@@ -266,3 +266,32 @@ def test_with_auth_off_no_page_speaks_of_keys(start_hub: Any, trace_server: dict
             assert r.status_code == 200, page
             text = re.sub(r"<[^>]+>", " ", r.text).lower()
             assert not re.search(r"\b(api key|admin key|sign in|keys?\b)", text), page
+
+
+# --- logs ---------------------------------------------------------------------------
+
+
+@pytest.mark.process
+def test_refused_requests_are_one_line_per_client_and_status_per_interval(
+    start_hub_process: Any, tmp_path: Path
+) -> None:
+    hub = start_hub_process({"db_path": str(tmp_path / "t.db"), "log_summary_seconds": 2})
+    with hub.client() as client:
+        for _ in range(20):
+            assert client.get("/v1/traces/nope").status_code == 404
+        assert client.post("/v1/traces", content=b"{not json").status_code == 400
+
+    def counted() -> int:
+        said = [line for line in hub.lines if "answered 404 to 127.0.0.1" in line]
+        assert all(" INFO atropos.http: " in line for line in said), hub.log
+        return sum(int(m[1]) if (m := re.search(r": (\d+) more in", line)) else 1
+                   for line in said)
+
+    wait_until(lambda: counted() == 20, timeout=30, what="every 404 counted")
+    # Not a line per request: at most two an interval (the first, then the count).
+    assert sum("answered 404" in line for line in hub.lines) < 20, hub.log
+    assert sum("answered 400 to 127.0.0.1;" in line for line in hub.lines) == 1
+    # uvicorn's narration of its start is not at INFO: one "listening" line.
+    assert sum("listening" in line.lower() or "running on" in line.lower()
+               for line in hub.lines) == 1, hub.log
+    assert not any("uvicorn" in line for line in hub.lines), hub.log
