@@ -88,6 +88,10 @@ class TraceServerConfig(_Section):
     # "*" for any): the client address they name is then the one the per-address rate
     # limit and the logs use. Empty: the headers are ignored, the peer's address counts.
     forwarded_allow_ips: list[str] = Field(default_factory=list)
+    # Names the hub answers to besides IP addresses, localhost, the bind address and
+    # this machine's host name (app/api/middleware.py HostCheck: DNS rebinding);
+    # "*.example.com" for subdomains, "*" for any name.
+    allowed_hosts: list[str] = Field(default_factory=list)
     # Files the hub creates (database, batch files, logs, exports) are 0600; with a
     # group named here, 0640 and owned by that group (app/files.py).
     file_group: str | None = None
@@ -291,6 +295,9 @@ class LimitsConfig(_Section):
     max_queued_traces: int = Field(10_000, gt=0)
     max_write_wait_seconds: float = Field(5, gt=0)
     retry_after_seconds: int = Field(2, ge=1)
+    # Request body bytes (as received, and once gunzipped) all requests may hold at
+    # once; past it, 503 with Retry-After (app/ingest/body.py BodyBudget).
+    max_body_bytes_in_flight: int = Field(256 * 1024 * 1024, gt=0)
 
     @model_validator(mode="after")
     def _one_request_fits_the_queue(self) -> LimitsConfig:
@@ -315,6 +322,8 @@ class AuthConfig(_Section):
     # A verified key is trusted this long before it is looked up again; a revoked
     # key stops working within this time on every hub process.
     key_cache_seconds: float = Field(5, ge=0)
+    # How long a dashboard sign-in lasts (its session; logging out ends it sooner).
+    session_hours: float = Field(12, gt=0, le=24 * 365)
     # /docs, /redoc and /openapi.json.
     docs_enabled: bool = True
     # Browser origins allowed to call the API (CORS); empty: no CORS headers at all.
@@ -369,6 +378,9 @@ class RunsConfig(_Section):
     # Processes of the hub's own user can read its environment (/proc/PID/environ),
     # which holds the model keys the environments are not given.
     user: str | None = None
+    # With auth off, runs.enabled lets anyone who reaches the port start processes on
+    # this machine: `atropos serve` refuses to start so unless this is true.
+    allow_without_auth: bool = False
 
     @field_validator("user")
     @classmethod
@@ -422,9 +434,14 @@ class AtroposConfig(_Section):
     # long stops counting for weights and minimum allocations until it is heard again:
     # atroposlib's envs never disconnect, and a dead one would hold batches back.
     env_timeout_seconds: float = Field(120, gt=0)
-    # With auth.enabled: API keys on the Atropos paths too (environments `ingest`,
-    # trainers `train`). Off by default because atroposlib's clients send no key.
-    require_key: bool = False
+    # API keys on the Atropos paths too (environments `ingest`, trainers `train`);
+    # null: on whenever auth.enabled is. false with auth on leaves them open (said at
+    # start-up), for atroposlib's clients, which send no key.
+    require_key: bool | None = None
+
+    def keys_required(self, auth: AuthConfig) -> bool:
+        """Whether the Atropos paths take API keys under `auth`."""
+        return auth.enabled if self.require_key is None else self.require_key and auth.enabled
 
 
 def _re2_pattern(pattern: str) -> str:
@@ -464,6 +481,12 @@ class OtlpConfig(_Section):
     # Spans in one request (and groups of them: resource and scope), counted before
     # any is read; past it, 413. Exporters send 512 at a time by default.
     max_spans_per_request: int = Field(10_000, gt=0)
+    # A trajectory is made of at most this many of its trace's spans, and this many
+    # bytes of them (as stored, protobuf), the first by start time: what an agent run
+    # may cost the assembly in memory. A trajectory that leaves spans out says so
+    # (metadata.truncated).
+    max_spans_per_trace: int = Field(10_000, gt=0)
+    max_bytes_per_trace: int = Field(32 * 2**20, gt=0)
 
 
 class HubConfig(_Section):
@@ -493,9 +516,7 @@ class HubConfig(_Section):
 
 
 PreservedField = Literal["user_instruction", "final_action", "reward_signal", "error_context"]
-DroppedField = Literal[
-    "intermediate_thoughts", "repeated_observations", "redundant_tool_outputs", "system_prompt"
-]
+DroppedField = Literal["intermediate_thoughts", "repeated_observations", "redundant_tool_outputs"]
 
 
 class CompressionConfig(_Section):
@@ -503,15 +524,14 @@ class CompressionConfig(_Section):
     ratio: float = Field(0.3, gt=0, le=1)
     min_tokens_after: int = Field(500, ge=0)
     max_tokens_after: int = Field(8000, gt=0)
+    # A trace is compressed only when that saves at least this share of its tokens;
+    # otherwise it is kept whole (compression_skipped, with the saving it would have had).
+    min_saving: float = Field(0.1, ge=0, lt=1)
     strategy: Literal["key_decision_extract", "summarize_middle"] = "key_decision_extract"
     preserve_fields: list[PreservedField] = Field(
         default_factory=lambda: list(get_args(PreservedField))
     )
-    # `system_prompt` (cut the system prompt when nothing else is left) is not a default:
-    # the prompt defines the tools and the policy every step follows.
-    drop_fields: list[DroppedField] = Field(
-        default_factory=lambda: [f for f in get_args(DroppedField) if f != "system_prompt"]
-    )
+    drop_fields: list[DroppedField] = Field(default_factory=lambda: list(get_args(DroppedField)))
     dedup_window: int = Field(5, ge=0)
     # summarize_middle: turns kept verbatim at the end, and the summary's size (Hermes'
     # trajectory_compressor defaults).
@@ -528,6 +548,17 @@ class CompressionConfig(_Section):
     # summarize_middle: model calls in flight at once, per worker. Traces that need no
     # call (skips) never wait for them.
     max_concurrent_calls: int = Field(4, gt=0)
+
+    @field_validator("drop_fields", mode="before")
+    @classmethod
+    def _system_prompt_stays(cls, value: Any) -> Any:
+        if isinstance(value, list) and "system_prompt" in value:
+            raise ValueError(
+                "'system_prompt' cannot be dropped: compression never alters the system "
+                "prompt (it defines the tools and the policy every step follows); remove "
+                "it from drop_fields"
+            )
+        return value
 
     @model_validator(mode="after")
     def _bounds_ordered(self) -> CompressionConfig:

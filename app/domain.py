@@ -15,6 +15,11 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# The largest reward, in magnitude, the hub takes: an environment's, the sum of the rules
+# and the weighted environment reward, a reviewer's override. Far past any reward scale
+# RL uses; a number beyond it is a bug in the environment (or an attack on the charts).
+MAX_REWARD = 1e6
+
 
 class StepType(StrEnum):
     THOUGHT = "thought"

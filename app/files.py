@@ -14,13 +14,20 @@ sets it once, when the hub opens its database (app/hub.py).
 
 from __future__ import annotations
 
+import contextlib
 import grp
+import logging
 import os
+import re
 import secrets
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from app.errors import ConfigError
+
+log = logging.getLogger("atropos.files")
 
 PRIVATE = 0o600
 GROUP_READABLE = 0o640
@@ -112,6 +119,51 @@ def temporary(directory: str | Path, name: str) -> tuple[Path, IO[bytes]]:
     path = Path(directory) / f".{name}.{secrets.token_hex(8)}.tmp"
     fd = create(path, os.O_WRONLY | os.O_EXCL | os.O_NOFOLLOW)
     return path, os.fdopen(fd, "wb")
+
+
+@contextlib.contextmanager
+def replaced(path: Path) -> Iterator[IO[bytes]]:
+    """`path`, written under a `temporary` name beside it and renamed into place once
+    complete and fsynced, so that a reader never sees half of it; the temporary file is
+    removed if writing fails (a full disk leaves no partial copy per attempt)."""
+    tmp, f = temporary(path.parent, path.name)
+    try:
+        with f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# A `temporary` name: what a writer that died (kill -9, a power cut) left behind.
+_TEMPORARY = re.compile(r"\..+\.[0-9a-f]{16}\.tmp")
+
+
+def sweep_temporaries(directory: str | Path, older_than: float) -> int:
+    """Delete the `temporary` files in `directory` not written to for `older_than`
+    seconds (younger ones may be another process's write in progress); returns how
+    many."""
+    swept = 0
+    cutoff = time.time() - older_than
+    try:
+        entries = list(os.scandir(directory))
+    except FileNotFoundError:
+        return 0
+    for entry in entries:
+        if not _TEMPORARY.fullmatch(entry.name) or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            if entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                os.unlink(entry.path)
+                swept += 1
+        except FileNotFoundError:
+            continue  # another process swept it first
+    if swept:
+        log.info("%d unfinished temporary files deleted from %s", swept, directory)
+    return swept
 
 
 def _own(path: Path) -> None:

@@ -176,7 +176,7 @@ async def running_hub(
             ) as ingest,
         ):
             access = Access(config.auth, engine)
-            if config.auth.enabled and not config.atropos.require_key:
+            if config.auth.enabled and not config.atropos.keys_required(config.auth):
                 log.warning(
                     "auth.enabled is on but atropos.require_key is off: the Atropos API "
                     "(/register, /scored_data, /batch, ...) takes no key, so anyone who "

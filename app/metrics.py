@@ -84,6 +84,12 @@ COMPRESSIONS = Counter(
     "enough, or compression off), failed (gave up)",
     ["outcome"],
 )
+COMPRESSIONS_SKIPPED = Counter(
+    "atropos_compressions_skipped",
+    "Traces compression kept whole, by reason: disabled, small (ratio x tokens under "
+    "min_tokens_after), within_target, min_saving (it would save too little), unsafe",
+    ["reason"],
+)
 COMPRESSION_TOKENS_IN = Counter(
     "atropos_compression_input_tokens",
     "Tokens of the traces compressed, before, by strategy",
@@ -231,19 +237,42 @@ def _summary_totals() -> dict[str, float]:
     return {what: total(metric, **labels) for what, metric, labels in _SUMMARY}
 
 
+def _skip_totals() -> dict[str, float]:
+    return {sample.labels["reason"]: sample.value
+            for family in COMPRESSIONS_SKIPPED.collect() for sample in family.samples
+            if sample.name.endswith("_total")}
+
+
+def _skipped(now: dict[str, float], last: dict[str, float]) -> str:
+    """"N compression skipped (small 3; min_saving 1)": the phrase seed 002 tells users
+    to look for, with why."""
+    done = {why: int(n - last.get(why, 0)) for why, n in now.items()}
+    done = {why: n for why, n in done.items() if n}
+    if not done:
+        return ""
+    reasons = "; ".join(f"{why} {n}" for why, n in sorted(done.items()))
+    return f"{sum(done.values())} compression skipped ({reasons})"
+
+
 async def log_summaries(every: float) -> None:
     """Every `every` seconds, one INFO line of what this process did meanwhile
     (trace_server.log_summary_seconds): the per-trace lines are DEBUG. Nothing is said
     for an interval in which nothing happened."""
-    last = _summary_totals()
+    last, last_skips = _summary_totals(), _skip_totals()
     while True:
         await asyncio.sleep(every)
-        now = _summary_totals()
+        now, skips = _summary_totals(), _skip_totals()
         done = {what: int(now[what] - last[what]) for what in now}
-        last = now
-        if any(done.values()):
-            said = ", ".join(f"{n} {what}" for what, n in done.items() if n or what == "traces in")
-            _summary_log.info("in the last %g s: %s", every, said)
+        skipped = _skipped(skips, last_skips)
+        last, last_skips = now, skips
+        if any(done.values()) or skipped:
+            said = []
+            for what, n in done.items():
+                if n or what == "traces in":
+                    said.append(f"{n} {what}")
+                if what == "compressed" and skipped:
+                    said.append(skipped)
+            _summary_log.info("in the last %g s: %s", every, ", ".join(said))
         _refusal_lines(every)
 
 

@@ -1,6 +1,12 @@
 """key_decision_extract throughput on the real corpus, in input tokens/s on one core.
 
     python bench/compress.py [--rounds 5]
+    python bench/compress.py --quality [--show tau-bench/gpt-4o-airline.json#3 ...]
+
+--quality prints instead what compression keeps on the whole real corpus with the
+repo's example configs (tests/support/compression_quality.py): traces compressed and
+skipped (by reason), tool calls and user turns kept, backed facts still backed, the
+saving; --show prints the steps of the named traces before and after.
 
 Corpus: the OpenHands multi_swe_bench runs and SWE-agent .traj files in
 ../shared/fixtures/real (loaded by tests/support/real_traces.py). Input tokens are each trace's
@@ -23,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.compression import Compressed, compress
 from app.config import CompressionConfig
-from app.domain import Trace
+from app.domain import StepType, Trace
 from app.ingest.tokens import count_parts
+from tests.support import compression_quality as quality
 from tests.support.real_traces import OPENHANDS, SWE_AGENT, load
 
 SMALL_BYTES = 5_000
@@ -33,7 +40,12 @@ SMALL_BYTES = 5_000
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="timed passes over the corpus")
+    parser.add_argument("--quality", action="store_true", help="what compression keeps")
+    parser.add_argument("--show", nargs="*", default=[], help="traces to show, by location")
     args = parser.parse_args()
+    if args.quality:
+        asyncio.run(_quality(args.show))
+        return
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     policy = CompressionConfig()
@@ -67,6 +79,50 @@ def main() -> None:
         f"{len(small) / elapsed:,.0f} traces/s on one core"
     )
     print("reproduce: python bench/compress.py --rounds", args.rounds)
+
+
+async def _quality(show: list[str]) -> None:
+    traces = quality.corpus()
+    figures = await quality.measure(traces)
+    for what, value in figures.summary().items():
+        print(f"{what:>22}: {value}")
+    print(f"{'skipped by reason':>22}: {dict(sorted(figures.skipped.items()))}")
+    worst = sorted(figures.checks, key=lambda c: c.facts_backed - c.facts)[:3]
+    for c in worst:
+        print(f"  least backed: {c.location}: {c.facts_backed}/{c.facts}")
+    policy, max_trace_tokens = quality.example_policy()
+    for location, trace in traces:
+        if not any(location.endswith(name) for name in show):
+            continue
+        total = count_parts(trace.text_parts())
+        result = await compress(trace, total, policy, forced=total > max_trace_tokens)
+        print(f"\n== {location}: {total} tokens ->", getattr(result, "tokens_after", result))
+        print("before:", _steps(trace))
+        if isinstance(result, Compressed):
+            print("after: ", _steps(result.trace))
+            print("record:", {k: v for k, v in result.record().items() if k != "removed_steps"})
+
+
+def _steps(trace: Trace) -> str:
+    """One letter per step: S system, U user, A assistant message, T thought, C call
+    (with its tool), R result (e: elided, r: a reference), F final, Σ summary."""
+    out = []
+    for step in trace.steps:
+        content = step.content or ""
+        if step.type is StepType.ACTION:
+            out.append(f"C:{step.tool}")
+        elif step.type is StepType.OBSERVATION:
+            out.append("Re" if "output elided" in content or "tokens cut" in content
+                       else "Rr" if content.startswith("[output ") else "R")
+        elif step.type is StepType.THOUGHT:
+            out.append("T")
+        elif step.type is StepType.FINAL:
+            out.append("F")
+        elif content.startswith("[CONTEXT SUMMARY]"):
+            out.append("Σ")
+        else:
+            out.append({"system": "S", "assistant": "A"}.get(step.role or "", "U"))
+    return " ".join(out)
 
 
 async def _compress_all(corpus: list[tuple[Trace, int]], policy: CompressionConfig) -> list[object]:

@@ -306,3 +306,49 @@ def test_runs_need_the_admin_scope(secured: tuple[InProcessHub, dict[str, str]])
         assert r.status_code == 403 and r.json()["error"]["code"] == "runs_disabled"
         doc = client.get("/openapi.json").json()
     assert doc["paths"]["/v1/runs"]["post"]["security"] == [{"bearerAuth": ["admin"]}]
+
+
+@pytest.mark.process
+def test_a_host_header_that_names_another_site_is_refused(
+    start_hub_process: Any, trace_server: dict[str, Any]
+) -> None:
+    """DNS rebinding: a page of attacker.example re-points its name at 127.0.0.1 and its
+    scripts reach a hub bound there as their own origin, with Host: attacker.example.
+    Answered are the names of this hub only."""
+    hub = start_hub_process({**trace_server, "allowed_hosts": ["hub.example", "*.lab.example"]},
+                            "--no-workers")
+    port = hub.url.rsplit(":", 1)[1]
+    with httpx.Client(base_url=hub.url) as client:
+        for host in ("attacker.example", f"attacker.example:{port}", "hub.example.evil",
+                     "localhost.attacker.example", "lab.example"):
+            for method, path in (("GET", "/v1/stats"), ("POST", "/scored_data"),
+                                 ("GET", "/ui"), ("GET", "/healthz")):
+                r = client.request(method, path, headers={"Host": host}, json={})
+                assert r.status_code == 400, (host, path, r.text)
+                error = r.json()["error"]
+                assert error["code"] == "unknown_host" and error["field"] == "Host"
+                assert "trace_server.allowed_hosts" in error["message"]
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "[::1]", "hub.example",
+                     f"HUB.example:{port}", "a.lab.example", "app.localhost"):
+            r = client.get("/v1/stats", headers={"Host": host})
+            assert r.status_code == 200, (host, r.text)
+
+
+@pytest.mark.process
+def test_runs_without_auth_need_saying_so(
+    start_hub_process: Any, trace_server: dict[str, Any], tmp_path: Path
+) -> None:
+    """With auth off and runs.enabled, anyone who reached the port started processes,
+    and nothing said so at start."""
+    from tests.support.hubs import write_config
+
+    config = write_config(tmp_path, trace_server, runs={"enabled": True})
+    refused = run_cli("serve", "--config", str(config))
+    assert refused.returncode == 2
+    assert "runs.enabled" in refused.stderr and "runs.allow_without_auth" in refused.stderr
+    assert "Trace server listening" not in refused.stderr
+    hub = start_hub_process(trace_server, "--no-workers",
+                            runs={"enabled": True, "allow_without_auth": True})
+    hub.wait_for_log("anyone who reaches port")
+    hub = start_hub_process(trace_server, "--no-workers", runs={"enabled": True}, auth=AUTH)
+    assert "runs.allow_without_auth" not in hub.log

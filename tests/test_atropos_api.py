@@ -11,13 +11,23 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
-from tests.support.databases import PG_ADMIN_URL, create_pg_database, drop_pg_database, make_api_key
+from app.atropos.tables import ATROPOS_BATCHES, AtroposBatchState
+from app.db.types import utcnow
+from tests.support.databases import (
+    PG_ADMIN_URL,
+    create_pg_database,
+    db_execute,
+    drop_pg_database,
+    make_api_key,
+)
 from tests.support.hubs import InProcessHub, write_config
 from tests.support.processes import HubProcess, run_cli
 from tests.support.waiting import wait_until
@@ -412,6 +422,28 @@ def test_ack_lease_and_redelivery(start_hub_process: Any, trace_server: dict[str
     client.close()
 
 
+def test_a_backward_clock_step_holds_a_leased_batch_no_longer_than_its_lease(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    """A batch leased, then the clock stepped back ten minutes (its stored deadline is ten
+    minutes further off than the lease lasts): served again after the lease, not after
+    the step."""
+    hub = start_hub(trace_server, atropos={"ack_timeout_seconds": 1})
+    with hub.client() as client:
+        register(client, batch_size=2)
+        start(client)
+        sent = group(2)
+        post(client, sent)
+        leased = client.get("/batch", params={"ack": 1}).json()
+        assert [marker(g) for g in leased["batch"]] == [marker(sent)]
+        db_execute(trace_server, sa.update(ATROPOS_BATCHES)
+                   .where(ATROPOS_BATCHES.c.state == AtroposBatchState.LEASED)
+                   .values(lease_expires_at=utcnow() + timedelta(minutes=10)))
+        assert batch_markers(client) is None  # still leased
+        assert wait_until(lambda: batch_markers(client), timeout=15,
+                          what="the batch served again") == [marker(sent)]
+
+
 # --- limits ---------------------------------------------------------------------------
 
 
@@ -458,7 +490,8 @@ def test_gzip_in_and_out(api: httpx.Client) -> None:
         headers={"content-encoding": "gzip", "content-type": "application/json"},
     )
     assert r.json() == {"status": "received"}
-    r = api.post("/scored_data", content=b"not gzip", headers={"content-encoding": "gzip"})
+    r = api.post("/scored_data", content=b"not gzip",
+                 headers={"content-encoding": "gzip", "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_gzip"
     r = api.get("/latest_example", headers={"accept-encoding": "gzip"})
     assert r.headers["content-encoding"] == "gzip" and r.json()["tokens"] == big["tokens"]
@@ -492,7 +525,8 @@ def test_bad_input_gets_4xx(api: httpx.Client) -> None:
         json={"max_token_length": 1, "desired_name": "a\x00", "weight": 1, "group_size": 1},
     )
     assert r.status_code == 422 and r.json()["error"]["field"] == "desired_name"
-    assert api.post("/scored_data", content=b"{").status_code == 422
+    assert api.post("/scored_data", content=b"{",
+                    headers={"content-type": "application/json"}).status_code == 422
 
 
 def test_nan_and_infinity_are_refused(api: httpx.Client) -> None:
@@ -522,10 +556,12 @@ def test_nan_and_infinity_are_refused(api: httpx.Client) -> None:
 def test_with_auth_on_reset_takes_an_admin_key_and_the_rest_stays_open(
     tmp_path: Path,
 ) -> None:
-    """atroposlib clients send no key: with auth.enabled only /reset_data, the one path
-    that destroys, asks for one, an API key with the admin scope like /v1/runs."""
+    """atroposlib clients send no key: with auth.enabled and atropos.require_key turned
+    off, only /reset_data, the one path that destroys, asks for one, an API key with the
+    admin scope like /v1/runs."""
     trace_server = {"db_path": str(tmp_path / "hub.db")}
-    hub = InProcessHub(write_config(tmp_path, trace_server, auth={"enabled": True})).start()
+    hub = InProcessHub(write_config(tmp_path, trace_server, auth={"enabled": True},
+                                    atropos={"require_key": False})).start()
     ingest_key = make_api_key(trace_server, "ingest")
     admin_key = make_api_key(trace_server, "admin")
     try:
@@ -746,3 +782,51 @@ def test_two_hubs_on_one_database_serve_each_group_once(
             served.extend(batch)
         assert client.get("/status").json()["current_step"] == 40
     assert sorted(served) == sorted(posted)
+
+
+def test_a_web_page_cannot_drive_the_atropos_api(start_hub: Any, trace_server: dict[str, Any]
+                                                 ) -> None:
+    """Any web page can make its visitor's browser POST text/plain or a form to any
+    port, with no CORS preflight: a cross-site page queued a group so. The POSTs take
+    application/json only (what atroposlib sends), 415 otherwise, nothing stored."""
+    hub = start_hub(trace_server, listen=True)
+    with hub.client() as client:
+        register(client)
+        start(client)
+        env_id = register_env(client)["env_id"]
+        g = group(2, env_id)
+        # What <form method=post enctype=...> and fetch(..., {mode: "no-cors"}) send.
+        for media in ("text/plain;charset=UTF-8", "application/x-www-form-urlencoded",
+                      "multipart/form-data; boundary=x", None):
+            headers = {"Content-Type": media} if media else {}
+            for path, body in (("/scored_data", g), ("/scored_data_list", [g]),
+                               ("/register", TRAINER), ("/batch/ack", {"batch_id": "b"}),
+                               ("/disconnect-env", {"env_id": env_id})):
+                r = client.post(path, content=json.dumps(body).encode(), headers=headers)
+                assert r.status_code == 415, (path, media, r.text)
+                assert r.json()["error"]["field"] == "Content-Type"
+        assert client.get("/status").json()["queue_size"] == 0
+        # atroposlib's own way (application/json, gzip from 1 KB) is taken.
+        r = client.post("/scored_data", content=gzip.compress(json.dumps(g).encode()),
+                        headers={"Content-Type": "application/json; charset=utf-8",
+                                 "Content-Encoding": "gzip"})
+        assert r.status_code == 200, r.text
+        assert client.get("/status").json()["queue_size"] == 1
+
+
+def test_with_auth_on_the_atropos_api_takes_keys_by_default(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    """GET /batch changes state (upstream's design): an <img src=.../batch> on any page
+    consumed two batches. With auth.enabled, atropos.require_key is on unless turned
+    off, so a request without a key takes nothing."""
+    hub = start_hub(trace_server, listen=True, auth={"enabled": True})
+    trainer = {"Authorization": f"Bearer {make_api_key(trace_server, 'train')}"}
+    with hub.client() as client:
+        assert client.post("/register", json=TRAINER).status_code == 401
+        assert client.post("/register", json=TRAINER, headers=trainer).status_code == 200
+        # What a browser sends for an <img>: no key.
+        r = client.get("/batch", headers={"Accept": "image/avif,image/webp,*/*"})
+        assert r.status_code == 401 and r.json()["error"]["field"] == "Authorization"
+        assert client.get("/batch", headers=trainer).status_code == 200
+    assert "atropos.require_key is off" not in hub.log

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from app.compression import Compressed, ModelSummarizer, Skipped, compress
+from app.compression import Compressed, ModelSummarizer, Skipped, compress, extract
 from app.compression.invariants import (
     CALL_WITHOUT_RESULT,
     EMPTY_ASSISTANT_TURN,
@@ -32,12 +32,7 @@ DEFAULT = CompressionConfig()
 # Tighter than the defaults, so that many more of the corpus' traces are compressed,
 # and harder: the passes that remove whole steps run on most of them.
 TIGHT = CompressionConfig(ratio=0.1, min_tokens_after=200, max_tokens_after=4000)
-CUT_SYSTEM = CompressionConfig(
-    ratio=0.1, min_tokens_after=200,
-    drop_fields=["intermediate_thoughts", "repeated_observations", "redundant_tool_outputs",
-                 "system_prompt"],
-)
-EXTRACT = {"default": DEFAULT, "tight": TIGHT, "system_prompt_dropped": CUT_SYSTEM}
+EXTRACT = {"default": DEFAULT, "tight": TIGHT}
 SUMMARIZE = {
     "default": CompressionConfig(strategy="summarize_middle"),
     "tight": TIGHT.model_copy(update={"strategy": "summarize_middle",
@@ -89,10 +84,9 @@ async def test_key_decision_extract_keeps_every_invariant_on_the_real_corpus(
     assert broken == {}
     assert len(done) >= 150
     removed = Counter(kind for result in done for kind in result.removed)
-    # Each pass that removes whole steps ran somewhere, so each was checked.
-    assert removed["exploration_steps"] > 20 and removed["intermediate_thoughts"] > 20
-    if "system_prompt" in policy.drop_fields:
-        assert removed["system_prompt"] > 0
+    # Each pass ran somewhere, so each was checked.
+    assert removed["intermediate_thoughts"] > 20 and removed["redundant_tool_outputs"] > 20
+    assert removed["repeated_calls"] > 0 and removed["repeat_counts"] > 0
 
 
 @pytest.mark.parametrize("policy", SUMMARIZE.values(), ids=SUMMARIZE.keys())
@@ -127,17 +121,25 @@ async def test_the_tau_bench_conversation_stays_a_conversation(
 async def test_the_guard_keeps_the_trace_whole_when_a_strategy_breaks_it(
     corpus: list[tuple[str, Trace]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without the ledger's conversation check, the corpus breaks; compress() then keeps
-    those traces whole instead of returning them broken."""
-    monkeypatch.setattr(Ledger, "can_drop", lambda self, indices: True)
-    monkeypatch.setattr(Ledger, "_keeps_conversation", lambda self, group, replacement=None: True)
+    """A pass that drops what it may not (here: thoughts and user turns alike, without
+    the ledger's conversation check) is caught: compress() keeps those traces whole
+    instead of returning them broken."""
+    def drop_messages_too(ledger: Ledger, protected: set[int], budget: object) -> None:
+        for i, step in enumerate(ledger.steps):
+            if step is not None and step.type in (StepType.THOUGHT, StepType.MESSAGE) \
+                    and step.role != "system" and i not in protected:
+                ledger._set(i, None, 0)
+                ledger._note("intermediate_thoughts", i)
+
+    monkeypatch.setattr(extract, "_drop_thoughts", drop_messages_too)
     kept_whole = []
     for _, trace in corpus:
         result = await compress(trace, count_parts(trace.text_parts()), TIGHT)
         if isinstance(result, Skipped) and "would break" in result.reason:
+            assert result.kind == "unsafe"
             kept_whole.append(result.reason)
     assert len(kept_whole) >= 3
-    assert any(TWO_USER_TURNS in reason for reason in kept_whole)
+    assert any("(message) changed as intermediate_thoughts" in r for r in kept_whole)
 
 
 # --- the checker, fault by fault ------------------------------------------------------
@@ -178,22 +180,36 @@ def test_violations_catch_what_the_issue_saw() -> None:
 
     # The question dropped, its answer kept: two user turns (task, answer) and a split pair.
     no_question = _record(original.model_copy(update={"steps": [steps[0], *steps[2:]]}),
-                          {"exploration_steps": [1]})
+                          {"intermediate_thoughts": [1]})
     found = violations(original, no_question, DEFAULT)
     assert any(TWO_USER_TURNS in f for f in found)
     assert any("a question and its answer" in f for f in found)
+    assert "step 1 (message) changed as intermediate_thoughts" in found
 
-    cut = steps[0].model_copy(update={"content": "policy [... 40 tokens cut ...]"})
+    cut = steps[0].model_copy(update={"content": "policy [… 40 tokens of output elided …]"})
     short_system = _record(original.model_copy(update={"steps": [cut, *steps[1:]]}),
-                           {"system_prompt": [0]})
-    assert violations(original, short_system, DEFAULT) == ["the system prompt changed"]
-    assert violations(original, short_system, CUT_SYSTEM) == []
+                           {"redundant_tool_outputs": [0]})
+    assert violations(original, short_system, DEFAULT) == [
+        "the system prompt changed", "step 0 (message) changed as redundant_tool_outputs"]
+
+    # The issue's case: a call and its result gone, as if exploration.
+    no_call = _record(original.model_copy(update={"steps": steps[:3] + steps[5:]}),
+                      {"intermediate_thoughts": [3, 4]})
+    assert violations(original, no_call, DEFAULT) == [
+        "step 3 (action) changed as intermediate_thoughts",
+        "step 4 (observation) changed as intermediate_thoughts"]
 
     unlisted = _record(original.model_copy(update={"steps": steps[:3] + steps[5:]}), {})
     assert any("the record lists 0 removed" in f for f in violations(original, unlisted, DEFAULT))
 
     answer = steps[5].model_copy(update={"content": "Book"})
     changed = _record(original.model_copy(update={"steps": [*steps[:5], answer]}),
-                      {"long_messages": [5]})
-    assert violations(original, changed, DEFAULT) == ["the final answer changed"]
+                      {"redundant_tool_outputs": [5]})
+    assert violations(original, changed, DEFAULT)[0] == "the final answer changed"
+
+    user = steps[2].model_copy(update={"content": "mia"})
+    altered = _record(original.model_copy(update={"steps": [*steps[:2], user, *steps[3:]]}),
+                      {"redundant_tool_outputs": [2]})
+    assert violations(original, altered, DEFAULT) == [
+        "step 2 (message) changed as redundant_tool_outputs"]
 

@@ -79,7 +79,8 @@ def test_long_real_traces_are_compressed_and_short_ones_skipped(
             info = record["compression"]
             assert info["strategy"] == "key_decision_extract"
             assert record["compressed_tokens"] == info["tokens_after"]
-            assert record["total_tokens"] >= 3 * record["compressed_tokens"]
+            # Every call and its result kept, these runs still come to under half.
+            assert record["total_tokens"] >= 2 * record["compressed_tokens"]
             assert 500 <= record["compressed_tokens"] <= 8000 or info["over_limit"]
             view = client.get(f"/v1/traces/{trace_id}", params={"view": "compressed"}).json()
             compressed = view["trace"]
@@ -89,12 +90,17 @@ def test_long_real_traces_are_compressed_and_short_ones_skipped(
             errors = [s for s in original["steps"] if s.get("error")]
             kept = [s for s in compressed["steps"] if s.get("error")]
             assert len(kept) == len(errors)
+            # (An exact repeat collapses into the first: distinct calls all stay.)
+            def calls(trace: dict[str, Any]) -> set[str]:
+                return {json.dumps([s.get("tool"), s.get("arguments")], sort_keys=True)
+                        for s in trace["steps"] if s["type"] == "action"}
+            assert calls(compressed) == calls(original)
 
         assert records["short"]["stage"] == "compression_skipped"
         assert "min_tokens_after" in records["short"]["compression"]["skipped"]
         stats = client.get("/v1/stats").json()["compression"]
         assert stats["compressed"] == len(long_ids) and stats["skipped"] == 1
-        assert 0 < stats["mean_ratio"] <= 1 / 3
+        assert 0 < stats["mean_ratio"] <= 1 / 2
     # The per-trace "compression skipped" line is DEBUG: not in the INFO log.
     assert "compression skipped: trace short" not in hub.log
 
@@ -318,3 +324,50 @@ def test_a_model_slower_than_the_lease_summarizes_each_trace_once(
     finally:
         for worker in workers:
             worker.kill()
+
+
+def test_an_empty_or_growing_summary_fails_the_trace_under_retry(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
+    model_root: str, monkeypatch: Any,
+) -> None:
+    """An empty summary fell back to key_decision_extract, and a summary that made the
+    trace larger was delivered. Under on_model_failure `retry` both are the model
+    failing: retried, then compression_failed with what was wrong; nothing compressed."""
+    fake_model.reply = lambda body: ""
+    hub = start_hub(trace_server, *summarizing(tmp_path, model_root, monkeypatch,
+                                               retry=FAST_RETRY),
+                    environment=ACCEPT_ALL, distributor=NO_BATCHES)
+    with hub.client() as client:
+        assert client.post("/v1/traces", json=long_trace("empty", steps=12)).status_code == 202
+        empty = wait_until_done(client, ["empty"])["empty"]
+        fake_model.reply = lambda body: "[CONTEXT SUMMARY]: " + "garbage " * 5000
+        assert client.post("/v1/traces", json=long_trace("growing", steps=12)).status_code == 202
+        growing = wait_until_done(client, ["growing"])["growing"]
+        stats = client.get("/v1/stats").json()["compression"]
+    assert (empty["stage"], growing["stage"]) == ("compression_failed", "compression_failed")
+    assert "SummaryRefused: the summary model returned an empty summary" in empty["stage_error"]
+    assert "makes the trace no shorter" in growing["stage_error"]
+    assert len(fake_model.chats()) == 6  # three attempts each
+    assert (stats["compressed"], stats["fallbacks"], stats["failed"]) == (0, 0, 2)
+
+
+def test_the_periodic_summary_says_compression_skipped_with_the_reasons(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
+) -> None:
+    """Seed 002 tells users to look for `compression skipped` in the log; per-trace lines
+    are DEBUG, so the INFO summary says it, with how many and why."""
+    hub = start_hub(trace_server | {"log_summary_seconds": 0.3},
+                    "--compression", compression_file(tmp_path),
+                    environment=ACCEPT_ALL, distributor=NO_BATCHES)
+    with hub.client() as client:
+        for n in range(3):
+            assert client.post("/v1/traces", json=native_trace(trace_id=f"s-{n}")).status_code == 202
+        wait_until_done(client, [f"s-{n}" for n in range(3)])
+    def skipped() -> int:
+        """The traces the INFO summary lines say were skipped as small."""
+        lines = [line for line in hub.lines
+                 if " INFO atropos.summary: " in line and " compression skipped (" in line]
+        return sum(int(line.split(" compression skipped (small ")[1].split(")")[0])
+                   for line in lines)
+
+    wait_until(lambda: skipped() == 3, timeout=10, what="3 skips in the summary lines")

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +150,53 @@ def test_unknown_batch_is_a_json_404(hub: InProcessHub) -> None:
         r = client.get("/v1/batches/nope")
         assert r.status_code == 404 and r.json()["error"]["field"] == "batch_id"
         assert client.get("/v1/batches?state=bogus").status_code == 422
+
+
+def _write_under_a_file_size_limit(out: str, limit: int) -> str:
+    """In a process of its own: the jsonl target writes a batch larger than the files
+    it may write (RLIMIT_FSIZE: the kernel fails the write part-way, as on a full
+    disk); returns the error it raised."""
+    import resource
+
+    from app.formats import parse
+    from app.targets.base import Batch, BatchItem
+    from app.targets.jsonl import JsonlTarget
+
+    trace = parse({"messages": [{"role": "user", "content": "x" * 4 * limit},
+                                {"role": "assistant", "content": "done"}]})
+    batch = Batch("b-full", utcnow(), 1, [BatchItem("t-1", 1.0, trace, False)], {})
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    try:
+        asyncio.run(JsonlTarget(out, "openai").deliver(batch, lambda _: asyncio.sleep(0)))
+    except OSError as exc:
+        return type(exc).__name__
+    return "written"
+
+
+def test_a_failed_batch_file_write_leaves_no_temporary_file(tmp_path: Path) -> None:
+    out = tmp_path / "batches"
+    out.mkdir()
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        for _ in range(3):  # each attempt as the delivery stage retries it
+            assert pool.apply(_write_under_a_file_size_limit, (str(out), 64 * 1024)) != "written"
+    assert sorted(p.name for p in out.iterdir()) == []
+
+
+def test_stale_temporary_batch_files_are_swept_at_start(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
+) -> None:
+    """A worker killed mid-write left a partial batch: gone when the hub starts; one
+    being written now (by another process sharing the directory) is left alone, and so
+    is anything that is not a temporary batch file."""
+    out = tmp_path / "batches"
+    out.mkdir()
+    stale = out / ".b-1.jsonl.0123456789abcdef.tmp"
+    fresh = out / ".b-2.jsonl.fedcba9876543210.tmp"
+    mine = out / "notes.tmp"
+    for path in (stale, fresh, mine):
+        path.write_bytes(b'{"partial": ')
+    hours_ago = time.time() - 2 * 3600
+    for path in (stale, mine):
+        os.utime(path, (hours_ago, hours_ago))
+    start_hub(trace_server, distributor=distributor(tmp_path))
+    assert sorted(p.name for p in out.iterdir()) == sorted([fresh.name, mine.name])

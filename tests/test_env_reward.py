@@ -192,3 +192,67 @@ def test_rescore_fills_env_reward_and_undoes_inferred_statuses(
     # Nothing to read again: the reported failure stays, with no env_reward.
     assert (plain["status"], plain["env_reward"], plain["reward"]) == ("failure", None, 0.0)
     assert run("rescore", "--config", str(config)).stdout.startswith("nothing to rescore")
+
+
+# --- rewards out of range ---------------------------------------------------------------
+
+
+def test_non_finite_and_absurd_rewards_are_refused_naming_the_field(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    hub = start_hub(trace_server, "--no-workers")
+    with hub.client() as client:
+        for sent, field in ((1e308, "reward"), (-2e6, "reward"), (6e4, "reward")):
+            # 1e308 is a finite float, 20 x 1e308 is not; 6e4 x 20 is past 1e6.
+            r = client.post("/v1/traces", json={**EXAMPLE, "reward": sent})
+            assert r.status_code == 422, (sent, r.text)
+            assert r.json()["error"]["field"] == field
+            assert "out of range" in r.json()["error"]["message"]
+        r = client.post("/v1/traces", content=b'{"messages": [{"role": "user", "content": "a"},'
+                        b'{"role": "assistant", "content": "b"}], "reward": 1e400}',
+                        headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "infinity" in r.text
+        assert post(client, {**EXAMPLE, "reward": 5e4 / 20})["reward"] == 5e4
+        assert client.get("/v1/stats").json()["traces"] == 1
+
+
+def test_a_review_override_is_bounded(start_hub: Any, trace_server: dict[str, Any]) -> None:
+    hub = start_hub(trace_server, "--no-workers")
+    with hub.client() as client:
+        post(client, {**EXAMPLE, "trace_id": "r"})
+        for reward in (1e7, -1e300):
+            r = client.post("/v1/traces/r/review", json={"label": "good", "reward": reward})
+            assert r.status_code == 422 and "reward" in r.text
+        r = client.post("/v1/traces/r/review", json={"label": "good", "reward": 1e6})
+        assert r.status_code == 200, r.text
+        assert client.get("/v1/traces/r").json()["reward"] == 1e6
+
+
+def test_extreme_and_infinite_stored_rewards_keep_ui_and_stats_small_and_200(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    """The widest rewards the hub takes, and rows stored before rewards were bounded
+    holding infinity: every page answers, and the histogram has a fixed number of bars
+    (it drew each empty 5-point bucket between the lowest reward and the highest)."""
+    hub = start_hub(trace_server, "--no-workers")
+    with hub.client() as client:
+        for tid, reward in (("low", -1e6 / 20), ("high", 1e6 / 20), ("inf", 1.0),
+                            ("minus-inf", 1.0)):
+            post(client, {**EXAMPLE, "trace_id": tid, "reward": reward})
+        for tid, value in (("inf", "inf"), ("minus-inf", "-inf")):
+            db_execute(trace_server, sa.update(TRACES).where(TRACES.c.trace_id == tid)
+                       .values(reward=float(value), env_reward=float(value)))
+        stats = client.get("/v1/stats")
+        assert stats.status_code == 200, stats.text
+        buckets = stats.json()["reward_histogram"]
+        assert sum(b["traces"] for b in buckets) == 2  # the infinite ones are in none
+        page = client.get("/ui")
+        assert page.status_code == 200
+        assert len(page.content) < 200_000
+        assert page.text.count(" to ") <= 40  # the histogram's bar labels, and few others
+        assert "-1e+06 to" in page.text
+        for tid in ("inf", "minus-inf", "high"):
+            assert client.get(f"/v1/traces/{tid}").status_code == 200
+            assert client.get(f"/ui/traces/{tid}").status_code == 200
+        assert client.get("/ui/traces", params={"sort": "-reward"}).status_code == 200
+        assert client.get("/v1/traces", params={"sort": "-reward"}).status_code == 200

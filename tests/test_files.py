@@ -51,7 +51,7 @@ def test_every_file_the_hub_creates_is_private(
         tmp_path, trace_server,
         distributor={"target": "jsonl", "output_dir": str(data / "batches"), "batch_size": 1,
                      "min_reward_threshold": -1000},
-        runs={"enabled": True, "logs_dir": str(data / "logs")},
+        runs={"enabled": True, "logs_dir": str(data / "logs"), "allow_without_auth": True},
     )
     hub = HubProcess(config).start()
     try:

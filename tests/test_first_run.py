@@ -5,6 +5,7 @@ created, Ctrl-C while `serve` starts, and what `atropos import` says and stores.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -62,6 +63,21 @@ def test_help_and_version_do_not_import_the_hub(args: list[str]) -> None:
         assert done.stdout.startswith("atropos-hub "), done.stdout
     else:
         assert "example:" in done.stdout
+
+
+def test_help_lists_every_command_a_module_declares() -> None:
+    """`atropos --help` lists the commands from a table, without importing them: the
+    table holds every command the modules declare, each in its own module."""
+    from app.cli.main import build_parser
+    from app.cli.options import COMMANDS
+
+    def names(parser: argparse.ArgumentParser) -> set[str]:
+        [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        return set(sub.choices)
+
+    assert names(build_parser()) == names(build_parser(["--help"])) == set(COMMANDS)
+    for name, (module, _) in COMMANDS.items():
+        assert name in names(build_parser([name])), (name, module)
 
 
 def test_config_files_are_found_where_a_user_keeps_them(tmp_path: Path) -> None:

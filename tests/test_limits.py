@@ -4,6 +4,7 @@ is stored, and the good items of a batch still are."""
 from __future__ import annotations
 
 import gzip
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -184,3 +185,47 @@ def test_check_item_before_parsing() -> None:
     # Deeper than Python's recursion limit: still just a refusal.
     with pytest.raises(Invalid):
         check_item(nested(5000), limits)
+
+
+MIB = 1024 * 1024
+
+
+def test_bodies_in_flight_are_bounded_across_requests(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    """A 134 KB gzip body cost ~90 MB and 16 at once 1.4 GB: each request was bounded,
+    their sum was not. While another body holds the budget, a gzip body that would
+    inflate past it gets 503 with Retry-After, as soon as it passes it; alone, it is
+    read (and refused for what it holds)."""
+    limits = {"max_body_bytes": 8 * MIB, "max_body_bytes_in_flight": 4 * MIB}
+    hub = start_hub(trace_server, "--no-workers", listen=True, limits=limits)
+    host, port = hub.url.removeprefix("http://").rsplit(":", 1)
+    bomb = gzip.compress(b'{"task": "' + b"y" * (7 * MIB) + b'"}')
+    assert len(bomb) < 64 * 1024
+    headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    with socket.create_connection((host, int(port))) as held, hub.client() as client:
+        # A slow client's body, 3 MiB of it in and the rest to come.
+        start = b'{"task": "' + b"x" * (3 * MIB)
+        held.sendall(
+            f"POST /v1/traces HTTP/1.1\r\nHost: {host}:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(start) + 2}\r\n\r\n"
+            .encode() + start)
+
+        def refused() -> httpx.Response | None:
+            r = client.post("/v1/traces", content=bomb, headers=headers)
+            # Refused for what it holds until the 3 MiB are read.
+            assert r.status_code in (413, 422, 503), r.text
+            return r if r.status_code == 503 else None
+
+        r = wait_until(refused, what="the bomb refused while the slow body is held")
+        error = r.json()["error"]
+        assert error["field"] == "limits.max_body_bytes_in_flight"
+        assert error["code"] == "overloaded" and r.headers["retry-after"] == "2"
+
+        held.sendall(b'"}')  # the slow body ends: it is answered, not refused for load
+        status_line = held.recv(4096).split(b"\r\n", 1)[0]
+        assert status_line.split()[1] in (b"413", b"422"), status_line  # for what it holds
+        # Given back: the bomb alone is read to its end again.
+        r = client.post("/v1/traces", content=bomb, headers=headers)
+        assert r.status_code in (413, 422), r.text
+        assert client.get("/v1/stats").json()["traces"] == 0

@@ -384,6 +384,44 @@ def test_a_span_after_assembly_scores_the_trajectory_again(otlp_hub: InProcessHu
         assert [t["trace_id"] for t in found] == [tid]  # its search text, written again
 
 
+def test_a_review_survives_the_trajectory_assembled_again(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Any
+) -> None:
+    """A run below the threshold, its reward overridden by a reviewer (still below); a
+    late span carries a verdict that scores it far above: assembled and scored again,
+    the review stands whole, its reward is still the trace's, and it is not batched."""
+    # A review wakes no stage: the distributor judges it again within the flush interval.
+    hub = start_hub({**trace_server, "flush_interval_seconds": 1}, otlp=QUIET, distributor={
+        "target": "jsonl", "batch_size": 1, "min_reward_threshold": 5,
+        "output_dir": str(tmp_path / "batches")})
+    tid = trace_id()
+    spans = weather_run(tid)
+    review = {"label": "good", "note": "the tool answer was made up", "reward": 3.0}
+    judged = ("below_threshold", "batched", "delivered")
+
+    def settled(spans: int) -> Any:
+        r = client.get(f"/v1/traces/{tid}").json()
+        return r.get("stage") in judged and r["trace"]["metadata"]["spans"] == spans and r
+
+    with hub.client() as client:
+        assert client.post("/v1/traces", json=document(spans)).status_code == 200
+        assert trajectory(client, tid)["reward"] == 0
+        wait_until(lambda: settled(4), what="the run judged below the threshold")
+        assert client.post(f"/v1/traces/{tid}/review", json=review).status_code == 200
+        reviewed = wait_until(lambda: settled(4), what="the reviewed run judged again")
+        verdict = span(tid, "evaluate", 400, {"atropos.outcome.status": "success",
+                                              "atropos.reward": 1.0},
+                       parent=spans[0]["spanId"])
+        assert client.post("/v1/traces", json=document([verdict])).status_code == 200
+        again = wait_until(lambda: settled(5), what="the run assembled and judged again")
+        assert again["status"] == "success"
+        assert again["reward_breakdown"]["env_reward"]["points"] == 20
+        assert (again["stage"], again["reward"]) == ("below_threshold", 3.0)
+        assert again["review"] == reviewed["review"]
+        assert {k: again["review"][k] for k in review} == review
+        assert client.get("/v1/batches").json()["batches"] == []
+
+
 def test_a_span_after_batching_is_kept_and_counted_late(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Any
 ) -> None:
@@ -406,6 +444,39 @@ def test_a_span_after_batching_is_kept_and_counted_late(
         assert after["trace"] == before["trace"] and after["reward"] == before["reward"]
         assert otlp_stats(client)["spans"] == 5
         assert staged(trace_server, tid) == [late["spanId"]]  # kept
+
+
+def test_a_trajectory_past_the_per_trace_bounds_is_made_of_its_first_spans_and_marked(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    """otlp.max_spans_per_trace and otlp.max_bytes_per_trace: the first spans by start
+    time make the trajectory, which says how many were left out; several such traces
+    due at once are read a few at a time (what a pass holds is bounded too), and each
+    is made."""
+    hub = start_hub(trace_server, otlp={**QUIET, "max_spans_per_trace": 3})
+    tid = trace_id()
+    with hub.client() as client:
+        assert client.post("/v1/traces", json=document(weather_run(tid))).status_code == 200
+        record = trajectory(client, tid)
+        truncated = record["trace"]["metadata"]["truncated"]
+        assert truncated["spans_left_out"] == 1
+        assert "otlp.max_spans_per_trace (3)" in truncated["reason"]
+        assert record["trace"]["metadata"]["spans"] == 3
+        # The last chat span (the answer) is the one left out; the tool run is there.
+        assert weather_steps(record["trace"])[:2] == WEATHER_STEPS[:2]
+    hub.stop()  # one assembler on the database at a time
+
+    one_span = len(protobuf(document(weather_run(trace_id())[1:2])))
+    hub = start_hub(trace_server, otlp={**QUIET, "max_bytes_per_trace": 3 * one_span})
+    ids = [trace_id() for _ in range(4)]
+    with hub.client() as client:
+        body = document([s for tid in ids for s in weather_run(tid)])
+        assert client.post("/v1/traces", json=body).status_code == 200
+        for tid in ids:
+            metadata = trajectory(client, tid)["trace"]["metadata"]
+            assert metadata["truncated"]["spans_left_out"] >= 1
+            assert "otlp.max_bytes_per_trace" in metadata["truncated"]["reason"]
+        assert otlp_stats(client)["assembled_traces"] == 1 + len(ids)
 
 
 def test_without_a_root_span_it_is_assembled_after_max_wait_as_incomplete(
@@ -442,6 +513,69 @@ def test_spans_without_agent_content_are_refused_and_said_why(
             assert spans_now
         wait_until(lambda: not staged(trace_server, tid), what="the refused spans dropped")
         assert otlp_stats(client)["refused_traces"] == 1
+
+
+def _deep_key_run(tid: str) -> list[dict[str, Any]]:
+    """The weather run with one OpenInference attribute whose key has 20,000 levels."""
+    spans = weather_run(tid)
+    deep = "llm.input_messages.0.message." + "x." * 20_000 + "y"
+    return spans + [span(tid, "llm", 140, {"openinference.span.kind": "LLM", deep: "hi"},
+                         parent=spans[0]["spanId"])]
+
+
+def test_a_key_of_20000_levels_refuses_its_trace_and_assembly_goes_on(
+    otlp_hub: InProcessHub,
+) -> None:
+    bad, good, after = trace_id(), trace_id(), trace_id()
+    with otlp_hub.client() as client:
+        for spans in (_deep_key_run(bad), weather_run(good)):
+            assert client.post("/v1/traces", json=document(spans)).status_code == 200
+        assert weather_steps(trajectory(client, good)["trace"]) == WEATHER_STEPS
+        wait_until(lambda: otlp_stats(client)["refused_traces"] == 1, what="the trace refused")
+        otlp_hub.wait_for_log(f"OTLP trace {bad} makes no trajectory")
+        assert "at most 32 levels; this one has 20003" in otlp_hub.log
+        assert client.get(f"/v1/traces/{bad}").status_code == 404
+        # Assembly keeps up: the next run is taken and made a trajectory.
+        assert client.post("/v1/traces", json=document(weather_run(after))).status_code == 200
+        assert weather_steps(trajectory(client, after)["trace"]) == WEATHER_STEPS
+
+
+def test_a_batch_with_a_key_of_20000_levels_refuses_that_item_alone(
+    otlp_hub: InProcessHub,
+) -> None:
+    good = [trace_id(), trace_id()]
+    body = {"traces": [document(weather_run(good[0])), document(_deep_key_run(trace_id())),
+                       document(weather_run(good[1]))]}
+    with otlp_hub.client() as client:
+        r = client.post("/v1/traces", json=body)
+        assert r.status_code == 207, r.text[:300]
+        first, refused, last = r.json()["results"]
+        assert refused["error"]["code"] == "invalid"
+        assert "at most 32 levels" in refused["error"]["message"]
+        assert first["stage"] == last["stage"] == "accepted"
+        for tid in good:
+            assert weather_steps(client.get(f"/v1/traces/{tid}").json()["trace"]) == WEATHER_STEPS
+
+
+def test_a_nul_in_a_json_valued_attribute_is_stored_as_the_replacement_character(
+    otlp_hub: InProcessHub,
+) -> None:
+    """An agent that printed a binary file: its message, written with json.dumps, holds
+    NUL as the escape \\u0000, which the hub decodes. PostgreSQL's jsonb and text hold
+    no NUL: stored with U+FFFD on both databases, and assembly goes on."""
+    tid, after = trace_id(), trace_id()
+    spans = weather_run(tid)
+    printed = {"role": "tool", "parts": [{"response": "ELF\x00\x01 binary", "id": "call_w1",
+                                          "type": "tool_call_response"}]}
+    spans[3] = chat(tid, 130, [USER, CALLS, printed], [SAYS], parent=spans[0]["spanId"])
+    assert "\\u0000" in json.dumps(printed)
+    with otlp_hub.client() as client:
+        assert client.post("/v1/traces", json=document(spans)).status_code == 200
+        record = trajectory(client, tid)
+        assert record["trace"]["steps"][1]["content"] == "ELF\ufffd\x01 binary"
+        assert client.post("/v1/traces", json=document(weather_run(after))).status_code == 200
+        assert weather_steps(trajectory(client, after)["trace"]) == WEATHER_STEPS
+        assert otlp_stats(client)["refused_traces"] == 0
 
 
 def _megabyte(kind: str, hostile: bool) -> dict[str, Any]:

@@ -63,13 +63,13 @@ ENV_DUMP = (
 ALL_KINDS = {kind: 1 for kind in SECRETS}
 
 
-def leaked(paths: list[Path]) -> dict[str, list[str]]:
+def leaked(paths: list[Path], secrets: dict[str, str] = SECRETS) -> dict[str, list[str]]:
     """Each file under `paths` that holds a secret's bytes, and which."""
     found: dict[str, list[str]] = {}
     for root in paths:
         for path in [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()):
             data = path.read_bytes()
-            hits = [kind for kind, secret in SECRETS.items() if secret.encode() in data]
+            hits = [kind for kind, secret in secrets.items() if secret.encode() in data]
             if hits:
                 found[str(path)] = hits
     return found
@@ -186,15 +186,21 @@ def _group() -> dict[str, Any]:
     }
 
 
-def test_no_path_stores_a_secret(start_hub: Any, tmp_path: Path) -> None:
-    db = tmp_path / "traces.db"
-    trace_server = {"storage_backend": "sqlite", "db_path": str(db)}
+def _batching(tmp_path: Path, batch_size: int) -> tuple[dict[str, Any], Path, dict[str, Any]]:
+    """A SQLite hub's trace_server section, its batch directory and the sections that
+    batch every trace there, `batch_size` at a time."""
+    trace_server = {"storage_backend": "sqlite", "db_path": str(tmp_path / "traces.db")}
     out = tmp_path / "batches"
     sections: dict[str, Any] = {
         "environment": {"invalid_trace_filters": []},
-        "distributor": {"target": "jsonl", "output_dir": str(out), "batch_size": 5,
+        "distributor": {"target": "jsonl", "output_dir": str(out), "batch_size": batch_size,
                         "min_reward_threshold": -1000},
     }
+    return trace_server, out, sections
+
+
+def test_no_path_stores_a_secret(start_hub: Any, tmp_path: Path) -> None:
+    trace_server, out, sections = _batching(tmp_path, 5)
     # atropos import of a file, into the database.
     source = tmp_path / "agent-run.jsonl"
     source.write_text(json.dumps({"messages": [
@@ -267,3 +273,91 @@ def test_counts_per_trace_and_in_stats_on_both_databases(client: Any) -> None:
     plain = client.post("/v1/traces", json=native_trace(metadata={"redactions": {"jwt": 99}}))
     assert plain.status_code == 202, plain.text
     assert client.get("/v1/stats").json()["redactions"] == {**ALL_KINDS, "github_token": 2}
+
+
+# Secrets spelt so that they slipped past: each searched for in every file the hub writes.
+SLIPPED = {
+    "private_key": "MIIEpAIBAAKCAQEA0FakeKeyCutShort0123456789abcdefghijklmnopqrstuvw",
+    "openai_api_key": "sk-proj-FakeEscaped0penAIkey1234567890abcd",
+    "github_token": "ghp_FakeEscaped0123456789abcdefghijklmnop",
+    "slash_password": "FakeP/ss+word42",
+    "at_password": "FakeP@ssword42",
+}
+
+
+def _escaped(secret: str) -> str:
+    """The secret as JSON may spell it: its first character as a \\u escape."""
+    return f"\\u{ord(secret[0]):04x}{secret[1:]}"
+
+
+def test_secrets_spelt_to_slip_past_are_redacted_on_the_way_to_training(
+    start_hub: Any, tmp_path: Path
+) -> None:
+    """A private key cut short inside a Hermes <tool_response> (the tool's JSON output,
+    its line breaks escaped), secrets \\u-escaped in JSON tool arguments, URL passwords
+    holding `/`, `+` or `@`, and a secret in a span id that does not decode: in no
+    file the hub writes (database, batch files, export), nor its log."""
+    trace_server, out, sections = _batching(tmp_path, 3)
+    key = ("-----BEGIN RSA PRIVATE KEY-----\n" + SLIPPED["private_key"] + "\n"
+           + SLIPPED["private_key"][::-1] + "\n")  # `head -3 id_rsa`: no END line
+    hermes = {"conversations": [
+        {"from": "human", "value": "Show me the deploy key."},
+        {"from": "gpt", "value": '<tool_call>\n{"name": "terminal", "arguments": '
+                                 '{"command": "head -3 ~/.ssh/id_rsa"}}\n</tool_call>'},
+        {"from": "tool", "value": "<tool_response>\n" + json.dumps(
+            {"name": "terminal", "content": {"output": key, "exit_code": 0}})
+            + "\n</tool_response>"},
+        {"from": "gpt", "value": "That is the key."},
+    ]}
+    arguments = ('{"env": {"OPENAI_API_KEY": "' + _escaped(SLIPPED["openai_api_key"])
+                 + '", "token": "' + _escaped(SLIPPED["github_token"]) + '"}}')
+    openai = {"messages": [
+        {"role": "user", "content": "Deploy."},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function",
+            "function": {"name": "deploy", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "deployed"},
+        {"role": "assistant", "content": "Done."},
+    ]}
+    urls = {"messages": [
+        {"role": "user", "content": "Which databases?"},
+        {"role": "assistant", "content": (
+            f"postgresql://app:{SLIPPED['slash_password']}@db.internal/app and "
+            f"redis://:{SLIPPED['at_password']}@cache.internal:6379/0")},
+    ]}
+    hub = start_hub(trace_server, otlp={"quiet_seconds": 0.5}, **sections)
+    with hub.client() as client:
+        for item in (hermes, openai, urls):
+            r = client.post("/v1/traces", json=item)
+            assert r.status_code == 202, r.text
+            record = client.get(f"/v1/traces/{r.json()['trace_id']}").text
+            assert not [k for k, s in SLIPPED.items() if s in record], record
+        stray = document(weather_run(trace_id()))
+        stray["resourceSpans"][0]["scopeSpans"][0]["spans"][1]["spanId"] = SLIPPED[
+            "github_token"]
+        r = client.post("/v1/traces", json=stray)
+        assert r.status_code == 200 and r.json()["partialSuccess"]["rejectedSpans"] == "1"
+        assert "[REDACTED:github_token]" in r.json()["partialSuccess"]["errorMessage"]
+        hub.wait_for_log("spans rejected")
+        assert not [k for k, s in SLIPPED.items() if s in hub.log]
+    wait_until(lambda: (out / "manifest.jsonl").exists(), what="the batch to be written")
+    exported = tmp_path / "export.jsonl"
+    config = write_config(tmp_path, trace_server, **sections)
+    done = run_cli("export", "--config", str(config), "--format", "sharegpt", "-o",
+                   str(exported))
+    assert done.returncode == 0, done.stderr
+    assert "[REDACTED:private_key]" in exported.read_text()
+    written = [p for p in tmp_path.iterdir() if p.name.startswith("traces.db")]
+    assert leaked([*written, out, exported], SLIPPED) == {}
+
+
+def test_a_secret_shaped_trace_id_is_refused_not_merged_with_another(client: Any) -> None:
+    """Redacted, two ids holding different secrets would be one stored id: the second
+    trace answered as the first's duplicate (or 409). Each is refused, naming trace_id."""
+    for token in (SECRETS["github_token"], SECRETS["github_token"][:-1] + "w"):
+        r = client.post("/v1/traces", json={"trace_id": token, "messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["field"] == "trace_id"
+        assert token not in r.text
+    assert client.get("/v1/stats").json()["traces"] == 0

@@ -6,9 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
+
+from app.db.models import BATCHES, MEMBERS, TRACES
+from app.db.types import utcnow
+from tests.support import ROOT
 from tests.support.builders import native_trace
+from tests.support.databases import db_execute
 from tests.support.hubs import write_config
 from tests.support.processes import run_cli
+from tests.support.real_traces import SWE_AGENT, load
+from tests.support.waiting import wait_until
 
 
 def test_rescore_applies_new_rules_and_filters(
@@ -44,3 +52,63 @@ def test_rescore_applies_new_rules_and_filters(
     assert good["reward"] == 100
     assert set(good["reward_breakdown"]) == {"task_success", "env_reward"}
     assert bad["stage"] == "accepted" and bad["reject_reasons"] == []
+
+
+def test_recompress_replaces_old_compressions_and_names_the_batches_that_hold_them(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
+) -> None:
+    """Traces compressed the old way (calls removed) get the current compression; those
+    already batched keep their stage, and the summary names their batches."""
+    [ctf] = [p for p in SWE_AGENT if p.name == "ctf_web_i_got_id_demo.traj"]
+    hub = start_hub(trace_server, environment={"invalid_trace_filters": []},
+                    distributor={"min_reward_threshold": -1e9, "batch_size": 100_000})
+    ids = ["sent", "waiting"]
+    with hub.client() as client:
+        for trace_id in ids:
+            body = load(ctf).model_dump(mode="json", exclude_none=True,
+                                        exclude={"source_format"})
+            assert client.post("/v1/traces", json=body | {"trace_id": trace_id,
+                                                          "format": "native"}).status_code == 202
+        client.post("/v1/traces", json=native_trace(trace_id="short"))
+        wait_until(lambda: all(client.get(f"/v1/traces/{t}").json()["stage"] != "accepted"
+                               for t in [*ids, "short"]), timeout=60, what="compression")
+    hub.stop()
+    # The old way: every call and result gone from the compressed trace.
+    [row] = db_execute(trace_server, sa.select(TRACES.c.compressed).where(
+        TRACES.c.trace_id == "sent"))
+    old = row["compressed"] | {"steps": [s for s in row["compressed"]["steps"]
+                                         if s["type"] not in ("action", "observation")]}
+    for trace_id in ids:
+        db_execute(trace_server, sa.update(TRACES).where(TRACES.c.trace_id == trace_id)
+                   .values(compressed=old))
+    now = utcnow()
+    db_execute(trace_server, sa.insert(BATCHES).values(
+        batch_id="b-old", created_at=now, updated_at=now, size=1, target="jsonl",
+        format="sharegpt", state="delivered"))
+    db_execute(trace_server, sa.insert(MEMBERS).values(trace_id="sent", batch_id="b-old",
+                                                       position=0))
+    db_execute(trace_server, sa.update(TRACES).where(TRACES.c.trace_id == "sent")
+               .values(stage="delivered"))
+
+    config = write_config(tmp_path, trace_server)
+    result = run_cli("recompress", "--config", str(config),
+                     "--compression", str(ROOT / "compression.json.example"))
+    assert result.returncode == 0, result.stderr
+    assert "recompressed: 3 traces read, 2 changed, 1 unchanged" in result.stdout
+    assert "compressed again: 2" in result.stdout
+    assert "batches holding old versions of changed traces (1, traces in each): b-old (1)" \
+        in result.stdout
+    rows = db_execute(trace_server, sa.select(TRACES.c.trace_id, TRACES.c.stage,
+                                              TRACES.c.compressed))
+    stages = {r["trace_id"]: r["stage"] for r in rows}
+    assert stages == {"sent": "delivered", "waiting": "compressed",
+                      "short": "compression_skipped"}
+    original_calls = sum(1 for s in load(ctf).steps if s.type.value == "action")
+    for r in rows:
+        if r["trace_id"] in ids:
+            assert sum(1 for s in r["compressed"]["steps"]
+                       if s["type"] == "action") == original_calls
+    again = run_cli("recompress", "--config", str(config),
+                    "--compression", str(ROOT / "compression.json.example"))
+    assert "3 traces read, 0 changed, 3 unchanged" in again.stdout, again.stdout
+    assert "batches holding old versions of changed traces: none" in again.stdout

@@ -26,6 +26,7 @@ from app.stages.compression import CompressionStage
 from app.stages.leases import Lease, claim, retry_later
 from tests.support.databases import create_pg_database, drop_pg_database
 from tests.support.pipeline import insert_trace, migrated, stages
+from tests.support.waiting import wait_until_async
 
 
 def test_the_default_backoffs() -> None:
@@ -87,6 +88,25 @@ async def test_a_failed_attempt_waits_out_its_backoff_then_gives_up(
         row = await _row(engine)
         assert (row.stage, row.stage_error) == ("compression_failed", "boom 2")
         assert (row.lease_owner, row.lease_expires_at) == (None, None)
+
+
+async def test_a_backward_clock_step_holds_a_lease_no_longer_than_the_lease(
+    trace_server: dict[str, Any],
+) -> None:
+    """A dead worker's lease, taken before the clock stepped back ten minutes: its
+    expiry is ten minutes further off than a lease lasts. Claimable once a lease has
+    passed, not once the clock has caught up."""
+    dead, live = Lease(seconds=1), Lease(seconds=1)
+    async with migrated(trace_server) as engine:
+        await insert_trace(engine, "t-1", Stage.ACCEPTED)
+        async with engine.begin() as conn:
+            await conn.execute(sa.update(TRACES).values(
+                lease_owner=dead.owner, lease_expires_at=utcnow() + timedelta(minutes=10)))
+        assert await _claim(engine, live) == []
+        assert (await _row(engine)).lease_expires_at - utcnow() <= timedelta(seconds=1)
+        claimed = await wait_until_async(lambda: _claim(engine, live), timeout=10,
+                                         what="the lease claimable")
+        assert [r.trace_id for r in claimed] == ["t-1"]
 
 
 async def test_compression_retries_a_failing_trace_then_marks_it_failed(

@@ -4,9 +4,11 @@ and log path, completion, and stopping in reverse order."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pwd
+import sys
 from datetime import datetime
 from pathlib import Path
 
@@ -284,3 +286,36 @@ def test_runs_user_must_exist(runs_env: RunsEnv) -> None:
     result = run_cli("serve", "--config", str(config))
     assert result.returncode == 2
     assert "runs.user: Value error, no user 'no-such-user-here'" in result.stderr
+
+
+@pytest.mark.process
+def test_log_tails_hide_the_model_key_in_base64_too(runs_env: RunsEnv) -> None:
+    """A trainer whose HTTP library logs `Authorization: Basic base64(user:key)`, or
+    that dumps its config base64-encoded: the tail showed the key, encoded."""
+    hub = runs_env.hub()
+    printer = (
+        "import base64, os, sys\n"
+        "key = os.environ['OPENAI_API_KEY'].encode()\n"
+        "for prefix in (b'', b'u', b'ab', b'user:'):\n"
+        "    print('Authorization: Basic', base64.b64encode(prefix + key).decode())\n"
+        "    print('config', base64.urlsafe_b64encode(b'{\"k\": \"' + prefix + key + b'\"}')"
+        ".decode())\n"
+        "print('done', flush=True)\n"
+    )
+    encodings = [
+        base64.b64encode(prefix + runs_env.model_key.encode()).decode()
+        for prefix in (b"", b"u", b"ab", b"user:")
+    ]
+    body = spec(["/bin/sh", "-c", f"{sys.executable} -c \"$0\"; exec sleep 60", printer],
+                trainer_health={"log": "done"})
+    with hub.client() as client:
+        run_id = start(client, body)
+        wait_status(client, run_id, "running")
+        shown = client.get(f"/v1/runs/{run_id}?tail=20").json()["processes"][0]["log_tail"]
+        client.delete(f"/v1/runs/{run_id}")
+    assert len(shown) == 9 and shown[-1] == "done", shown
+    text = "\n".join(shown)
+    assert "[redacted]" in text
+    for encoded in encodings:  # none of the key's characters in base64 survive, at any offset
+        assert encoded[8:-8] not in text, (encoded, text)
+    assert all(line.count("[redacted]") == 1 for line in shown[:-1])

@@ -239,7 +239,13 @@ def test_a_compressed_trace_shows_both_sides(visit: Visit, store: dict[str, Any]
     removed = section.locator(".row-removed")
     assert removed.count() > 0
     expect(removed.first.locator(".original article.step")).to_be_visible()
-    expect(removed.first.locator(".compressed .badge.change-removed")).to_have_text("removed")
+    # What compression did, in words: a dropped thought, an elided output.
+    expect(removed.first.locator(".compressed .badge.change-removed")).to_have_text(
+        "thought dropped")
+    elided = section.locator(".compressed .badge.kind-redundant_tool_outputs")
+    assert elided.count() > 0
+    expect(elided.first).to_have_text(re.compile(r"output elided: [\d,]+ tokens"))
+    expect(section).to_contain_text("tokens of output elided …]")
     kept = section.locator(".row-kept")
     assert kept.count() > 0 and kept.first.locator("article.step").count() == 2
     visit.shot("trace-compressed")
@@ -430,7 +436,7 @@ def test_with_auth_a_page_asks_for_a_key_once(browser: Browser, guarded: HubProc
         page.locator("form.login button").click()
         expect(page).to_have_url(re.compile(r"/ui/traces\?status=timeout$"))
         assert page.locator("tr.trace").count() > 0
-        [cookie] = [c for c in tab.context.cookies() if c["name"] == "atropos_key"]
+        [cookie] = [c for c in tab.context.cookies() if c["name"] == "atropos_session"]
         assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
         assert page.evaluate("document.cookie") == ""  # no script reads either cookie
 
@@ -448,7 +454,7 @@ def test_with_auth_a_page_asks_for_a_key_once(browser: Browser, guarded: HubProc
         page.goto("/ui")
         page.click("text=Log out")
         expect(page).to_have_url(re.compile(r"/ui/login$"))
-        assert [c for c in tab.context.cookies() if c["name"] == "atropos_key"] == []
+        assert [c for c in tab.context.cookies() if c["name"] == "atropos_session"] == []
         page.goto("/ui")
         expect(page).to_have_url(re.compile(r"/ui/login"))
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from datetime import timedelta
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.access.keys import ApiKey, KeyRing, Scope
 from app.access.ratelimit import RateLimiter
+from app.access.sessions import Sessions
 from app.config import AuthConfig
 from app.errors import Forbidden, RateLimited, Unauthorized
 
@@ -32,6 +34,7 @@ class Access:
     def __init__(self, config: AuthConfig, engine: AsyncEngine) -> None:
         self.config = config
         self._keys = KeyRing(engine, config.key_cache_seconds)
+        self.sessions = Sessions(engine, self._keys, timedelta(hours=config.session_hours))
         rate = config.rate_limit_per_second
         self._limiter = RateLimiter(rate, config.rate_limit_burst) if rate else None
         # Auth off and no rate limit: every request is admitted, whatever it presents.
@@ -42,7 +45,31 @@ class Access:
     ) -> Principal:
         """`presented`: the bearer token of the request, if it sent one; `scopes`: any
         one of them admits it."""
-        principal = Principal(await self._authenticate(presented, client), client)
+        return self._admit(Principal(await self._authenticate(presented, client), client),
+                           scopes)
+
+    async def authorize_session(
+        self, session_id: str | None, client: str, scopes: tuple[Scope, ...]
+    ) -> Principal:
+        """As `authorize`, for the dashboard: `session_id` is its cookie's (auth off:
+        ignored). Unauthorized when the session is missing, over, or its key revoked."""
+        key = None
+        if self.config.enabled:
+            key = await self.sessions.find(session_id) if session_id else None
+            if key is None:
+                raise Unauthorized("this dashboard session is over: sign in again")
+        return self._admit(Principal(key, client), scopes)
+
+    async def sign_in(self, presented: str, client: str) -> str:
+        """A dashboard session for the key `presented` (whatever its scopes: each page
+        checks its own); returns the session's id. Unauthorized for a key that is not
+        valid."""
+        key = await self._authenticate(presented, client)
+        self._limit(Principal(key, client))
+        assert key is not None  # sign-in exists only with auth.enabled
+        return await self.sessions.open(key)
+
+    def _admit(self, principal: Principal, scopes: tuple[Scope, ...]) -> Principal:
         self._limit(principal)
         key = principal.key
         if key is not None and not any(key.allows(scope) for scope in scopes):

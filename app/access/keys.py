@@ -161,6 +161,14 @@ class KeyRing:
         matches = hmac.compare_digest(hash_secret(secret), entry.secret_hash)
         return entry.key if matches else None
 
+    async def active(self, key_id: str) -> ApiKey | None:
+        """The key with this id, unless it is unknown or revoked (a dashboard session
+        names its key by id)."""
+        entry = self._cache.get(key_id)
+        if entry is None or entry.until < time.monotonic():
+            entry = await self._load(key_id)
+        return entry.key
+
     async def _load(self, key_id: str) -> _Cached:
         async with self._engine.connect() as conn:
             row = (await conn.execute(sa.select(KEYS).where(KEYS.c.key_id == key_id))).first()

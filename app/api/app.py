@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -13,9 +14,15 @@ from starlette.middleware.cors import CORSMiddleware
 from app.api import atropos, batches, ops, runs, traces, ui
 from app.api.errors import install_error_handlers
 from app.api.http_metrics import RequestMetrics
+from app.api.middleware import BodiesInFlight, HostCheck, PageHeaders
 from app.api.openapi import install_openapi
+from app.config import HubConfig
+from app.errors import ConfigError
 from app.evaluation.environment import Environment
 from app.hub import Settings, running_hub
+from app.ingest.body import BodyBudget
+
+log = logging.getLogger("atropos")
 
 
 def create_app(
@@ -30,6 +37,7 @@ def create_app(
     `engine` may be opened (and migrated) by the caller, else the lifespan opens it;
     `answering`: see `running_hub`."""
     config = settings.config
+    _check_runs_access(config)
     environment = environment or Environment.from_config(config.environment)
 
     @asynccontextmanager
@@ -52,8 +60,9 @@ def create_app(
     )
     install_error_handlers(app, page=ui.error_page)
     app.router.routes.append(traces.ingest_route(config.trace_server.endpoint))
-    app.router.routes.extend(atropos.submission_routes(config.atropos.require_key))
-    app.include_router(atropos.router(config.atropos.require_key))
+    atropos_keys = config.atropos.keys_required(config.auth)
+    app.router.routes.extend(atropos.submission_routes(atropos_keys))
+    app.include_router(atropos.router(atropos_keys))
     app.include_router(traces.router(config.trace_server.endpoint))
     app.include_router(batches.router)
     app.include_router(ops.router)
@@ -70,5 +79,31 @@ def create_app(
             allow_headers=["Authorization", "Content-Type", "Content-Encoding"],
             expose_headers=["Retry-After"],
         )
+    app.add_middleware(PageHeaders)
+    limits = config.limits
+    app.add_middleware(BodiesInFlight, budget=BodyBudget(limits.max_body_bytes_in_flight,
+                                                         limits.retry_after_seconds))
+    ts = config.trace_server
+    app.add_middleware(HostCheck, bind_host=ts.host, allowed=ts.allowed_hosts)
     app.add_middleware(RequestMetrics)  # added last: the outermost, it times the others too
     return app
+
+
+def _check_runs_access(config: HubConfig) -> None:
+    """Training runs start processes on this machine: without auth anyone who reaches
+    the port could, so that takes saying so (runs.allow_without_auth), and is said at
+    start-up."""
+    if not config.runs.enabled or config.auth.enabled:
+        return
+    if not config.runs.allow_without_auth:
+        raise ConfigError(
+            "config.json: runs.enabled: with auth.enabled false anyone who reaches this "
+            "port could start processes on this machine; turn auth on (auth.enabled: "
+            "true, then `atropos keys create --scope admin`), or set "
+            "runs.allow_without_auth: true to accept that"
+        )
+    log.warning(
+        "runs.enabled with auth off (runs.allow_without_auth): anyone who reaches port "
+        "%d can start processes on this machine as this user (docs/access.md)",
+        config.trace_server.port,
+    )

@@ -53,7 +53,7 @@ from app.atropos.models import (
     ScoredData,
 )
 from app.atropos.segments import Segment, gzip_join, plain_join
-from app.errors import BadRequest, Invalid
+from app.errors import BadRequest, Invalid, UnsupportedMediaType
 from app.ingest.body import read_body
 
 _BODY_ERRORS = errors(400, 413, 415, 422)
@@ -145,6 +145,12 @@ def router(require_key: bool = False) -> APIRouter:
         dependencies=trainer,
         response_model=TrainerBatch | TrainerNotRegistered,
         responses=errors(422, 503),
+        description=(
+            "Takes the next batch: a GET that changes state, as atroposlib's trainers "
+            "call it. Any web page can make a browser send a GET (an <img>), so with "
+            "the Atropos API open (atropos.require_key off) a page its visitor opens "
+            "can consume batches; with auth.enabled it needs a `train` key by default."
+        ),
     )
     async def batch(
         request: Request,
@@ -217,7 +223,15 @@ def router(require_key: bool = False) -> APIRouter:
 
 async def _body(request: Request, hub: HubDep, *, optional: bool = False) -> Any:
     """The body, gunzipped and bounded by limits.max_body_bytes; None when optional
-    and absent."""
+    and absent. A POST must say it is JSON: any web page can make a browser POST
+    text/plain or a form to this port (no CORS preflight asks first), while
+    atroposlib's clients always send application/json."""
+    if request.method == "POST":
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media != "application/json":
+            raise UnsupportedMediaType(
+                f"Content-Type {media or '(none)'!r} is not accepted here; send the body "
+                "as application/json", field="Content-Type")
     try:
         return await read_body(request, hub.config.limits.max_body_bytes)
     except BadRequest as exc:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 from app.api.openapi import Error
 from app.atropos.models import ScoredData
 from app.db.trace_queries import View
-from app.domain import BatchState, Label, Stage, Status
+from app.domain import MAX_REWARD, BatchState, Label, Stage, Status
 from app.evaluation.filters import RejectReason
 from app.evaluation.scoring import RuleResult
 from app.runs import RunStatus
@@ -78,6 +78,8 @@ class ReviewBody(BaseModel):
     reward: float | None = Field(
         None,
         allow_inf_nan=False,
+        ge=-MAX_REWARD,
+        le=MAX_REWARD,
         description="Overrides the computed reward (the threshold and exports use it); "
         "omitted: the computed reward stands",
     )

@@ -106,7 +106,12 @@ def router(endpoint: str) -> APIRouter:
         endpoint + "/{trace_id:path}", dependencies=[requires(Scope.READ)],
         responses=errors(404),
     )
-    async def get(trace_id: str, conn: ConnDep, view: View = "canonical") -> TraceRecord:
+    async def get(
+        trace_id: str, conn: ConnDep, response: Response, view: View = "canonical"
+    ) -> TraceRecord:
+        # A trace may hold what a person should not find in a shared cache or a
+        # browser's history: nothing keeps a copy.
+        response.headers["Cache-Control"] = "no-store"
         return TraceRecord.model_validate(await get_trace(conn, trace_id, view))
 
     @api.post(endpoint + "/{trace_id}/review", responses=errors(404, 422))

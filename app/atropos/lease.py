@@ -47,8 +47,16 @@ def grant(conn: sa.Connection, batch_id: int, now: datetime, seconds: float) -> 
     return lease_id
 
 
-def expire(conn: sa.Connection, now: datetime) -> None:
-    """Leases past their deadline: the batch is pending again, next in line."""
+def expire(conn: sa.Connection, now: datetime, seconds: float) -> None:
+    """Leases past their deadline: the batch is pending again, next in line. A deadline
+    further off than a lease lasts (`seconds`) was set before the clock stepped back:
+    it is brought to now + `seconds` first, so that the step holds no batch longer."""
+    conn.execute(
+        sa.update(ATROPOS_BATCHES)
+        .where(ATROPOS_BATCHES.c.state == AtroposBatchState.LEASED,
+               ATROPOS_BATCHES.c.lease_expires_at > now + timedelta(seconds=seconds))
+        .values(lease_expires_at=now + timedelta(seconds=seconds))
+    )
     others = ATROPOS_BATCHES.alias("others")  # not correlated with the row being updated
     top = sa.select(sa.func.coalesce(sa.func.max(others.c.seq), 0) + 1).scalar_subquery()
     expired = (

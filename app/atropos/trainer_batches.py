@@ -99,7 +99,7 @@ def _next_batch(
             .where(STATE.c.id == 1, STATE.c.started.is_(False))
             .values(started=True, updated_at=now)
         )
-    lease.expire(conn, now)
+    lease.expire(conn, now, lease_seconds)
     claimed = _claim(conn)
     if claimed is None and _form(conn, run, env_timeout):
         claimed = _claim(conn)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -302,30 +301,11 @@ async def _load(engine: AsyncEngine, query: ExportQuery, trace_ids: set[str]) ->
 
 
 @contextlib.contextmanager
-def private_file(path: Path) -> Iterator[IO[bytes]]:
-    """`path`, written under a temporary name beside it and renamed into place once
-    complete; removed if writing fails. The name is random and the file created
-    exclusively, never through a link (app/files.py): a predictable name let anyone who
-    can write the directory plant a symlink there and have the export overwrite its
-    target."""
-    tmp, f = files.temporary(path.parent, path.name)
-    try:
-        with f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-@contextlib.contextmanager
 def _output(target: str) -> Iterator[IO[bytes]]:
     if target == "-":
         yield sys.stdout.buffer
     else:
-        with private_file(Path(target)) as f:
+        with files.replaced(Path(target)) as f:
             yield f
 
 
@@ -351,7 +331,7 @@ class _ParquetSplits:
             return  # an empty train split is still written: the dataset has its columns
         if split not in self._writers:
             stack = contextlib.ExitStack()
-            f = stack.enter_context(private_file(self._dir / _split_file(split)))
+            f = stack.enter_context(files.replaced(self._dir / _split_file(split)))
             self._writers[split] = (self._pq.ParquetWriter(f, self._schema), stack)
         import pyarrow as pa
 
@@ -413,7 +393,7 @@ def _card(directory: Path, args: argparse.Namespace, query: ExportQuery, tally: 
         "`json.loads` restores them. `env_reward` is the environment's own reward (null "
         "when it sent none).", "",
     ]
-    with private_file(directory / "README.md") as f:
+    with files.replaced(directory / "README.md") as f:
         f.write("\n".join(lines).encode())
 
 

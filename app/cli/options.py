@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("serve", "run the background stages only"),
     "import": ("importer", "store trajectory files through the pipeline"),
     "rescore": ("rescore", "score stored traces with the current rules"),
+    "recompress": ("rescore", "compress stored traces again with the current compression policy"),
     "train": ("train", "one training job from a dataset file"),
     "export": ("export", "stored traces to a training file or dataset"),
     "doctor": ("doctor", "check the model endpoint set-up"),

@@ -1,5 +1,6 @@
 """`atropos rescore`: score stored traces again with the current reward rules and
-filters, for when a user changes the weights.
+filters, for when a user changes the weights. `atropos recompress`: compress stored
+traces again with the current compression policy (`recompress`, below).
 
 Traces whose `scored_with` fingerprint differs from the current environment's are
 rescored in batches, oldest first, one transaction per batch; a run that is stopped
@@ -29,8 +30,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app import formats
 from app.cli.options import Commands, add_since, command
 from app.cli.progress import Progress
-from app.config import load_config
-from app.db.models import REVIEWS, TRACES
+from app.compression import Compressed, compress
+from app.config import CompressionConfig, load_compression, load_config
+from app.db.models import MEMBERS, REVIEWS, TRACES
 from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import Outcome, Stage, Trace
@@ -220,6 +222,12 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
                      help="score stored traces with the current rules",
                      example="atropos rescore --config config.json --since 7d")
     add_since(parser)
+    parser = command(commands, "recompress", _recompress,
+                     help="compress stored traces again with the current compression policy",
+                     example="atropos recompress --config config.json "
+                             "--compression compression.json")
+    parser.add_argument("--compression", help="compression.json (default: the defaults)")
+    add_since(parser)
 
 
 async def _rescore(args: argparse.Namespace) -> int:
@@ -254,3 +262,139 @@ async def _nothing_to_do(engine: AsyncEngine, environment: Environment,
             f"current reward rules and filters (environment {environment.fingerprint[:12]}); "
             "change environment.reward_rules or invalid_trace_filters in the config to "
             "score them differently")
+
+
+# --- recompress -----------------------------------------------------------------
+
+# Traces that went through compression; the sent ones keep their stage.
+_COMPRESSION_DONE = (Stage.COMPRESSED, Stage.COMPRESSION_SKIPPED, *SENT)
+
+
+@dataclass
+class Recompressed:
+    """What `recompress` did: counts (read, changed, unchanged, and per kind of change),
+    and the batches that hold an old version of a changed trace (batch id -> traces)."""
+
+    counts: Counter[str]
+    old_in_batches: dict[str, int]
+
+
+async def recompress(
+    engine: AsyncEngine,
+    policy: CompressionConfig,
+    max_trace_tokens: int,
+    *,
+    since: datetime | None = None,
+    on_batch: Callable[[int], None] = lambda n: None,
+) -> Recompressed:
+    """Compress every trace that went through compression again, with key_decision_extract
+    under `policy`, oldest first, a transaction per batch of traces. A trace whose new
+    compression differs from the stored one gets it (not batched yet: moving between
+    compressed and compression_skipped as the result says; batched or delivered: the
+    stage stays, and its batches are listed, since they hold the old version). Traces
+    summarized by the model are left as they are: recompressing them would need a
+    model call per trace."""
+    extract = policy.model_copy(update={"strategy": "key_decision_extract"})
+    counts: Counter[str] = Counter()
+    sent_changed: list[str] = []
+    after: tuple[datetime, str] | None = None
+    c = TRACES.c
+    while True:
+        query = sa.select(
+            c.trace_id, c.created_at, c.stage, c.trace, c.total_tokens, c.compressed,
+            c.compression, c.reward, c.reward_breakdown,
+        ).where(c.stage.in_([s.value for s in _COMPRESSION_DONE]))
+        if since is not None:
+            query = query.where(c.created_at >= since)
+        if after is not None:
+            query = query.where(sa.tuple_(c.created_at, c.trace_id) > after)
+        async with engine.begin() as conn:
+            rows = (await conn.execute(query.order_by(c.created_at, c.trace_id).limit(BATCH))).all()
+            if not rows:
+                break
+            for row in rows:
+                counts["read"] += 1
+                if (row.compression or {}).get("strategy") == "summarize_middle":
+                    counts["left as the model summarized them"] += 1
+                    continue
+                result = await compress(
+                    Trace.model_validate(row.trace), row.total_tokens, extract,
+                    forced=row.total_tokens > max_trace_tokens,
+                    reward=row.reward, breakdown=row.reward_breakdown,
+                )
+                done = isinstance(result, Compressed)
+                values: dict[str, Any] = (
+                    {"compressed": result.trace.model_dump(mode="json", exclude_none=True),
+                     "compressed_tokens": result.tokens_after, "compression": result.record()}
+                    if isinstance(result, Compressed) else
+                    {"compressed": None, "compressed_tokens": None,
+                     "compression": {"skipped": result.reason}}
+                )
+                if values["compressed"] == row.compressed:
+                    counts["unchanged"] += 1
+                    continue
+                stage = Stage(row.stage)
+                if not await _store(conn, row.trace_id, stage, done, values):
+                    counts["moved on meanwhile, left"] += 1
+                    continue
+                counts["changed"] += 1
+                counts[("compressed again" if row.compressed is not None and done
+                        else "now compressed" if done else "now kept whole")] += 1
+                if stage in SENT:
+                    sent_changed.append(row.trace_id)
+        after = (rows[-1].created_at, rows[-1].trace_id)
+        on_batch(len(rows))
+    return Recompressed(counts, await _batches_holding(engine, sent_changed))
+
+
+async def _store(conn: Any, trace_id: str, stage: Stage, done: bool,
+                 values: dict[str, Any]) -> bool:
+    """Write a trace's new compression, if it is still in `stage`; a trace not yet
+    batched moves to the stage its new result calls for (through accepted, the one
+    way the stage machine allows between the two)."""
+    target = stage if stage in SENT else Stage.COMPRESSED if done else Stage.COMPRESSION_SKIPPED
+    where = TRACES.c.trace_id == trace_id
+    if target == stage:
+        update = sa.update(TRACES).where(where, TRACES.c.stage == stage.value)
+        written = await conn.execute(update.values(updated_at=utcnow(), **values))
+        return bool(written.rowcount == 1)
+    back = await conn.execute(TRACE_STAGES.move(Stage.ACCEPTED, expected=[stage]).where(where))
+    if back.rowcount != 1:
+        return False
+    await conn.execute(TRACE_STAGES.move(target, expected=[Stage.ACCEPTED]).where(where)
+                       .values(**values))
+    return True
+
+
+async def _batches_holding(engine: AsyncEngine, trace_ids: list[str]) -> dict[str, int]:
+    found: Counter[str] = Counter()
+    async with engine.connect() as conn:
+        for start in range(0, len(trace_ids), BATCH):
+            chunk = trace_ids[start : start + BATCH]
+            rows = await conn.execute(
+                sa.select(MEMBERS.c.batch_id, sa.func.count().label("n"))
+                .where(MEMBERS.c.trace_id.in_(chunk)).group_by(MEMBERS.c.batch_id))
+            found.update({row.batch_id: row.n for row in rows})
+    return dict(sorted(found.items()))
+
+
+async def _recompress(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    policy = load_compression(args.compression).compression
+    async with database(config) as engine:
+        progress = Progress("recompressed", None)
+        done = await recompress(engine, policy, config.trace_server.max_trace_tokens,
+                                since=args.since, on_batch=progress.advance)
+        progress.close()
+    counts = done.counts
+    print(f"recompressed: {counts.pop('read', 0)} traces read, {counts.pop('changed', 0)} "
+          f"changed, {counts.pop('unchanged', 0)} unchanged")
+    for key, n in sorted(counts.items()):
+        print(f"  {key}: {n}")
+    if done.old_in_batches:
+        held = ", ".join(f"{batch} ({n})" for batch, n in done.old_in_batches.items())
+        print(f"batches holding old versions of changed traces ({len(done.old_in_batches)}, "
+              f"traces in each): {held}")
+    else:
+        print("batches holding old versions of changed traces: none")
+    return 0

@@ -4,10 +4,11 @@
     # -> Compressed(trace, tokens_before, tokens_after, target, ratio, strategy,
     #               removed, over_limit, fallback) | Skipped(reason)
 
-Modules: `compress` (entry point and the target rules), `extract`
-(key_decision_extract and its removal order), `summarize` (summarize_middle, Hermes'
-algorithm), `ledger` (per-step token bookkeeping, and the links a removal must not
-break), `invariants` (what every strategy keeps, checked on every result).
+Modules: `compress` (entry point, the target and min_saving rules), `extract`
+(key_decision_extract and its passes), `summarize` (summarize_middle, Hermes'
+algorithm), `ledger` (per-step token bookkeeping, elision, and the links a removal
+must not break), `facts` (the identifiers and numbers a cut output must keep),
+`invariants` (what every strategy keeps, checked on every result).
 """
 
 from __future__ import annotations

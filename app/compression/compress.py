@@ -5,8 +5,11 @@ Rules (DESIGN §6): target = clamp(ratio x total_tokens, min_tokens_after,
 max_tokens_after). A trace with ratio x total_tokens < min_tokens_after is kept whole,
 unless `forced` (compression disabled but the trace is over max_trace_tokens): then it
 is compressed toward min_tokens_after. The result lands within 25% of the target
-unless what is preserved, or what the conversation needs to stay valid, is larger; it
-is never under min_tokens_after; over max_tokens_after it is marked `over_limit`.
+unless what is kept (every call and its result, every user turn, the system prompt)
+is larger: then it stays over the target, with the ratio it reached in its record. It
+is never under min_tokens_after; over max_tokens_after it is marked `over_limit`. A
+result that saves less than `min_saving` of the trace's tokens is not worth the copy:
+the trace is kept whole (Skipped, kind "min_saving").
 
 Every result is checked against the invariants (app.compression.invariants) before it
 is returned; one that breaks them is not returned: the trace is kept whole.
@@ -32,9 +35,15 @@ _DROP_OVERSHOOT = 0.15
 
 @dataclass(frozen=True)
 class Skipped:
-    """The trace stays whole; `reason` is what the log line says."""
+    """The trace stays whole; `reason` is what the log line says, `kind` the short
+    name the periodic summary counts it under (SKIP_KINDS)."""
 
     reason: str
+    kind: str = "other"
+
+
+# Why traces are kept whole, as the periodic summary names them.
+SKIP_KINDS = ("disabled", "small", "within_target", "min_saving", "unsafe")
 
 
 @dataclass(frozen=True)
@@ -104,29 +113,39 @@ async def compress(
         return target
     budget = _budget(target, policy)
     ledger = Ledger.of(trace)
-    strategy, fallback, summary, model_failed = policy.strategy, None, [], False
+    strategy, fallback, model_failed = policy.strategy, None, False
+    summarized: Ledger | None = None
     if policy.strategy == "summarize_middle":
         try:
-            outcome: tuple[Ledger, int] | str = await summarize_middle(
-                ledger, policy, budget, summarizer
-            )
+            outcome = await summarize_middle(ledger, policy, budget, summarizer)
         except LLMError as exc:
+            # A failed call, and a summary that is empty or makes the trace no
+            # shorter (SummaryRefused): whether to retry is the caller's.
             if not fall_back:
                 raise
             outcome, model_failed = f"the summary model failed: {exc}", True
         if isinstance(outcome, str):
             strategy, fallback = "key_decision_extract", outcome
         else:
-            ledger, at = outcome
-            summary = [at]
-    key_decision_extract(ledger, policy, budget, summary)
+            summarized = outcome
+    if summarized is None:
+        key_decision_extract(ledger, policy, budget)
+    else:
+        # The summary is all summarize_middle changes: the rest stays as it was.
+        ledger = summarized
     compressed = ledger.result()
     tokens_after = count_parts(compressed.text_parts())
     if tokens_after < policy.min_tokens_after:
         # The floor has slack, so this is not expected; if it happens, keep the whole.
         return Skipped(
             f"compressed trace too short, min_tokens_after not satisfied "
-            f"({tokens_after} < {policy.min_tokens_after}); kept whole"
+            f"({tokens_after} < {policy.min_tokens_after}); kept whole", "small"
+        )
+    saving = 1 - tokens_after / total_tokens
+    if saving < policy.min_saving:
+        return Skipped(
+            f"compression saves {saving:.1%} ({total_tokens} -> {tokens_after} tokens), "
+            f"under compression.min_saving {policy.min_saving:.0%}; kept whole", "min_saving"
         )
     result = Compressed(
         trace=compressed,
@@ -144,7 +163,9 @@ async def compress(
     broken = violations(trace, result.trace, policy)
     if broken:
         # The strategies are built not to get here; if one does, nothing is lost.
-        return Skipped(f"compression would break the trace ({'; '.join(broken[:3])}); kept whole")
+        return Skipped(
+            f"compression would break the trace ({'; '.join(broken[:3])}); kept whole", "unsafe"
+        )
     return result
 
 
@@ -170,16 +191,17 @@ def compression_target(total: int, policy: CompressionConfig, forced: bool) -> i
     """The tokens a trace of `total` tokens is compressed toward, or why it is kept
     whole (DESIGN §6)."""
     if not policy.enabled and not forced:
-        return Skipped("compression disabled (compression.enabled is false)")
+        return Skipped("compression disabled (compression.enabled is false)", "disabled")
     wanted = policy.ratio * total
     if wanted < policy.min_tokens_after and not forced:
         return Skipped(
             f"ratio x total_tokens = {policy.ratio:g} x {total} = {wanted:.0f} "
-            f"< min_tokens_after {policy.min_tokens_after}"
+            f"< min_tokens_after {policy.min_tokens_after}", "small"
         )
     target = min(max(round(wanted), policy.min_tokens_after), policy.max_tokens_after)
     if total <= target:
-        return Skipped(f"total_tokens {total} already within the target {target}")
+        return Skipped(f"total_tokens {total} already within the target {target}",
+                       "within_target")
     return target
 
 

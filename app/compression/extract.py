@@ -1,93 +1,101 @@
 """key_decision_extract: deterministic, no model calls.
 
-Always kept whole: the system prompt (unless drop_fields names `system_prompt`), the
-task and the first user message, and the final answer (app.compression.invariants).
-Preserved, by preserve_fields: `final_action` (the last action with its result, when
-the run ends without an answer), `reward_signal` (the outcome, reward and breakdown,
-which live in the trace's outcome and metadata, and a user/environment message after
-the agent's last step), `error_context` (every tool error with the action that caused
-it and the step that reacted to it). Preserved steps are never removed.
+What the model saw and did stays: every tool call with its result, every user turn,
+the system prompt, the task and the final answer are never removed or altered. What
+may shrink is what the agent can do without: tool outputs (cut, with an explicit
+marker, never removed) and thoughts (dropped, the last one before the final answer
+kept). Preserved, by preserve_fields: `final_action` (the last call's result, when the
+run ends without an answer), `reward_signal` (a user or environment message after the
+agent's last step), `error_context` (every tool error with the thought that reacted to
+it). Preserved steps are never removed; a preserved output is cut last.
 
-Everything else goes in this order, least loss first. Each pass stops the moment the
-total reaches the target, so a pass only runs when the ones before were not enough.
-Passes 1-4 are the drop_fields (each runs only if listed); 5-7 are the tighter passes
-that reach the target when preserved parts leave room, or max_tokens_after otherwise.
+Every cut of an output keeps its head and tail and every line holding a fact
+(app.compression.facts) that a later assistant turn states and no earlier turn holds
+(the first holder keeps it for all the turns after it); the rest becomes
+"[… N tokens of output elided …]".
 
-1. repeated_observations  an output equal (or equal but for numbers, ids and spacing)
-                          to one within the last `dedup_window` steps becomes a
-                          one-line pointer to it: nothing is lost.
+The passes, least loss first; each stops the moment the total reaches the target, so
+a pass only runs when the ones before were not enough. 1-4 run only if drop_fields
+lists them:
+
+1. repeated_observations  a call repeated exactly (same tool, arguments and result)
+                          within the next `dedup_window` calls collapses into the
+                          first, whose result says how many more times it came;
+                          then an output equal to one of the last `dedup_window`
+                          outputs becomes a one-line reference to the step that
+                          showed it.
 2. redundant_tool_outputs long outputs, largest first, cut to head and tail (384
-                          tokens) with a "[... N tokens cut ...]" marker: the first
-                          lines and the verdict survive; the middle of a listing or a
-                          file dump is what the agent used least.
-3. intermediate_thoughts  thoughts that neither react to an error nor end the run,
-                          oldest first: the actions still show what was done.
+                          tokens) and the fact lines.
+3. intermediate_thoughts  thoughts that neither react to an error nor come last, oldest
+                          first: the calls still show what was done.
 4. redundant_tool_outputs again, tighter (64 tokens).
-5. long_messages          messages and thoughts not preserved, cut to 64 tokens.
-6. long_preserved_outputs preserved outputs and reactions (the errors, the final
-                          result) cut to head and tail (256 tokens): an error's
-                          message sits at one end.
-7. exploration_steps      whole actions with their results that nothing preserved
-                          depends on, oldest first, then other unpreserved steps; a
-                          question goes with its answer.
-8. system_prompt          only when drop_fields names it: system messages cut to head
-                          and tail (256 tokens), last, since they define the tools
-                          every step uses.
+5. long_preserved_outputs preserved outputs (the errors, the final result) cut to head
+                          and tail (256 tokens): an error's message sits at one end.
 
-Whole steps go only where the conversation stays valid (Ledger.drop_group): when the
-target cannot be reached that way, the trace stays over it and the record says by how
-much. Trims are sized to land on the target rather than under it; whole-step drops may
-not overshoot it by more than 15%; nothing takes the trace under min_tokens_after.
+When that is not enough, the trace stays over its target and its compression record
+says the ratio it reached. Trims are sized to land on the target rather than under
+it; nothing takes the trace under min_tokens_after.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterable
+import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.compression.ledger import Budget, Ledger, Links, answer, is_error, is_system
+from app.compression.facts import TOKEN, candidates, facts, step_text
+from app.compression.ledger import Budget, Ledger, Links, answer, is_error, speaker
 from app.config import CompressionConfig
 from app.domain import Step, StepType, Trace
 
 SOFT_KEEP = 384
-TIGHT_KEEP = 64
+TIGHT_KEEP = 24
 PRESERVED_KEEP = 256
-SYSTEM_KEEP = 256
 
-# Near-identical: the same text once numbers, hex ids and runs of spaces are masked
-# (timestamps, pids, durations, addresses differ between two runs of one command).
-_NOISE = re.compile(r"0x[0-9a-fA-F]+|[0-9a-f]{7,}|\d+(?:\.\d+)?|\s+")
-# Outputs shorter than this are not worth a pointer.
+# Outputs shorter than this are not worth a reference.
 _DEDUP_MIN_CHARS = 200
+# Kinds of the record (removed, removed_steps): the repeats dropped, and the first
+# call's result that now says how many times it came.
+COLLAPSED = "repeated_calls"
+COUNTED = "repeat_counts"
+REFERENCED = "repeated_observations"
 
 
 @dataclass
 class Shape:
     """What each step is to the strategy: which steps are preserved, which action each
-    observation answers."""
+    observation answers, and which facts later turns state."""
 
     protected: set[int] = field(default_factory=set)
-    # Preserved and never cut at all: the instruction and the final answer.
+    # Preserved and never cut at all: system prompts, user turns, the final answer.
     whole: set[int] = field(default_factory=set)
     owner: dict[int, int] = field(default_factory=dict)  # observation -> its action
     results: dict[int, list[int]] = field(default_factory=dict)  # action -> observations
+    # fact -> the last assistant step stating it; fact -> the first step that is not
+    # the assistant's holding it (the task: -1), which alone needs to keep it.
+    last_use: dict[str, int] = field(default_factory=dict)
+    keeper: dict[str, int] = field(default_factory=dict)
+
+    def needed(self, i: int) -> Callable[[str], bool]:
+        """Whether a fact in step i's output must stay: a later assistant turn states
+        it, and step i is the first to hold it (an earlier holder keeps it: the task,
+        a system prompt or user turn, which never change, or an output that keeps it
+        as step i would)."""
+        last_use, keeper = self.last_use, self.keeper
+        return lambda fact: keeper.get(fact) == i and last_use.get(fact, -1) > i
 
 
-def shape(
-    trace: Trace, policy: CompressionConfig, extra: Iterable[int] = (), links: Links | None = None
-) -> Shape:
+def shape(trace: Trace, policy: CompressionConfig, links: Links | None = None) -> Shape:
     steps = trace.steps
     links = links or Links.of(steps)
-    found = Shape(protected=set(extra), owner=links.owner, results=links.results)
+    found = Shape(owner=links.owner, results=links.results)
     preserve = set(policy.preserve_fields)
-    # Invariants, whatever preserve_fields says: the first user message (the task,
-    # which is never cut, or else the first user step) and the final answer.
-    if "user_instruction" in preserve or not trace.task:
-        found.whole.update(_first_user(steps))
     found.whole.update(answer(steps))
-    if "system_prompt" not in policy.drop_fields:
-        found.whole.update(i for i, s in enumerate(steps) if is_system(s))
+    found.whole.update(i for i, s in enumerate(steps) if _unchangeable(s))
+    thoughts = [i for i, s in enumerate(steps) if s.type is StepType.THOUGHT]
+    if thoughts:
+        # The reasoning that led to the answer (or to the last call).
+        found.protected.add(thoughts[-1])
     if "final_action" in preserve and not answer(steps):
         # The run ends on a call: keep it and its result (which may be cut like any).
         actions = [i for i, s in enumerate(steps) if s.type is StepType.ACTION]
@@ -98,14 +106,29 @@ def shape(
     if "error_context" in preserve:
         found.protected.update(_error_context(steps, found))
     found.protected |= found.whole
+    for i, step in enumerate(steps):
+        if speaker(step) == "assistant":
+            for fact in facts(step_text(step), parts=False):
+                found.last_use[fact] = i
+    # Only what an assistant turn states needs a keeper.
+    stated = found.last_use
+    for i, text in [(-1, trace.task or ""), *((i, step_text(s)) for i, s in enumerate(steps)
+                                             if speaker(s) != "assistant")]:
+        for token in set(TOKEN.findall(text)):
+            for part in candidates(token):
+                if part in stated:
+                    found.keeper.setdefault(part, i)
     return found
 
 
-def key_decision_extract(
-    ledger: Ledger, policy: CompressionConfig, budget: Budget, extra: Iterable[int] = ()
-) -> None:
+def _unchangeable(step: Step) -> bool:
+    """A system prompt or a user turn (the user's, the environment's, a grader's)."""
+    return step.type is StepType.MESSAGE and speaker(step) in ("system", "user")
+
+
+def key_decision_extract(ledger: Ledger, policy: CompressionConfig, budget: Budget) -> None:
     """Cut `ledger` toward `budget.aim` in the order the module docstring gives."""
-    found = shape(ledger.trace, policy, extra, ledger.links)
+    found = shape(ledger.trace, policy, ledger.links)
     passes = _passes(policy, found)
     while True:
         for run in passes:
@@ -124,98 +147,105 @@ def _passes(policy: CompressionConfig, found: Shape) -> list[_Pass]:
     drop = set(policy.drop_fields)
     protected = found.protected
 
-    def outputs(kind: str, keep: int, types: set[StepType], preserved: bool) -> _Pass:
+    def outputs(kind: str, keep: int, preserved: bool) -> _Pass:
         def run(ledger: Ledger, budget: Budget) -> None:
             picked = [
                 i
                 for i, s in enumerate(ledger.steps)
                 if s is not None
-                and s.type in types
+                and s.type is StepType.OBSERVATION
                 and (i in protected) == preserved
-                and not is_system(s)
                 and i not in found.whole
             ]
-            _trim_largest(ledger, picked, keep, kind, budget)
+            _trim_largest(ledger, picked, keep, kind, budget, found)
 
         return run
 
     passes: list[_Pass] = []
-    if "repeated_observations" in drop and policy.dedup_window > 0:
-        passes.append(lambda ledger, budget: _dedup(ledger, protected, policy.dedup_window, budget))
-    observation = {StepType.OBSERVATION}
+    window = policy.dedup_window
+    if "repeated_observations" in drop and window > 0:
+        passes.append(lambda ledger, budget: _collapse_repeats(ledger, found, window, budget))
+        passes.append(lambda ledger, budget: _dedup(ledger, protected, window, budget))
     if "redundant_tool_outputs" in drop:
-        passes.append(outputs("redundant_tool_outputs", SOFT_KEEP, observation, preserved=False))
+        passes.append(outputs("redundant_tool_outputs", SOFT_KEEP, preserved=False))
     if "intermediate_thoughts" in drop:
         passes.append(lambda ledger, budget: _drop_thoughts(ledger, protected, budget))
     if "redundant_tool_outputs" in drop:
-        passes.append(outputs("redundant_tool_outputs", TIGHT_KEEP, observation, preserved=False))
-    passes.append(
-        outputs("long_messages", TIGHT_KEEP, {StepType.MESSAGE, StepType.THOUGHT}, preserved=False)
-    )
-    passes.append(
-        outputs(
-            "long_preserved_outputs",
-            PRESERVED_KEEP,
-            {StepType.OBSERVATION, StepType.THOUGHT},
-            preserved=True,
-        )
-    )
-    passes.append(lambda ledger, budget: _drop_exploration(ledger, found, budget))
-    if "system_prompt" in drop:
-        passes.append(lambda ledger, budget: _trim_system(ledger, budget))
+        passes.append(outputs("redundant_tool_outputs", TIGHT_KEEP, preserved=False))
+    passes.append(outputs("long_preserved_outputs", PRESERVED_KEEP, preserved=True))
     return passes
 
 
+def _collapse_repeats(ledger: Ledger, found: Shape, window: int, budget: Budget) -> None:
+    """A call made again with the same arguments and the same result, within `window`
+    calls of the first, goes; the first's result says how many more times it came."""
+    steps = ledger.trace.steps
+    actions = [i for i, s in enumerate(steps) if s.type is StepType.ACTION]
+    first_of: dict[int, int] = {}  # a repeat -> the first call of its run
+    repeats: dict[int, list[int]] = {}  # the first call -> its repeats dropped
+    for n, i in enumerate(actions):
+        key = _call_key(steps, i, found)
+        if key is None or i in found.protected:
+            continue
+        for j in reversed(actions[max(0, n - window):n]):
+            if _call_key(steps, j, found) == key:
+                first = first_of.get(j, j)
+                if ledger.drop_group(ledger.together(i), COLLAPSED, budget):
+                    first_of[i] = first
+                    repeats.setdefault(first, []).append(i)
+                break
+        if ledger.total <= budget.aim:
+            break
+    for first, dropped in repeats.items():
+        result = found.results[first][-1]
+        step = ledger.steps[result]
+        if step is None:
+            continue
+        times = "once more" if len(dropped) == 1 else f"{len(dropped)} more times"
+        at = ", ".join(str(k) for k in dropped)
+        note = (f"\n[… the same call, with the same result, was made {times} "
+                f"(step{'s' if len(dropped) > 1 else ''} {at} of the original trace) …]")
+        ledger.annotate(result, (step.content or "") + note, COUNTED)
+
+
+def _call_key(steps: list[Step], i: int, found: Shape) -> tuple[object, ...] | None:
+    """What makes two calls the same: tool, arguments and every result, whole."""
+    results = found.results.get(i)
+    if not results:
+        return None
+    step = steps[i]
+    said = [(r, steps[r]) for r in results]
+    if any(r in found.protected for r, _ in said):
+        return None
+    return (step.tool, json.dumps(step.arguments, sort_keys=True), step.content,
+            *((s.content, s.error, s.exit_code) for _, s in said))
+
+
 def _dedup(ledger: Ledger, protected: set[int], window: int, budget: Budget) -> None:
-    recent: list[_Output] = []
+    """An output equal to one of the last `window` outputs becomes a reference to the
+    step that showed it whole."""
+    recent: list[tuple[str, int]] = []  # (text, the step holding it whole)
     for i, step in enumerate(ledger.steps):
         if step is None or step.type is not StepType.OBSERVATION or not step.content:
             continue
-        if len(step.content) < _DEDUP_MIN_CHARS:
+        text = ledger.trace.steps[i].content or ""
+        origin = next((at for seen, at in reversed(recent) if seen == text), None)
+        recent = [*recent, (text, i if origin is None else origin)][-window:]
+        if origin is None or i in protected or len(text) < _DEDUP_MIN_CHARS:
             continue
-        recent = [seen for seen in recent if i - seen.index <= window]
-        output = _Output(i, step.content)
-        match = next((seen for seen in reversed(recent) if seen.same_as(output)), None)
-        recent.append(output)
-        if match is None or i in protected:
-            continue
-        # Point at the copy that is still whole, not at another pointer.
-        output.origin = match.origin
-        how = "identical" if match.text == output.text else "nearly identical (numbers differ)"
-        marker = f"[output {how} to the output of step {match.origin} of the original trace]"
-        ledger.replace_content(i, marker, "repeated_observations", budget)
+        marker = f"[output identical to the output of step {origin} of the original trace]"
+        ledger.replace_content(i, marker, REFERENCED, budget)
         if ledger.total <= budget.aim:
             return
 
 
-class _Output:
-    """An observation's text, with its masked form computed only when compared."""
-
-    def __init__(self, index: int, text: str):
-        self.index = index
-        self.origin = index  # the step holding this text in full
-        self.text = text
-        self._masked: str | None = None
-
-    def masked(self) -> str:
-        if self._masked is None:
-            self._masked = _NOISE.sub(" ", self.text)
-        return self._masked
-
-    def same_as(self, other: _Output) -> bool:
-        if self.text == other.text:
-            return True
-        # Masking only changes numbers and spacing, so lengths stay close.
-        if abs(len(self.text) - len(other.text)) > 0.2 * len(self.text):
-            return False
-        return self.masked() == other.masked()
-
-
-def _trim_largest(ledger: Ledger, picked: list[int], keep: int, kind: str, budget: Budget) -> None:
+def _trim_largest(
+    ledger: Ledger, picked: list[int], keep: int, kind: str, budget: Budget, found: Shape
+) -> None:
     for i in sorted(picked, key=lambda i: ledger.tokens[i], reverse=True):
         if ledger.total <= budget.aim or ledger.tokens[i] <= keep:
             return
-        ledger.trim(i, keep, kind, budget)
+        ledger.trim(i, keep, kind, budget, found.needed(i))
 
 
 def _drop_thoughts(ledger: Ledger, protected: set[int], budget: Budget) -> None:
@@ -226,32 +256,7 @@ def _drop_thoughts(ledger: Ledger, protected: set[int], budget: Budget) -> None:
             ledger.drop(i, "intermediate_thoughts", budget)
 
 
-def _drop_exploration(ledger: Ledger, found: Shape, budget: Budget) -> None:
-    """Actions with their results, then thoughts, messages (a question with its answer)
-    and outputs no action asked for; whatever is preserved stays, with what it needs."""
-    for i, step in enumerate(ledger.steps):
-        if ledger.total <= budget.aim:
-            return
-        if step is None or i in found.protected or is_system(step) or i in found.owner:
-            continue
-        group = ledger.together(i)
-        if not found.protected.intersection(group):
-            ledger.drop_group(group, "exploration_steps", budget)
-
-
-def _trim_system(ledger: Ledger, budget: Budget) -> None:
-    picked = [i for i, s in enumerate(ledger.steps) if s is not None and is_system(s)]
-    _trim_largest(ledger, picked, SYSTEM_KEEP, "system_prompt", budget)
-
-
 # --- what is preserved -------------------------------------------------------------
-
-
-def _first_user(steps: list[Step]) -> list[int]:
-    for i, step in enumerate(steps):
-        if step.type is StepType.MESSAGE and step.role == "user":
-            return [i]
-    return []
 
 
 def _verdict(steps: list[Step]) -> list[int]:

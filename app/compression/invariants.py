@@ -3,8 +3,11 @@ compressed trace of the real corpus, and by compress() on every result it return
 
     faults = violations(original, compressed, policy)   # [] when all hold
 
-1. The system prompt verbatim (unless drop_fields names `system_prompt`), the first
-   user message (the task) verbatim, the final answer verbatim.
+1. The system prompt, the first user message (the task) and the final answer
+   verbatim. Only what a strategy may change is changed (`_MAY_CHANGE`): a thought
+   dropped, a tool output rewritten (cut, or a reference to an earlier copy), an exact
+   repeat of a call dropped with its result, and one contiguous span summarized. So no
+   tool call and no user turn goes, but for a repeat or a summary.
 2. A valid chat, as the exports write it (app.formats._common.turns): no two user
    turns in a row, every tool result in the assistant turn whose call it answers, no
    call without its result, no empty assistant turn (`conversation_faults`); and an
@@ -33,7 +36,14 @@ from app.domain import Step, StepType, Trace
 from app.formats._common import turns
 
 # Kinds of removal that take whole steps out (the others change a step's content).
-DROPPING = frozenset({"intermediate_thoughts", "exploration_steps", "summarized_steps"})
+DROPPING = frozenset({"intermediate_thoughts", "repeated_calls", "summarized_steps"})
+# The steps each kind may touch (absent: any, in one contiguous span); every other
+# kind rewrites a tool output's content.
+_MAY_CHANGE: dict[str, frozenset[StepType]] = {
+    "intermediate_thoughts": frozenset({StepType.THOUGHT}),
+    "repeated_calls": frozenset({StepType.ACTION, StepType.OBSERVATION}),
+}
+_OUTPUT = frozenset({StepType.OBSERVATION})
 
 TWO_USER_TURNS = "two user turns in a row"
 RESULT_WITHOUT_CALL = "a tool result that answers no call of the assistant turn before it"
@@ -62,7 +72,7 @@ def violations(original: Trace, compressed: Trace, policy: CompressionConfig) ->
     """How `compressed` (with its record in metadata["compression"]) breaks the
     invariants of the module docstring; empty when it keeps them all."""
     faults: list[str] = []
-    if "system_prompt" not in policy.drop_fields and _system(original) != _system(compressed):
+    if _system(original) != _system(compressed):
         faults.append("the system prompt changed")
     if _first_user(original) != _first_user(compressed):
         faults.append("the first user message changed")
@@ -76,11 +86,26 @@ def violations(original: Trace, compressed: Trace, policy: CompressionConfig) ->
     record = compressed.metadata.get("compression") or {}
     listed: Mapping[str, Sequence[int]] = record.get("removed_steps") or {}
     faults += _record_faults(original, compressed, listed, record.get("removed") or {})
+    faults += _kind_faults(original, listed)
     gone = {i for kind in DROPPING for i in listed.get(kind, ())}
     for question, reply in Links.of(original.steps).partner.items():
         if (question in gone) != (reply in gone):
             faults.append(f"step {question} or {reply} removed without the other "
                           "(a question and its answer)")
+    return faults
+
+
+def _kind_faults(original: Trace, listed: Mapping[str, Sequence[int]]) -> list[str]:
+    """Each kind of removal touched only the steps it may."""
+    faults = []
+    for kind, at in listed.items():
+        if kind == "summarized_steps":
+            if sorted(at) != list(range(min(at, default=0), max(at, default=-1) + 1)):
+                faults.append("the summarized steps are not one contiguous span")
+            continue
+        allowed = _MAY_CHANGE.get(kind, _OUTPUT)
+        faults += [f"step {i} ({original.steps[i].type.value}) changed as {kind}"
+                   for i in at if original.steps[i].type not in allowed]
     return faults
 
 

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from app.compression.facts import TOKEN as _FACT_TOKEN
+from app.compression.facts import candidates, holds
 from app.domain import Step, StepType, Trace
 from app.ingest.tokens import count_parts, count_tokens
 
@@ -35,7 +38,16 @@ _ESTIMATE_SCALE = 0.9
 # Share of a trimmed text kept at its head; the rest is kept at its tail, where logs
 # and compilers print their verdict.
 _HEAD_SHARE = 0.6
-_MARKER = re.compile(r"\[\.\.\. (\d+) tokens cut \.\.\.\]")
+# The mark of an elision, in the text it shortened: how much went, in tokens.
+MARKER = "[… {} tokens of output elided …]"
+_MARKER = re.compile(r"\[… ([\d,]+) tokens of output elided …\]")
+# A line longer than this that holds a fact keeps only the fact with some context on
+# either side (a minified JSON document is one line).
+# Before a fact sits what names it (a JSON key, a label), after it less.
+_LONG_LINE, _BEFORE, _AFTER = 240, 20, 4
+_TOKEN_CHAR = re.compile(r"[\w$./:\-@#]")
+# A gap of fewer tokens is kept: its marker would be as long.
+_SMALLEST_GAP = 12
 
 
 @dataclass(frozen=True)
@@ -300,24 +312,45 @@ class Ledger:
         """Give step i new content (e.g. a 'same output as step k' marker)."""
         return self._rewrite(i, content, kind, budget)
 
-    def trim(self, i: int, keep: int, kind: str, budget: Budget) -> bool:
-        """Cut step i's content to about `keep` tokens of head and tail, with a marker
-        saying how much went, but no more than brings the total to `budget.aim`."""
+    def trim(
+        self, i: int, keep: int, kind: str, budget: Budget,
+        needed: Callable[[str], bool] | None = None,
+    ) -> bool:
+        """Cut step i's content to about `keep` tokens of head and tail, and the lines
+        holding a fact `needed` says must stay, with a marker where text went; but no
+        more than brings the total to `budget.aim`."""
         step = self.steps[i]
         if step is None or not step.content:
             return False
         keep = max(keep, self.tokens[i] - self.excess(budget), 0)
-        if keep >= self.tokens[i] * 0.9:
-            return False  # a cut this small saves less than it costs to read
-        content = _head_tail(step.content, self.tokens[i], keep)
-        return content is not None and self._rewrite(i, content, kind, budget)
+        for _ in range(3):
+            if keep >= self.tokens[i] * 0.9:
+                return False  # a cut this small saves less than it costs to read
+            content = elide(step.content, self.tokens[i], keep, needed)
+            if content is None:
+                return False
+            count = _tokens(step_parts(_with_content(step, content)))
+            # Cuts land near `keep`, not on it: one under the floor keeps a little more.
+            short = budget.floor - (self.total - self.tokens[i] + count)
+            if short <= 0:
+                return self._rewrite(i, content, kind, budget)
+            keep += short + 8
+        return False
+
+    def annotate(self, i: int, content: str, kind: str) -> None:
+        """Give step i new content that may be longer (a note of what went with it)."""
+        step = self.steps[i]
+        assert step is not None
+        new = _with_content(step, content)
+        self._set(i, new, _tokens(step_parts(new)))
+        self._note(kind, i)
 
     def _rewrite(self, i: int, content: str, kind: str, budget: Budget) -> bool:
         """Step i with new content, if that saves tokens without going under the floor."""
         step = self.steps[i]
         assert step is not None
         new = _with_content(step, content)
-        count = count_parts(step_parts(new)) + 1
+        count = _tokens(step_parts(new))
         if count >= self.tokens[i] or self.total - self.tokens[i] + count < budget.floor:
             return False
         self._set(i, new, count)
@@ -330,7 +363,7 @@ class Ledger:
         for i, guess in enumerate(self.estimated):
             step = self.steps[i]
             if guess and step is not None:
-                self._set(i, step, count_parts(step_parts(step)) + 1)
+                self._set(i, step, _tokens(step_parts(step)))
         return self.total > before
 
     def result(self) -> Trace:
@@ -370,11 +403,20 @@ def _count(step: Step) -> tuple[int, bool]:
     parts = step_parts(step)
     chars = sum(len(p) for p in parts) + len(parts)
     if chars <= LONG_CHARS:
-        return (count_parts(parts) + 1 if parts else 0), False
+        return _tokens(parts), False
     text = "\n".join(parts)
     half = _SAMPLE_CHARS // 2
     sample = count_tokens(text[:half]) + count_tokens(text[-half:])
     return int(sample / _SAMPLE_CHARS * len(text) * _ESTIMATE_SCALE), True
+
+
+def _tokens(parts: list[str]) -> int:
+    """A step's tokens in the joined trace: its own, and the newline that joins it to
+    the text before it (which merges into the newline a text before it ends with: one
+    token either way, so it is counted on this side)."""
+    if not parts:
+        return 0
+    return count_parts(parts) + (0 if parts[-1].endswith("\n") else 1)
 
 
 def _with_content(step: Step, content: str) -> Step:
@@ -386,29 +428,112 @@ def _with_content(step: Step, content: str) -> Step:
     return step.model_copy(update=update)
 
 
-def _head_tail(text: str, tokens: int, keep: int) -> str | None:
-    """`text` cut to about `keep` tokens: its head and tail, joined by a marker. Cuts
-    fall on line breaks near the budget, so no line is cut in half where avoidable."""
+def elide(
+    text: str, tokens: int, keep: int, needed: Callable[[str], bool] | None = None
+) -> str | None:
+    """`text` cut to about `keep` tokens of head and tail, plus every line of the
+    middle holding a fact `needed` wants, each gap marked with the tokens it held.
+    Cuts fall on line breaks near the budget, so no line is cut in half where
+    avoidable. None when the cut would be no longer than its marker."""
     chars_per_token = len(text) / max(tokens, 1)
     head_end = _snap_back(text, int(keep * _HEAD_SHARE * chars_per_token))
     tail_start = _snap_forward(text, len(text) - int(keep * (1 - _HEAD_SHARE) * chars_per_token))
     if tail_start - head_end < 2 * chars_per_token * 8:
-        return None  # the cut would be no longer than its marker
-    middle = text[head_end:tail_start]
-    # A text trimmed before keeps its earlier marker's count in the new one.
-    earlier = sum(int(n) for n in _MARKER.findall(middle))
-    cut = round(len(_MARKER.sub("", middle)) / chars_per_token) + earlier
-    return f"{text[:head_end]}\n[... {cut} tokens cut ...]\n{text[tail_start:]}"
+        return None
+    pieces: list[str | tuple[float, str]] = []  # kept text, or (tokens, text) elided
+    for line in text[head_end:tail_start].splitlines(keepends=True):
+        if needed is None or _MARKER.search(line) and not _holds(line, needed):
+            pieces.append(_elided(line, chars_per_token))
+        elif len(line) <= _LONG_LINE:
+            pieces.append(line if _holds(line, needed) else _elided(line, chars_per_token))
+        else:
+            pieces += _fragments(line, needed, chars_per_token)
+    out, gap, held = [text[:head_end]], 0.0, ""
+    for piece in [*pieces, ""]:
+        if not isinstance(piece, str):
+            gap, held = gap + piece[0], held + piece[1]
+            continue
+        if gap >= _SMALLEST_GAP:
+            at_line = not out[-1] or out[-1].endswith("\n")
+            mark = MARKER.format(f"{round(gap):,}")
+            out.append(f"{mark}\n" if at_line else f" {mark} ")
+        else:
+            out.append(held)  # shorter than its marker: kept
+        gap, held = 0.0, ""
+        out.append(piece)
+    out.append(text[tail_start:])
+    return "".join(out)
+
+
+def _holds(line: str, needed: Callable[[str], bool]) -> bool:
+    return holds(line, needed)
+
+
+def _elided(text: str, chars_per_token: float) -> tuple[float, str]:
+    """A piece of text to elide, with the tokens it stands for: its own, and those
+    earlier marks in it say."""
+    earlier = sum(int(n.replace(",", "")) for n in _MARKER.findall(text))
+    return len(_MARKER.sub("", text)) / chars_per_token + earlier, text
+
+
+def _fragments(
+    line: str, needed: Callable[[str], bool], chars_per_token: float
+) -> list[str | tuple[float, str]]:
+    """A long line as the facts it holds, each with some context, and the gaps."""
+    spans: list[list[int]] = []
+    for match in _FACT_TOKEN.finditer(line):
+        if any(needed(p) for p in candidates(match.group())):
+            start, end = max(0, match.start() - _BEFORE), min(len(line), match.end() + _AFTER)
+            if spans and start <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], end)
+            else:
+                spans.append([start, end])
+    out: list[str | tuple[float, str]] = []
+    at = 0
+    for start, end in spans:
+        if start > at:
+            out.append(_elided(line[at:start], chars_per_token))
+        out.append(line[start:end])
+        at = end
+    rest = line[at:]
+    if rest.endswith("\n"):
+        out += [_elided(rest[:-1], chars_per_token), "\n"]
+    elif rest:
+        out.append(_elided(rest, chars_per_token))
+    return out
 
 
 def _snap_back(text: str, at: int) -> int:
-    newline = text.rfind("\n", int(at * 0.8), at)
-    return newline + 1 if newline > 0 else at
+    newline = text.rfind("\n", int(at * 0.5), at)
+    if newline > 0:
+        return newline + 1
+    # A head that is all one token keeps that token whole rather than nothing.
+    return _token_start(text, at) or _token_end(text, at)
 
 
 def _snap_forward(text: str, at: int) -> int:
-    newline = text.find("\n", at, at + max(int((len(text) - at) * 0.2), 1))
-    return newline + 1 if newline >= 0 else at
+    reach = max(int((len(text) - at) * 0.2), 1)
+    newline = text.find("\n", at, at + reach)
+    if newline < 0:
+        newline = text.rfind("\n", at - reach, at)
+    return newline + 1 if newline >= 0 else _token_start(text, at)
+
+
+def _token_start(text: str, at: int) -> int:
+    """`at`, moved back to the start of the token it falls in, so that a cut in the
+    middle of a line leaves every fact whole on one side (a token longer than a
+    paragraph is cut where it is)."""
+    start = at
+    while start > 0 and at - start < 400 and _TOKEN_CHAR.match(text, start - 1):
+        start -= 1
+    return start if at - start < 400 else at
+
+
+def _token_end(text: str, at: int) -> int:
+    end = at
+    while end < len(text) and end - at < 400 and _TOKEN_CHAR.match(text, end):
+        end += 1
+    return end if end - at < 400 else at
 
 
 def is_error(step: Step) -> bool:

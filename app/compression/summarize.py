@@ -26,7 +26,7 @@ import httpx
 from app.compression.ledger import Budget, Ledger, speaker, step_parts
 from app.config import CompressionConfig, TinkerConfig
 from app.domain import Step, StepType
-from app.llm import chat
+from app.llm import LLMError, chat
 
 PREFIX = "[CONTEXT SUMMARY]:"
 # Hermes sends each turn whole up to this size, else its head and tail.
@@ -65,6 +65,10 @@ class ModelSummarizer:
         self.tinker = tinker
         self.temperature = temperature
 
+    @property
+    def url(self) -> str:
+        return self.tinker.base_url
+
     async def __call__(self, prompt: str, *, max_tokens: int) -> str:
         messages = [{"role": "user", "content": prompt}]
         result = await chat(
@@ -80,12 +84,19 @@ class _Turn:
     end: int
 
 
+class SummaryRefused(LLMError):
+    """The model answered, but with no summary to use: an empty one, or one that makes
+    the trace no shorter. A model failure like any other (retried, then
+    compression_failed or key_decision_extract by compression.on_model_failure)."""
+
+
 async def summarize_middle(
     ledger: Ledger, policy: CompressionConfig, budget: Budget, summarizer: Summarizer | None
-) -> tuple[Ledger, int] | str:
-    """The ledger with a middle span summarized, and the summary's step index; or why
-    it could not be done (the caller then falls back to key_decision_extract). Raises
-    LLMError when the model fails: whether to retry or fall back is the caller's."""
+) -> Ledger | str:
+    """The ledger with one middle span summarized; or why there is nothing to
+    summarize (the caller then falls back to key_decision_extract). Raises LLMError
+    when the model fails or its summary cannot be used: whether to retry or fall back
+    is the caller's."""
     if summarizer is None:
         return "no summarizer: summarize_middle needs the model endpoint from tinker.json"
     steps = ledger.trace.steps
@@ -98,18 +109,24 @@ async def summarize_middle(
         tokens=policy.summary_target_tokens, turns=_render(steps, turns, start, end)
     )
     text = (await summarizer(prompt, max_tokens=2 * policy.summary_target_tokens)).strip()
-    if not text:
-        return "the summary model returned an empty summary"
+    url = getattr(summarizer, "url", "")
+    if not text or text == PREFIX:
+        raise SummaryRefused("the summary model returned an empty summary", url=url)
     if not text.startswith(PREFIX):
         text = f"{PREFIX} {text}"
     summary = Step(type=StepType.MESSAGE, role="user", content=text)
     summarized = ledger.with_span_replaced(start, end, summary, "summarized_steps")
+    if summarized.total >= ledger.total:
+        raise SummaryRefused(
+            f"the summary model's summary ({len(text)} characters) makes the trace no "
+            f"shorter ({ledger.total} -> {summarized.total} tokens)", url=url,
+        )
     if summarized.total < budget.floor:
         return (
             f"the summary left {summarized.total} tokens, under min_tokens_after "
             f"{policy.min_tokens_after}"
         )
-    return summarized, start
+    return summarized
 
 
 # Hermes' names for who speaks a turn.

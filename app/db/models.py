@@ -369,6 +369,24 @@ class ApiKeyRow(Base):
 API_KEYS: sa.Table = ApiKeyRow.__table__  # type: ignore[assignment]
 
 
+class DashboardSessionRow(Base):
+    """A person signed in at the dashboard (app/access/sessions.py): the cookie holds a
+    random id, this row its sha256, the key it was opened with and until when it opens
+    the dashboard."""
+
+    __tablename__ = "dashboard_sessions"
+
+    session_hash: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    key_id: Mapped[str] = mapped_column(
+        sa.String(32), sa.ForeignKey("api_keys.key_id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    expires_at: Mapped[datetime] = mapped_column(UtcTimeStamp, index=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+
+
+DASHBOARD_SESSIONS: sa.Table = DashboardSessionRow.__table__  # type: ignore[assignment]
+
+
 class ScheduledTaskRow(Base):
     """When a periodic task (retention) last ran, so that several hub processes run it
     once per period between them, and a restart does not run it again early."""

@@ -19,6 +19,7 @@ racing reviewers can win; the loser picks again.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -30,8 +31,8 @@ from app.db.dialect import dialect_of, insert
 from app.db.models import REVIEW_CLAIMS, REVIEWS, TRACES
 from app.db.trace_queries import TraceFilter, labelled
 from app.db.types import utcnow
-from app.domain import Label, Stage
-from app.errors import NotFound
+from app.domain import MAX_REWARD, Label, Stage
+from app.errors import Invalid, NotFound
 from app.evaluation.scoring import breakdown_total
 
 # How long a trace served by the queue stays with its reviewer: reading a long trace
@@ -53,6 +54,14 @@ class ReviewInput:
     label: Label
     note: str | None = None
     reward: float | None = None  # overrides the computed reward; None: the computed one
+
+    def __post_init__(self) -> None:
+        # Bounded as every reward the hub takes (app/domain.py), from the API or a form.
+        if self.reward is not None and not (
+            math.isfinite(self.reward) and abs(self.reward) <= MAX_REWARD
+        ):
+            raise Invalid(f"reward must be a number from {-MAX_REWARD:g} to {MAX_REWARD:g}",
+                          field="reward")
 
 
 async def save_review(

@@ -410,6 +410,8 @@ async def _reward_histogram(conn: AsyncConnection) -> list[dict[str, Any]]:
     )
     buckets: Counter[float] = Counter()
     for reward, n in rows:
+        if not math.isfinite(reward):
+            continue  # stored before rewards were bounded: in no bucket
         buckets[math.floor(reward / HISTOGRAM_BUCKET) * HISTOGRAM_BUCKET] += n
     return [
         {"from": low, "to": low + HISTOGRAM_BUCKET, "traces": buckets[low]}

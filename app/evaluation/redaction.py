@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -53,16 +53,21 @@ _SECRETS = (
     _Kind(
         "private_key",
         # The whole block; a block cut short (an agent printed part of a file) up to
-        # where its base64 lines end.
+        # where its base64 lines end, their line breaks real or JSON escapes (a tool's
+        # JSON output, as Hermes' <tool_response> holds it).
         r"-----BEGIN[A-Z0-9 ]*PRIVATE KEY(?: BLOCK)?-----(?:[\s\S]*?-----END[A-Z0-9 ]*"
-        r"PRIVATE KEY(?: BLOCK)?-----|(?:\s*(?:[A-Za-z0-9+/=]{16,}|Proc-Type:[^\n]*|"
-        r"DEK-Info:[^\n]*))*)",
+        r"PRIVATE KEY(?: BLOCK)?-----|(?:(?:\s|\\[nr])*(?:[A-Za-z0-9+/=]{16,}|"
+        r"Proc-Type:[^\n\\]*|DEK-Info:[^\n\\]*))*)",
         r"PRIVATE KEY",
     ),
     _Kind(
         "url_password",
-        r"[A-Za-z][A-Za-z0-9+.-]*://[^\s/?#@:\"'<>\\]+:([^\s/?#@\"'<>\\]+)@",
-        r"://[^/\s\"]*:[^/\s\"]*@",
+        # user:password@ (the user may be empty, `redis://:password@host`), the password
+        # as people write it, unencoded: up to the last @ before a `/`, or holding `/`
+        # but no `@`, unless it is a port and a path (`http://host:8080/path@x`).
+        r"[A-Za-z][A-Za-z0-9+.-]*://[^\s/?#@:\"'<>\\]*:([^\s/?#\"'<>\\]+|[0-9]*"
+        r"[^\s/?#@\"'<>\\0-9][^\s?#@\"'<>\\]*)@",
+        r"://[^/\s\"]*:[^\s\"]*@",
     ),
     _Kind(
         "jwt",
@@ -111,8 +116,26 @@ _AWS_SECRET_NAME = re2.compile(r"(?i)^(?:aws_?)?secret_?(?:access_?)?key$")
 _AWS_SECRET_VALUE = re2.compile(r"^[A-Za-z0-9/+]{40}$")
 
 
+# A JSON escape of a character a token may hold (ASCII 0x20-0x7f; JSON writers escape
+# nothing there but `"` and `\`, as \" and \\), literal in a string: a secret may be
+# spelt so. The pre-check's mark for it, and what `_text` decodes.
+_ESCAPE_MARK = r"(?:\\u00[2-7][0-9A-Fa-f])"
+_ESCAPED = re2.compile(r"\\u00([2-7][0-9A-Fa-f])")
+_TOKEN_PUNCTUATION = frozenset("-_+/=.:@~")
+
+
+def _unescaped(match: Any) -> str:
+    char = chr(int(match.group(1), 16))
+    # Only what may be part of a secret: a quote or backslash decoded would change
+    # what the JSON around it means.
+    return char if char.isalnum() or char in _TOKEN_PUNCTUATION else str(match.group(0))
+
+
+REDACTED = "[REDACTED:"  # how every marker starts
+
+
 def marker(kind: str) -> str:
-    return f"[REDACTED:{kind}]"
+    return f"{REDACTED}{kind}]"
 
 
 _QUIET = re2.Options()
@@ -134,10 +157,12 @@ def compile_pattern(pattern: str) -> Any:
 @dataclass(frozen=True, slots=True)
 class Redacted:
     """An item whose secrets were replaced before it came to be prepared (an OTLP
-    trace: its spans were redacted as they were stored), and how many, by kind."""
+    trace: its spans were redacted as they were stored), and how many, by kind;
+    `metadata`: what its trace's metadata says besides (spans left out of it)."""
 
     item: Any
     counts: dict[str, int]
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 @lru_cache(maxsize=4)
@@ -171,6 +196,8 @@ class Redactor:
         # Custom patterns have no mark that surely survives JSON encoding (they may
         # use ^, $ or quotes): with any, every string is looked at.
         marks = "|".join(f"(?:{kind.mark})" for kind in kinds)
+        if marks:
+            marks += "|" + _ESCAPE_MARK
         self._marks = (
             re2.compile(marks.encode()) if marks and not config.extra_patterns else None
         )
@@ -222,6 +249,22 @@ class Redactor:
         # Keys and short values ("type", "role") hold no secret; one Set.Match costs ~2 µs.
         if self._any is None or len(text) < self._shortest:
             return text
+        if "\\u" in text:
+            # JSON text in a string (a tool call's arguments) may spell a secret with
+            # escapes, `\u0073k-...`, which the hub decodes when it reads the JSON: such
+            # a string is looked at with its escaped token characters decoded, and
+            # stored that way if it held a secret so spelt.
+            plain = _ESCAPED.sub(_unescaped, text)
+            if plain != text:
+                found: Counter[str] = Counter()
+                redacted = self._matched(plain, found)
+                if found:
+                    counts.update(found)
+                    return redacted
+        return self._matched(text, counts)
+
+    def _matched(self, text: str, counts: Counter[str]) -> str:
+        assert self._any is not None
         # In the kinds' order (Set.Match does not keep it): the priority above.
         for index in sorted(self._any.Match(text) or ()):
             name, pattern = self._kinds[index]

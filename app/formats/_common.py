@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import orjson
 from pydantic import ValidationError
 
-from app.domain import Status, Step, StepType, Trace
+from app.domain import MAX_REWARD, Status, Step, StepType, Trace
 from app.errors import Invalid
 
 STATUSES = ", ".join(s.value for s in Status)
@@ -358,6 +358,9 @@ def reward_value(value: Any, where: str) -> float:
         fail(where, "number out of range")
     if not math.isfinite(number):
         fail(where, "expected a finite number")
+    if abs(number) > MAX_REWARD:
+        fail(where, f"{number:g} is out of range: a reward is at most {MAX_REWARD:g} in "
+             "magnitude")
     return number
 
 

@@ -12,17 +12,85 @@ from __future__ import annotations
 import json
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 
-from app.errors import BadRequest, HubError, Invalid, PayloadTooLarge, UnsupportedMediaType
+from app.errors import (
+    BadRequest,
+    HubError,
+    Invalid,
+    PayloadTooLarge,
+    Unavailable,
+    UnsupportedMediaType,
+)
 
 NDJSON_TYPES = ("application/x-ndjson", "application/ndjson", "application/jsonl")
 # curl -d sends form-urlencoded unless told otherwise; a JSON body is what it carries.
 JSON_TYPES = ("application/json", "text/plain", "application/x-www-form-urlencoded", "")
+
+
+# Where a request's BodyHold travels: in its ASGI scope (app/api/middleware.py).
+HOLD_KEY = "atropos.body_hold"
+# Gzip is inflated this much at a time, each step counted before the next.
+_INFLATE_STEP = 1024 * 1024
+
+
+class BodyBudget:
+    """The request body bytes (as received, and once gunzipped) that all the requests
+    of one hub process hold at once, bounded by limits.max_body_bytes_in_flight. Past
+    it a request gets 503 with Retry-After while it is still being read: a few
+    kilobytes of gzip each inflate to max_body_bytes, and a few dozen of them at once
+    would otherwise take the process's memory. A request alone in flight is always
+    let through, so that every body max_body_bytes allows can be sent."""
+
+    def __init__(self, max_bytes: int, retry_after: int) -> None:
+        self.max_bytes = max_bytes
+        self.retry_after = retry_after
+        self.held = 0
+
+    def hold(self) -> BodyHold:
+        return BodyHold(self)
+
+
+class BodyHold:
+    """What one request holds of the budget; given back when it has been answered."""
+
+    __slots__ = ("_budget", "size")
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self._budget = budget
+        self.size = 0
+
+    def take(self, n: int) -> None:
+        budget = self._budget
+        if budget.held + n > budget.max_bytes and budget.held > self.size:
+            raise Unavailable(
+                f"the hub is reading more request bodies than "
+                f"limits.max_body_bytes_in_flight ({budget.max_bytes} bytes) allows at "
+                f"once; retry after {budget.retry_after} s",
+                retry_after=budget.retry_after,
+                field="limits.max_body_bytes_in_flight",
+                code="overloaded",
+            )
+        budget.held += n
+        self.size += n
+
+    def release(self) -> None:
+        self._budget.held -= self.size
+        self.size = 0
+
+
+def _taker(request: Request) -> Callable[[int], None]:
+    hold: BodyHold | None = request.scope.get(HOLD_KEY)
+    return hold.take if hold is not None else _no_budget
+
+
+def _no_budget(n: int) -> None:
+    """A request served without the middleware (an app built without it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,22 +100,26 @@ class Items:
     fmt: str | None = None  # a format named for the whole batch
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int,
+                    limit_name: str = "limits.max_body_bytes") -> bytes:
     """The decoded body, refused with 413 as soon as it passes `limit` bytes, before
-    or after gunzip (a small gzip bomb is as large as what it inflates to)."""
+    or after gunzip (a small gzip bomb is as large as what it inflates to), and with
+    503 when the hub's BodyBudget is spent."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
+        raise _too_large(limit, limit_name)
+    take = _taker(request)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise _too_large(limit)
+            raise _too_large(limit, limit_name)
+        take(len(chunk))
         chunks.append(chunk)
     body = b"".join(chunks)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding in ("gzip", "x-gzip"):
-        body = _gunzip(body, limit)
+        body = _gunzip(body, limit, limit_name, take)
     elif encoding not in ("identity", ""):
         raise UnsupportedMediaType(
             f"Content-Encoding {encoding!r} is not supported; send gzip or identity",
@@ -248,22 +320,30 @@ def _too_many_traces(limit: int) -> PayloadTooLarge:
     )
 
 
-def _gunzip(body: bytes, limit: int) -> bytes:
+def _gunzip(body: bytes, limit: int, limit_name: str = "limits.max_body_bytes",
+            take: Callable[[int], None] = _no_budget) -> bytes:
     """Every member (`gzip -c a b` writes two, RFC 1952 allows it), to at most `limit`
-    bytes in all; zero bytes after the last member are padding."""
+    bytes in all; zero bytes after the last member are padding. Inflated a step at a
+    time, each step taken from the budget (`take`) before the next is made."""
     out: list[bytes] = []
     size = 0
     rest = body
     try:
         while True:
             inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-            chunk = inflater.decompress(rest, limit + 1 - size)
-            size += len(chunk)
-            if size > limit or inflater.unconsumed_tail:
-                raise _too_large(limit, after_gunzip=True)
+            data = rest
+            while not inflater.eof:
+                chunk = inflater.decompress(data, min(_INFLATE_STEP, limit + 1 - size))
+                data = inflater.unconsumed_tail
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit, limit_name, after_gunzip=True)
+                take(len(chunk))
+                out.append(chunk)
+                if not chunk and not data:
+                    break
             if not inflater.eof:
                 raise zlib.error("truncated gzip stream")
-            out.append(chunk)
             rest = inflater.unused_data
             if not rest.strip(b"\x00"):
                 break
@@ -271,12 +351,13 @@ def _gunzip(body: bytes, limit: int) -> bytes:
         raise BadRequest(
             f"the body is not valid gzip: {exc}", field="Content-Encoding", code="bad_gzip"
         ) from None
-    return out[0] if len(out) == 1 else b"".join(out)
+    return b"".join(out)
 
 
-def _too_large(limit: int, *, after_gunzip: bool = False) -> PayloadTooLarge:
+def _too_large(limit: int, limit_name: str = "limits.max_body_bytes", *,
+               after_gunzip: bool = False) -> PayloadTooLarge:
     what = "the decompressed body" if after_gunzip else "the body"
     return PayloadTooLarge(
-        f"{what} is larger than limits.max_body_bytes ({limit} bytes)",
-        field="limits.max_body_bytes",
+        f"{what} is larger than {limit_name} ({limit} bytes)",
+        field=limit_name,
     )

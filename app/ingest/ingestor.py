@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
+import math
 import os
+import traceback
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -26,16 +29,18 @@ from app.config import HubConfig, LimitsConfig, PrivacyConfig
 from app.db.moves import TRACE_STAGES
 from app.db.search import search_text
 from app.db.types import EncodedJSON, utcnow
-from app.domain import Stage, Trace
+from app.domain import MAX_REWARD, Stage, Trace
 from app.errors import HubError, Invalid
 from app.evaluation.environment import Environment
-from app.evaluation.redaction import Redacted, Redactor
+from app.evaluation.redaction import REDACTED, Redacted, Redactor
 from app.ingest.admission import Admission
 from app.ingest.inserter import Stored, TraceInserter, TraceRow
 from app.ingest.limits import check_item, check_trace
 from app.ingest.processes import IngestProcesses
 from app.ingest.tokens import count_parts
 from app.metrics import REJECTIONS, TRACES_INGESTED, Labeled
+
+log = logging.getLogger("atropos.ingest")
 
 MAX_TRACE_ID_LENGTH = 200
 # env, agent.model, agent.name, policy_version: String(200) columns, which PostgreSQL
@@ -57,10 +62,12 @@ class Preparer:
     redactor: Redactor = field(default_factory=lambda: Redactor(PrivacyConfig()))
 
     def row(
-        self, item: Any, fmt: str | None = None, redacted: Mapping[str, int] | None = None
+        self, item: Any, fmt: str | None = None, redacted: Mapping[str, int] | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """`redacted`: the item's secrets went before it came here (OTLP spans are
-        redacted as they are stored), and these were replaced, by kind."""
+        redacted as they are stored), and these were replaced, by kind. `metadata`:
+        what the trace's metadata says besides what the item holds."""
         # The limits are checked first, so that a trace over one costs no parsing.
         check_item(item, self.limits)
         canonical = canonical_json(item)  # refuses what the `original` column cannot hold
@@ -76,6 +83,13 @@ class Preparer:
         if b"\\u0000" in canonical:  # how orjson writes NUL (or the text \\u0000)
             item = _without_nul(item)
         trace = formats.parse(item, fmt)
+        if b"\\\\u0000" in canonical:
+            # A string holding the text \u0000: JSON inside a string (an OTLP attribute,
+            # a tool call's arguments), whose NUL the parse may have decoded.
+            dumped = trace.model_dump(exclude_none=True)
+            if b"\\u0000" in _json(dumped):
+                trace = Trace.model_validate(_without_nul(dumped))
+        trace.metadata.update(metadata or {})
         if redactions:
             trace.metadata["redactions"] = redactions
         else:
@@ -83,8 +97,13 @@ class Preparer:
             trace.metadata.pop("redactions", None)
         check_trace(trace, self.limits)
         trace.trace_id = _trace_id(trace)  # the stored trace carries the id it is stored under
+        if found and REDACTED in trace.trace_id:
+            # Two ids holding different secrets would be one id once redacted.
+            raise Invalid("trace_id holds what looks like a secret, which is redacted "
+                          "wherever it is stored: send another id", field="trace_id")
         _fits_columns(trace)
         evaluation = self.environment.evaluate(trace)
+        _bounded_reward(evaluation.reward, trace.outcome.reward)
         now = utcnow()
         return {
             "trace_id": trace.trace_id,
@@ -123,15 +142,30 @@ class Preparer:
         which is cheaper to send to a process than the parsed value; or `Redacted`
         (OTLP spans, whose secrets went before they were stored)."""
         earlier: Mapping[str, int] | None = None
+        metadata: Mapping[str, Any] | None = None
         if isinstance(item, Redacted):
-            item, earlier = item.item, item.counts
+            item, earlier, metadata = item.item, item.counts, item.metadata
         try:
             return TraceRow.of(self.row(
                 formats.load(item, fmt) if isinstance(item, bytes) else item, fmt,
-                redacted=earlier,
+                redacted=earlier, metadata=metadata,
             ))
         except HubError as exc:
             return exc
+        except Exception as exc:  # noqa: BLE001 - a bug, refusing this item alone
+            return _unprepared(exc)
+
+
+def _unprepared(exc: Exception) -> Invalid:
+    """A failure preparing one item that is no refusal of the hub's (a bug, or input
+    past what a parser can take: a RecursionError) refuses that item, never the batch
+    or the pass it came with. Logged where it was raised, without its message, which
+    may quote the item."""
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    at = f" at {where[0].filename}:{where[0].lineno}" if where else ""
+    log.error("preparing a trace failed (%s%s); it is refused", type(exc).__name__, at)
+    return Invalid(f"the hub could not read this trace ({type(exc).__name__}); it is "
+                   "refused (the hub's log says where)", code="unreadable")
 
 
 class Ingestor:
@@ -348,6 +382,18 @@ def _without_nul(value: Any) -> Any:
     if isinstance(value, list):
         return [_without_nul(child) for child in value]
     return value
+
+
+def _bounded_reward(reward: float, env_reward: float | None) -> None:
+    """The reward the rules and the weighted environment reward add up to is bounded as
+    the environment's own is (app/formats/_common.reward_value): a finite env reward
+    times a weight may be neither."""
+    if math.isfinite(reward) and abs(reward) <= MAX_REWARD:
+        return
+    cause = ("the environment's reward times environment.env_reward.weight"
+             if env_reward is not None else "the reward rules' points")
+    raise Invalid(f"reward: {reward:g} ({cause}) is out of range: a reward is at most "
+                  f"{MAX_REWARD:g} in magnitude", field="reward")
 
 
 def _fits_columns(trace: Trace) -> None:

@@ -18,6 +18,8 @@ or a response; `redact` keeps them out of the log tails it serves, too.
 
 from __future__ import annotations
 
+import base64
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -51,9 +53,29 @@ class ModelChannel:
         return [s for s in (self.api_key, self.tinker_key) if s and len(s) >= _MIN_SECRET]
 
     def redact(self, text: str) -> str:
+        """`text` without the keys, as written or in base64 (an HTTP library's debug
+        output of `Authorization: Basic ...`, a config dumped encoded)."""
         for secret in self.secrets():
-            text = text.replace(secret, REDACTED)
+            for form in (secret, *_base64_forms(secret)):
+                text = text.replace(form, REDACTED)
         return text
+
+
+def _base64_forms(secret: str) -> list[str]:
+    """What base64 (standard and URL-safe) writes for `secret` wherever it sits in what
+    is encoded: at each of the three byte offsets from a 3-byte group, the characters
+    that depend on its bytes alone. The characters at either end, which also depend on
+    the neighbouring bytes, are left out: they say nothing without the rest."""
+    raw = secret.encode()
+    forms = []
+    for offset in range(3):
+        encoded = base64.b64encode(bytes(offset) + raw + bytes(2)).decode()
+        # Character i carries bits 6i..6i+5 of the stream; keep those inside `raw`.
+        first = math.ceil(8 * offset / 6)
+        last = (8 * (offset + len(raw))) // 6  # exclusive
+        middle = encoded[first:last]
+        forms += [middle, middle.replace("+", "-").replace("/", "_")]
+    return [f for f in dict.fromkeys(forms) if len(f) >= _MIN_SECRET]
 
 
 def process_env(

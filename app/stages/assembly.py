@@ -27,11 +27,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import OtlpConfig
 from app.db import search
-from app.db.models import TRACES
+from app.db.errors import database_error, refuses_row
+from app.db.models import REVIEWS, TRACES
 from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import Stage
@@ -58,6 +60,8 @@ _STARTED_OVER = {
 # quiet periods, and at least every half minute.
 FORGET_EVERY_QUIET_PERIODS = 3
 FORGET_EVERY_SECONDS = 30
+# The longest a failing pass waits before the next is tried.
+BACKOFF_MAX_SECONDS = 30.0
 
 
 @dataclass(slots=True)
@@ -90,6 +94,8 @@ class AssemblyStage:
         self._on_advance = on_advance
         self._forgot_at = 0.0
         self._next: _Pass | None = None  # the batch in preparation
+        self._failures = 0  # passes failed in a row
+        self._retry_at = 0.0  # time.monotonic() before which no pass is tried
 
     @property
     def poll_seconds(self) -> float:
@@ -100,7 +106,24 @@ class AssemblyStage:
     async def run_once(self) -> int:
         """Writes the traces prepared meanwhile, once the next ones are being prepared:
         the ingest processes work on one batch while the serving process writes the
-        other (done in turn, each waited for the other, and both were half idle)."""
+        other (done in turn, each waited for the other, and both were half idle).
+
+        A pass that fails is not tried again at once: the passes after it wait 1 s, then
+        twice as long each time, up to BACKOFF_MAX_SECONDS (woken or not), so that a
+        failure that lasts costs little."""
+        if time.monotonic() < self._retry_at:
+            return 0
+        try:
+            advanced = await self._pass()
+        except Exception:
+            self._failures += 1
+            delay = min(BACKOFF_MAX_SECONDS, 2.0 ** (self._failures - 1))
+            self._retry_at = time.monotonic() + delay
+            raise
+        self._failures, self._retry_at = 0, 0.0
+        return advanced
+
+    async def _pass(self) -> int:
         current, self._next = self._next, None
         if current is None:
             current = await self._look(exclude=[])
@@ -108,8 +131,40 @@ class AssemblyStage:
                 return await self._forget()
         made = await current.made
         self._next = await self._look(exclude=[d.trace_id for d in current.due])
-        await self._write(current, made)
+        try:
+            await self._write(current, made)
+        except SQLAlchemyError as exc:
+            if not refuses_row(exc):
+                raise  # the database failing: the pass is tried again
+            # A row the database will not take, whichever it is, refuses its trace
+            # alone, never every pass after it.
+            await self._write(current, await self._refused_by_database(current, made))
         return len(current.due)
+
+    async def _refused_by_database(
+        self, current: _Pass, made: list[TraceRow | HubError]
+    ) -> list[TraceRow | HubError]:
+        """`made`, with the rows the database refuses made refusals: each trace's
+        writes tried alone, in a savepoint, and all of them rolled back."""
+        sorted_out = list(made)
+        async with self._engine.connect() as conn:
+            trial = await conn.begin()
+            try:
+                for index, (trace_id, row) in enumerate(zip(current.todo, made)):
+                    if isinstance(row, HubError):
+                        continue
+                    try:
+                        async with conn.begin_nested():
+                            new = await conn.run_sync(insert_traces, [row])
+                            await _outcome(conn, trace_id, INSERT.row(row.values),
+                                           row.search_text, current.stored.get(trace_id), new)
+                    except SQLAlchemyError as exc:
+                        if not refuses_row(exc):
+                            raise
+                        sorted_out[index] = database_error(exc)
+            finally:
+                await trial.rollback()
+        return sorted_out
 
     async def settle(self) -> None:
         """(`Concurrent`) Nothing is left unwritten between passes that drain() waits for:
@@ -136,12 +191,31 @@ class AssemblyStage:
             todo = [d.trace_id for d in due if d.trace_id not in stored
                     or (stored[d.trace_id].source_format == NAME
                         and stored[d.trace_id].stage not in FINAL_STAGES)]
-            spans = await store.spans_of(conn, todo)
+            config = self._config
+            spans = await store.spans_of(
+                conn, todo, max_spans=config.max_spans_per_trace,
+                max_bytes=config.max_bytes_per_trace, budget=config.max_bytes_per_trace)
+        # Those the pass has no room for are left open, and due: the next pass reads them.
+        due = [d for d in due if d.trace_id in spans or d.trace_id not in todo]
+        todo = [trace_id for trace_id in todo if trace_id in spans]
         # The spans' secrets went before they were stored: their counts go with them.
         items = [Redacted(wire.join(_groups(spans[trace_id].spans)),
-                          dict(spans[trace_id].redactions)) for trace_id in todo]
+                          dict(spans[trace_id].redactions), self._truncated(spans[trace_id]))
+                 for trace_id in todo]
         made = asyncio.ensure_future(self._prepare(items, NAME))
         return _Pass(due, stored, todo, made)
+
+    def _truncated(self, spans: store.TraceSpans) -> dict[str, Any]:
+        """The trajectory's mark when spans of its trace were left out of it."""
+        if not spans.left_out:
+            return {}
+        return {"truncated": {
+            "spans_left_out": spans.left_out,
+            "reason": f"a trajectory is made of at most otlp.max_spans_per_trace "
+                      f"({self._config.max_spans_per_trace}) spans and "
+                      f"otlp.max_bytes_per_trace ({self._config.max_bytes_per_trace}) "
+                      "bytes of them, the first by start time",
+        }}
 
     async def _write(self, current: _Pass, made: list[TraceRow | HubError]) -> None:
         due, stored = current.due, current.stored
@@ -218,11 +292,17 @@ async def _outcome(
         return "refused", row.message
     if trace_id in new:
         return "new", None
+    if stored is None:
+        return "again", None  # made by another process since the look above
     if stored.content_hash == row["content_hash"]:
         return "unchanged", None  # assembled again from the same spans (after a restart)
     c = TRACES.c
     current, target = Stage(stored.stage), Stage(row["stage"])
     content = {k: v for k, v in row.items() if k not in ("trace_id", "created_at", "stage")}
+    # A reviewer's reward override wins over the new score, as it did over the old one
+    # (the review itself, label and note, is a row of its own and stays).
+    override = sa.select(REVIEWS.c.reward).where(REVIEWS.c.trace_id == trace_id)
+    content["reward"] = sa.func.coalesce(override.scalar_subquery(), content["reward"])
     # A move of the trace's stage (app/db/moves.py), unless it stays where it is.
     update = (sa.update(TRACES).where(c.stage == current.value) if current is target
               else TRACE_STAGES.move(target, expected=[current]))

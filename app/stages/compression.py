@@ -44,7 +44,12 @@ from app.db.models import TRACES
 from app.db.moves import TRACE_STAGES
 from app.domain import Stage, Trace
 from app.llm import LLMError
-from app.metrics import COMPRESSION_TOKENS_IN, COMPRESSION_TOKENS_OUT, COMPRESSIONS
+from app.metrics import (
+    COMPRESSION_TOKENS_IN,
+    COMPRESSION_TOKENS_OUT,
+    COMPRESSIONS,
+    COMPRESSIONS_SKIPPED,
+)
 from app.stages.leases import RELEASED, Heartbeat, Lease, claim, held_by, retry_later
 
 log = logging.getLogger("atropos.compression")
@@ -142,6 +147,7 @@ class CompressionStage:
                 order_by=TRACES.c.created_at,
                 limit=limit,
                 lease=self._lease,
+                longest_backoff=self._policy.retry.max_seconds,
                 returning=[
                     TRACES.c.trace_id,
                     TRACES.c.trace,
@@ -208,7 +214,8 @@ class CompressionStage:
                 if isinstance(result, Exception):
                     gave_up += await self._failed(conn, row, result)
                 elif isinstance(result, Skipped):
-                    # One per trace: detail for DEBUG, not news for INFO.
+                    # One per trace: detail for DEBUG; the periodic INFO summary counts
+                    # them by kind (app/metrics.py).
                     log.debug("compression skipped: trace %s: %s", row.trace_id, result.reason,
                               extra={"trace_id": row.trace_id})
                     if await self._move(conn, row.trace_id, Stage.COMPRESSION_SKIPPED,
@@ -277,6 +284,7 @@ def _count(finished: list[Compressed | Skipped], gave_up: int) -> None:
     for result in finished:
         if isinstance(result, Skipped):
             COMPRESSIONS.labels("skipped").inc()
+            COMPRESSIONS_SKIPPED.labels(result.kind).inc()
         else:
             COMPRESSIONS.labels("compressed").inc()
             COMPRESSION_TOKENS_IN.labels(result.strategy).inc(result.tokens_before)

@@ -77,6 +77,7 @@ class DeliveryStage:
                 lease=self._lease,
                 returning=[BATCHES.c.batch_id, BATCHES.c.created_at, BATCHES.c.attempts,
                            BATCHES.c.receipt],
+                longest_backoff=self._config.retry.max_seconds,
             )
         if not rows:
             return 0

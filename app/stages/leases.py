@@ -67,10 +67,21 @@ async def claim(
     limit: int,
     lease: Lease,
     returning: list[Any],
+    longest_backoff: float = 0,
 ) -> list[sa.Row[Any]]:
     """Lease up to `limit` rows matching `where` (oldest by `order_by` first) whose
-    lease is free or expired; returns them with `attempts` already counted."""
+    lease is free or expired; returns them with `attempts` already counted.
+
+    A lease set before the clock stepped back expires further off than any lease or
+    backoff (`longest_backoff`, of `retry_later`) lasts: its expiry is clamped to now +
+    that first, so that a backward step holds no row longer than a lease."""
     key = next(iter(table.primary_key.columns))
+    longest = utcnow() + timedelta(seconds=max(lease.seconds, longest_backoff))
+    await conn.execute(
+        sa.update(table)
+        .where(where, table.c.lease_expires_at > longest)
+        .values(lease_expires_at=longest)
+    )
     pick = sa.select(key).where(where, lease_is_free(table)).order_by(order_by).limit(limit)
     picked = picked_once(pick, dialect_of(conn))
     stmt = (

@@ -3,9 +3,11 @@ distributor.output_dir (one record per line in distributor.format), and one line
 batch in `manifest.jsonl` beside them. No network; always available.
 
 Atomic and idempotent: the file is written to a temporary name, fsynced and renamed,
-so a reader never sees half a batch; the manifest line is appended after the rename,
-and only when no earlier attempt got that far (then the file already existed and the
-manifest is checked), so a redelivery leaves one file and one manifest line.
+so a reader never sees half a batch (a failed write removes its temporary file, and
+those of writers that died are swept when the target starts); the manifest line is
+appended after the rename, and only when no earlier attempt got that far (then the file
+already existed and the manifest is checked), so a redelivery leaves one file and one
+manifest line.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from app.db.types import utcnow
 from app.targets.base import Batch, Resources, SaveReceipt, TargetSpec
 
 MANIFEST = "manifest.jsonl"
+# A temporary batch file untouched this long is no write in progress (a batch is
+# written in seconds, and its lease lasts workers.lease_seconds): it is swept at start.
+STALE_TEMPORARY_SECONDS = 3600
 
 
 class JsonlTargetConfig(DistributorConfig):
@@ -49,13 +54,10 @@ class JsonlTarget:
         records = batch.records(self._fmt)
         body = b"".join(orjson.dumps(record) + b"\n" for _, record in records)
         existed = path.exists()
-        # A name of its own: a worker whose lease expired may still be writing the same batch.
-        tmp, f = files.temporary(self._dir, batch.batch_id)
-        with f:
+        # A temporary name of its own: a worker whose lease expired may still be writing
+        # the same batch.
+        with files.replaced(path) as f:
             f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
         _fsync_dir(self._dir)
         entry = {
             "batch_id": batch.batch_id,
@@ -108,6 +110,8 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _build(config: JsonlTargetConfig, resources: Resources) -> JsonlTarget:
+    # What writers killed mid-write left: a partial batch each.
+    files.sweep_temporaries(config.output_dir, STALE_TEMPORARY_SECONDS)
     return JsonlTarget(config.output_dir, config.format)
 
 

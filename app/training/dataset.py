@@ -13,7 +13,6 @@ Lines are OpenAI chat records (`messages`); a line in any other format the hub r
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -79,7 +78,5 @@ async def train_dataset(tinker: TinkerConfig, dataset: Path, output: Path) -> di
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
-    tmp, f = files.temporary(path.parent, path.name)
-    with f:
+    with files.replaced(path) as f:
         f.write((json.dumps(value, indent=2) + "\n").encode())
-    os.replace(tmp, path)

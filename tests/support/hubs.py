@@ -50,7 +50,9 @@ def write_config(directory: Path, trace_server: dict[str, Any], **sections: Any)
     if distributor.get("target", "jsonl") == "jsonl":
         distributor = {"output_dir": str(directory / "batches"), **distributor}
     config = {
-        "trace_server": {"host": "127.0.0.1", "port": 0, **trace_server},
+        # hub.test: the name an in-process hub's clients use (ASGI_URL).
+        "trace_server": {"host": "127.0.0.1", "port": 0, "allowed_hosts": ["hub.test"],
+                         **trace_server},
         "distributor": distributor,
         **sections,
     }

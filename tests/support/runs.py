@@ -71,7 +71,8 @@ class RunsEnv:
         config = write_config(
             self.tmp,
             self.trace_server,
-            runs={"enabled": enabled, "logs_dir": str(self.logs_dir), **runs},
+            runs={"enabled": enabled, "logs_dir": str(self.logs_dir),
+                  "allow_without_auth": True, **runs},
         )
         return config, "--tinker", str(tinker)
 

@@ -4,6 +4,7 @@ to ship, nothing to run in the browser, and every chart has its figures as text 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -11,6 +12,8 @@ from typing import Any
 WIDTH, HEIGHT, PAD = 600, 160, 8
 # Bucket widths the charts over time choose from: about 40 buckets across the range.
 _BUCKETS = (60, 300, 900, 3600, 6 * 3600, 86400, 7 * 86400, 30 * 86400)
+# The reward histogram's bars, at most: however far apart the lowest and highest reward.
+HISTOGRAM_BARS = 20
 RANGES = {"1h": timedelta(hours=1), "24h": timedelta(days=1), "7d": timedelta(days=7),
           "30d": timedelta(days=30), "all": None}
 
@@ -26,6 +29,22 @@ class Bar:
 def bars(items: list[tuple[str, float]], hrefs: dict[str, str] | None = None) -> list[Bar]:
     top = max((v for _, v in items), default=0) or 1
     return [Bar(label, value, value / top, (hrefs or {}).get(label)) for label, value in items]
+
+
+def histogram(buckets: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """The reward histogram's bars, from the API's buckets (those that hold traces, each
+    as wide as the first): at most HISTOGRAM_BARS from the lowest to the highest, each a
+    whole number of buckets wide, the empty ones between included."""
+    if not buckets:
+        return []
+    step = buckets[0]["to"] - buckets[0]["from"]
+    low, high = buckets[0]["from"], buckets[-1]["to"]
+    width = step * max(1, math.ceil((high - low) / step / HISTOGRAM_BARS))
+    count = min(HISTOGRAM_BARS, max(1, math.ceil((high - low) / width - 1e-9)))
+    held = [0.0] * count
+    for b in buckets:
+        held[min(count - 1, int((b["from"] - low) // width))] += b["traces"]
+    return [(f"{low + i * width:g} to {low + (i + 1) * width:g}", n) for i, n in enumerate(held)]
 
 
 @dataclass(frozen=True)

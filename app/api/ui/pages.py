@@ -4,7 +4,6 @@ are answered with a redirect (post/redirect/get), so reloading never sends twice
 
 from __future__ import annotations
 
-import math
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import parse_qsl, urlencode
@@ -15,9 +14,9 @@ from pydantic import ValidationError
 from starlette.responses import RedirectResponse, Response
 
 from app.access.guard import Principal
-from app.access.keys import Scope
 from app.api.deps import ConnDep, HubDep
 from app.api.params import TraceQuery
+from app.api.schemas import ReviewBody
 from app.api.traces import reviewer_name
 from app.api.ui import charts
 from app.api.ui.render import render
@@ -37,7 +36,7 @@ from app.db import trace_queries
 from app.db.batch_queries import get_batch, list_batches, retry_batch
 from app.db.review_queries import ReviewInput, claim_next, claim_of, save_review
 from app.db.trace_queries import SORTS, TraceFilter, View, get_trace
-from app.domain import BatchState, Label, Stage, Status
+from app.domain import BatchState, Stage, Status
 from app.errors import Forbidden, HubError, Invalid
 from app.hub import Hub
 
@@ -84,7 +83,7 @@ async def overview(
         "rejections": charts.bars(
             sorted(stats["rejections_by_filter"].items(), key=lambda kv: -kv[1]),
             {f: f"/ui/traces?rejected_by={f}" for f in stats["rejections_by_filter"]}),
-        "histogram": charts.bars(_histogram(stats["reward_histogram"])),
+        "histogram": charts.bars(charts.histogram(stats["reward_histogram"])),
         "over_time": charts.charts_over_time(buckets),
         "bucket": _duration(bucket),
         "chosen": chosen,
@@ -112,19 +111,6 @@ def _funnel(total: int, by_stage: dict[str, int]) -> list[tuple[str, float]]:
 def _ordered(counts: dict[str, int], order: list[str]) -> list[tuple[str, float]]:
     known: list[tuple[str, float]] = [(k, counts[k]) for k in order if k in counts]
     return known + [(k, v) for k, v in sorted(counts.items()) if k not in order]
-
-
-def _histogram(buckets: list[dict[str, Any]]) -> list[tuple[str, float]]:
-    """The reward histogram's bars, the empty buckets between the lowest and the
-    highest included (the API lists only buckets that hold traces)."""
-    if not buckets:
-        return []
-    width = buckets[0]["to"] - buckets[0]["from"]
-    held = {b["from"]: b["traces"] for b in buckets}
-    low, high = buckets[0]["from"], buckets[-1]["from"]
-    steps = round((high - low) / width)
-    return [(f"{low + i * width:g} to {low + (i + 1) * width:g}", held.get(low + i * width, 0))
-            for i in range(steps + 1)]
 
 
 def _duration(seconds: int) -> str:
@@ -190,7 +176,8 @@ async def trace(
         return Response(
             orjson.dumps(record, option=orjson.OPT_INDENT_2),
             media_type="application/json",
-            headers={"Content-Disposition": f'attachment; filename="{safe}.{download}.json"'},
+            headers={"Content-Disposition": f'attachment; filename="{safe}.{download}.json"',
+                     "Cache-Control": "no-store"},
         )
     record = await get_trace(conn, trace_id, "canonical")
     compressed = None
@@ -218,24 +205,34 @@ async def review(
 ) -> Response:
     """The review form: label, note, reward override. From the queue, on to the next."""
     form = await read_form(request, visitor)
-    try:
-        label = Label(form.get("label", ""))
-    except ValueError:
-        raise Invalid("choose good or bad", field="label") from None
     reward_text = form.get("reward", "").strip()
     try:
-        reward = float(reward_text) if reward_text else None
-    except ValueError:
-        raise Invalid(f"reward {reward_text!r} is not a number", field="reward") from None
-    if reward is not None and not math.isfinite(reward):
-        raise Invalid("reward must be a finite number", field="reward")
-    note = form.get("note", "").strip() or None
-    await save_review(hub.engine, trace_id, ReviewInput(label, note, reward),
+        # The API's schema, so that a form is held to what the API allows (the note's
+        # length, the reward's bounds).
+        body = ReviewBody.model_validate({
+            "label": form.get("label", ""),
+            "note": form.get("note", "").strip() or None,
+            "reward": float(reward_text) if reward_text else None,
+        })
+    except ValueError as exc:
+        raise _form_error(exc, reward_text) from None
+    await save_review(hub.engine, trace_id, ReviewInput(body.label, body.note, body.reward),
                       reviewer_name(principal))
     queue = form.get("queue")
     if queue is not None:
         return await _next_in_queue(hub, visitor, principal, queue, after=None)
     return RedirectResponse(f"/ui/traces/{trace_id}?saved=1#review", status_code=303)
+
+
+def _form_error(exc: ValueError, reward_text: str) -> Invalid:
+    """The review form's one problem, named as the form names its fields."""
+    if not isinstance(exc, ValidationError):
+        return Invalid(f"reward {reward_text!r} is not a number", field="reward")
+    first = exc.errors(include_url=False)[0]
+    field = str(first["loc"][0]) if first["loc"] else None
+    if field == "label":
+        return Invalid("choose good or bad", field="label")
+    return Invalid(f"{field}: {first['msg']}", field=field)
 
 
 def _filter_names(hub: Hub) -> list[str]:
@@ -386,12 +383,20 @@ async def atropos(request: Request, hub: HubDep, visitor: VisitorDep, _: Reader)
 # --- signing in and out ------------------------------------------------------------
 
 
+# What /ui/login?problem= may say: a code the hub sent there, shown as the hub's own
+# words. Any other value shows nothing (a link must not put words in the hub's mouth).
+LOGIN_PROBLEMS = {
+    "invalid_key": "That key is not valid (unknown, revoked or mistyped).",
+}
+
+
 @router.get("/login")
 async def login(request: Request, hub: HubDep, visitor: VisitorDep) -> Response:
     return render(request, visitor, "login.html", {
         "next": safe_next(request.query_params.get("next")),
-        "problem": request.query_params.get("problem"),
+        "problem": LOGIN_PROBLEMS.get(request.query_params.get("problem", "")),
         "auth": hub.config.auth.enabled,
+        "session_hours": hub.config.auth.session_hours,
     }, title="Sign in")
 
 
@@ -399,26 +404,27 @@ async def login(request: Request, hub: HubDep, visitor: VisitorDep) -> Response:
 async def login_post(request: Request, hub: HubDep, visitor: VisitorDep) -> Response:
     form = await read_form(request, visitor)
     target = safe_next(form.get("next"))
-    key = form.get("key", "").strip()
+    if not hub.config.auth.enabled:
+        return RedirectResponse(target, status_code=303)
     client = request.client.host if request.client else "unknown"
     try:
-        await hub.access.authorize(key, client, (Scope.READ,))
+        session_id = await hub.access.sign_in(form.get("key", "").strip(), client)
     except HubError as exc:
-        if exc.status == 401:
-            problem = "That key is not valid (unknown, revoked or mistyped)."
-            return RedirectResponse(
-                f"/ui/login?{urlencode({'next': target, 'problem': problem})}", status_code=303)
-        if exc.status != 403:  # a key without `read` may still review or administer
+        if exc.status != 401:
             raise
+        return RedirectResponse(
+            f"/ui/login?{urlencode({'next': target, 'problem': 'invalid_key'})}",
+            status_code=303)
     response = RedirectResponse(target, status_code=303)
-    sign_in(response, request, key)
+    sign_in(response, request, session_id, int(hub.access.sessions.lifetime.total_seconds()))
     return response
 
 
 @router.post("/logout")
-async def logout(request: Request, visitor: VisitorDep) -> Response:
+async def logout(request: Request, hub: HubDep, visitor: VisitorDep) -> Response:
     await read_form(request, visitor)
+    if visitor.session_id is not None:
+        await hub.access.sessions.close(visitor.session_id)
     response = RedirectResponse("/ui/login", status_code=303)
-    sign_out(response)
+    sign_out(response, request)
     return response
-

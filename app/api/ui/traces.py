@@ -5,6 +5,8 @@ compressed steps paired side by side (app/compression/alignment.py)."""
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,23 +104,70 @@ def trace_view(record: dict[str, Any], compressed: dict[str, Any] | None) -> dic
         "unplaced": unplaced,
         "breakdown": sorted(breakdown.items(), key=lambda kv: (not kv[1]["fired"], kv[0])),
         "computed": computed,
-        "compare": _compare(raw_steps, compressed) if compressed is not None else None,
+        "compare": (_compare(raw_steps, compressed, record.get("compression") or {})
+                    if compressed is not None else None),
     }
 
 
-def _compare(original: list[dict[str, Any]], compressed: dict[str, Any]) -> dict[str, Any]:
+def _compare(original: list[dict[str, Any]], compressed: dict[str, Any],
+             record: dict[str, Any]) -> dict[str, Any]:
     kept: list[dict[str, Any]] = compressed.get("steps") or []
     pairs = align([Step.model_validate(s) for s in original],
                   [Step.model_validate(s) for s in kept])
+    kinds = {i: kind for kind, at in (record.get("removed_steps") or {}).items() for i in at}
     rows = []
     for pair in pairs:
+        after = None if pair.compressed is None else kept[pair.compressed]
         rows.append({
             "change": pair.change,
+            "kind": kinds.get(pair.original) if pair.original is not None else None,
+            "what": _what(pair.original, after, kinds, original),
             "original": None if pair.original is None else step_view(
                 pair.original, original[pair.original], COMPARE_LINES, COMPARE_CHARS),
-            "compressed": None if pair.compressed is None else step_view(
-                pair.compressed, kept[pair.compressed], COMPARE_LINES, COMPARE_CHARS),
+            "compressed": None if after is None or pair.compressed is None else step_view(
+                pair.compressed, after, COMPARE_LINES, COMPARE_CHARS),
         })
     counts = {change: sum(1 for p in pairs if p.change == change)
               for change in ("kept", "rewritten", "removed", "added")}
-    return {"rows": rows, "counts": counts}
+    how = Counter(kinds.values())
+    said = {"elided": how["redundant_tool_outputs"] + how["long_preserved_outputs"],
+            "referenced": how["repeated_observations"],
+            "collapsed": sum(1 for i, kind in kinds.items() if kind == "repeated_calls"
+                             and original[i].get("type") == "action"),
+            "thoughts_dropped": how["intermediate_thoughts"]}
+    return {"rows": rows, "counts": counts, "how": said}
+
+
+_ELIDED = re.compile(r"\[… ([\d,]+) tokens of output elided …\]")
+
+
+def _what(i: int | None, after: dict[str, Any] | None, kinds: dict[int, str],
+          original: list[dict[str, Any]]) -> str | None:
+    """What compression did to original step i, in words (None: nothing to say)."""
+    kind = kinds.get(i) if i is not None else None
+    if i is None:
+        return "summary of the steps it replaces" if after is not None else None
+    if kind in ("redundant_tool_outputs", "long_preserved_outputs"):
+        elided = sum(int(n.replace(",", "")) for n in _ELIDED.findall(
+            (after or {}).get("content") or ""))
+        return f"output elided: {elided:,} tokens, marked where they were"
+    if kind == "repeated_observations":
+        return "the same output as an earlier step: a reference to it"
+    if kind == "repeat_counts":
+        return "the first of a repeated call: says how many times it came"
+    if kind == "repeated_calls":
+        step = original[i]
+        call = i if step.get("type") == "action" else next(
+            (j for j in range(i - 1, -1, -1) if original[j].get("type") == "action"), i)
+        first = next((j for j in range(call - 1, -1, -1)
+                      if kinds.get(j) != "repeated_calls"
+                      and original[j].get("type") == "action"
+                      and original[j].get("tool") == original[call].get("tool")
+                      and original[j].get("arguments") == original[call].get("arguments")), None)
+        return ("exact repeat, collapsed into the first" if first is None
+                else f"exact repeat of step {first}, collapsed into it")
+    if kind == "intermediate_thoughts":
+        return "thought dropped"
+    if kind == "summarized_steps":
+        return "summarized"
+    return None

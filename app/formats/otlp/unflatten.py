@@ -7,6 +7,13 @@ from typing import Any
 
 import orjson
 
+from app.formats import _common as c
+
+# Levels an indexed key may have below its prefix: the conventions' deepest
+# (`llm.output_messages.N.message.tool_calls.N.tool_call.function.arguments`) has 7. A
+# key of thousands of dots would otherwise nest as deep, past what can be read back.
+MAX_KEY_DEPTH = 32
+
 
 def decoded_json(value: Any) -> Any:
     """A string holding a JSON object or array, decoded; anything else as it is."""
@@ -20,12 +27,18 @@ def decoded_json(value: Any) -> Any:
 
 def indexed(attrs: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
     """The entries `prefix.N.<path>` as a list by N, each a nested dict of its paths
-    (numbered levels below become lists too). Gaps in the numbering are closed."""
+    (numbered levels below become lists too). Gaps in the numbering are closed. Raises
+    Invalid for a key of more than MAX_KEY_DEPTH levels below `prefix`."""
     start = prefix + "."
     tree: dict[str, Any] = {}
     for key, value in attrs.items():
         if key.startswith(start):
-            _put(tree, key[len(start):].split("."), value)
+            path = key[len(start):].split(".", MAX_KEY_DEPTH)
+            if len(path) > MAX_KEY_DEPTH:
+                c.fail(f"{key[:80]}...", f"an attribute key under {prefix} may have at "
+                       f"most {MAX_KEY_DEPTH} levels; this one has "
+                       f"{key.count('.', len(start)) + 1}")
+            _put(tree, path, value)
     listed = _listed(tree)
     return [e for e in listed if isinstance(e, dict)] if isinstance(listed, list) else []
 

@@ -64,7 +64,10 @@ def read(body: bytes, encoding: Encoding, max_spans: int, privacy: str) -> Decod
     # text may escape any character, so each record is, in protobuf.
     if records and (encoding == "json" or redactor.may_hold_secrets(body)):
         records = _redacted(records, redactor)
-    return Decoded(records, unreadable + rejected.reasons)
+    # The reasons quote what was sent (a span's name, an id that does not decode): they
+    # are logged, so their secrets go too.
+    reasons = [redactor.redact_text(reason)[0] for reason in unreadable + rejected.reasons]
+    return Decoded(records, reasons)
 
 
 def _too_many(max_spans: int) -> PayloadTooLarge:

@@ -143,25 +143,59 @@ async def oldest_due(
 @dataclass(slots=True)
 class TraceSpans:
     """A trace's stored spans, as (resource, scope, span) in start order, and the
-    secrets redacted from them before they were stored."""
+    secrets redacted from them before they were stored; `left_out`: the spans past
+    the trace's bounds, not read."""
 
     spans: list[tuple[bytes, bytes, bytes]] = field(default_factory=list)
     redactions: Counter[str] = field(default_factory=Counter)
+    size: int = 0  # bytes of `spans`
+    left_out: int = 0
 
 
-async def spans_of(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, TraceSpans]:
+async def spans_of(
+    conn: AsyncConnection, trace_ids: list[str], *, max_spans: int, max_bytes: int,
+    budget: int,
+) -> dict[str, TraceSpans]:
+    """The spans of `trace_ids`, each trace's first `max_spans` by start time, up to
+    `max_bytes` of them (the rest counted as left out), read as a stream: traces in
+    the order given, until `budget` bytes are held (one trace at least); the traces
+    after that are not in the answer (the next pass reads them)."""
+    if not trace_ids:
+        return {}
     s = OTLP_SPANS.c
-    rows = await conn.execute(
+    order = sa.case({trace_id: i for i, trace_id in enumerate(trace_ids)}, value=s.trace_id)
+    rows = await conn.stream(
         sa.select(s.trace_id, s.resource, s.scope, s.span, s.redactions)
         .where(s.trace_id.in_(trace_ids))
-        .order_by(s.trace_id, s.start_ns, s.span_id)
+        .order_by(order, s.start_ns, s.span_id)
     )
-    out = {trace_id: TraceSpans() for trace_id in trace_ids}
-    for row in rows:
-        found = out[row.trace_id]
-        found.spans.append((row.resource, row.scope, row.span))
-        if row.redactions:
-            found.redactions.update(row.redactions)
+    out: dict[str, TraceSpans] = {}
+    held = 0
+    read_all = True
+    try:
+        async for row in rows:
+            found = out.get(row.trace_id)
+            if found is None:
+                if out and held >= budget:
+                    read_all = False
+                    break
+                found = out[row.trace_id] = TraceSpans()
+            size = len(row.resource) + len(row.scope) + len(row.span)
+            if found.left_out or len(found.spans) >= max_spans or (
+                found.spans and found.size + size > max_bytes
+            ):
+                found.left_out += 1
+                continue
+            found.spans.append((row.resource, row.scope, row.span))
+            found.size += size
+            held += size
+            if row.redactions:
+                found.redactions.update(row.redactions)
+    finally:
+        await rows.close()
+    if read_all:  # every trace read: those without spans too
+        for trace_id in trace_ids:
+            out.setdefault(trace_id, TraceSpans())
     return out
 
 

@@ -1,0 +1,86 @@
+"""Facts: the identifiers, numbers, paths and names a trace's turns hold, so that
+compression keeps what an assistant turn relies on.
+
+    facts("user mia_li_3668 paid $368.00")   # {"mia_li_3668", "368.00", "368"}
+    facts("on 2024-05-20", parts=False)      # {"2024-05-20"}: what a turn states
+
+A fact is a token with a digit (a number, a date, an id like HAT069), with an
+underscore, slash or inner dot (a snake_case name, a path, a file name), or an
+upper-case code of three letters or more (JFK, HXDUBJ). A token a turn holds also
+stands for its parts between separators, so that "368" is found in "$368.00" and
+"app/main.py" in "src/app/main.py:12"; what a turn states is taken whole (a path also
+as its file name), so that stating "2024-05-20" does not make every "2024" matter.
+Plain words are not facts: every output shares them.
+
+A fact an assistant turn states is *backed* when an earlier turn other than the
+assistant's (the task, the system prompt, a user turn, a tool result) holds it.
+key_decision_extract keeps every line of a tool output that holds a fact a later
+assistant turn states, and the tests check on the real corpus that backed facts stay
+backed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+
+from app.domain import Step
+
+# Runs of word characters joined by the separators paths, versions, dates and
+# amounts use; separators at the ends are not part of the token.
+TOKEN = re.compile(r"[\w$]+(?:[./:\-@#][\w$]+)*")
+_PARTS = re.compile(r"[./:\-@#$]")
+_COLON, _SLASH = re.compile(r"[:@#]"), re.compile(r"[/:@#]")
+_DIGIT = re.compile(r"\d")
+_CODE = re.compile(r"[A-Z][A-Z0-9]{2,}")
+# What makes a word a name: a snake_case join, a path, a file or module name.
+_NAME = re.compile(r"[_/.]")
+# Shorter numbers (list items, small counts) are in every text.
+_MIN_NUMBER = 3
+_MIN_NAME = 4
+
+
+def facts(text: str, *, parts: bool = True) -> set[str]:
+    """The facts `text` holds, each whole and by its parts. With `parts` false, what
+    the text states: a path stands for itself and its file name, but a date or an
+    amount does not state its year or its cents."""
+    found: set[str] = set()
+    for token in set(TOKEN.findall(text)):
+        found.update(p for p in candidates(token, parts=parts) if _is_fact(p))
+    return found
+
+
+def candidates(token: str, *, parts: bool = True) -> list[str]:
+    """A token and what it also stands for (its parts), facts or not."""
+    token = token.strip("$")
+    if not _PARTS.search(token):
+        return [token]
+    # A path with its line number, its file name, then every part.
+    splits = (_COLON, _SLASH, _PARTS) if parts else (_COLON, _SLASH)
+    return [token, *(part for split in splits for part in split.split(token))]
+
+
+def holds(text: str, wanted: Callable[[str], bool]) -> bool:
+    """Whether `text` holds a fact `wanted` says yes to (it is only asked about the
+    text's tokens and their parts, facts or not: for a set of facts, the same)."""
+    return any(wanted(p) for token in set(TOKEN.findall(text)) for p in candidates(token))
+
+
+def _is_fact(token: str) -> bool:
+    if _DIGIT.search(token):
+        return len(token) >= _MIN_NUMBER
+    if len(token) < _MIN_NAME:
+        return bool(_CODE.fullmatch(token))
+    return bool(_NAME.search(token.strip("_./"))) or bool(_CODE.fullmatch(token))
+
+
+def step_text(step: Step) -> str:
+    return "\n".join(step.text_parts())
+
+
+def stated(steps: Iterable[Step]) -> set[str]:
+    """The facts a run of steps holds."""
+    found: set[str] = set()
+    for step in steps:
+        found |= facts(step_text(step))
+    return found
