@@ -26,7 +26,10 @@ pytestmark = pytest.mark.process
 
 
 def stored(url: str) -> int:
-    return int(httpx.get(f"{url}/v1/stats", timeout=30).json()["traces"])
+    """Traces the hub holds (asked again while a rate limit answers 429)."""
+    answer = wait_until(lambda: (r := httpx.get(f"{url}/v1/stats", timeout=30)).status_code
+                        == 200 and r, timeout=60, what="the hub's stats")
+    return int(answer.json()["traces"])
 
 
 def trace(n: int) -> dict[str, Any]:
