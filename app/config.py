@@ -16,10 +16,10 @@ import json
 import os
 import pwd
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from pathlib import Path
-from types import UnionType
+from types import MappingProxyType, UnionType
 from typing import Annotated, Any, Literal, TypeGuard, TypeVar, Union, get_args, get_origin
 
 from pydantic import (
@@ -42,6 +42,7 @@ from app import formats
 from app.domain import NEVER_PRUNED, Stage
 from app.durations import format_duration, parse_duration
 from app.errors import ConfigError
+from app.patterns import compile_pattern
 
 ENV_PREFIX = "ATROPOS_"
 
@@ -77,7 +78,7 @@ class TraceServerConfig(_Section):
     flush_interval_seconds: float = Field(30, gt=0)
     # Processes that parse, score and tokenize incoming traces and validate and deflate
     # Atropos groups (app/ingest/processes.py); null: one per CPU this process may run
-    # on, at most 8 (~120 MB RSS each).
+    # on, at most 8 (each holds the hub's code and the tokenizer: docs/ingest.md).
     ingest_processes: int | None = Field(None, ge=1, le=64)
     # The log's level for every command run with this file (--log-level overrides it).
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -158,11 +159,12 @@ def _training_record(name: str) -> str:
 
 
 class RetryPolicy(_Section):
-    """How a background stage retries a row whose work failed (compression.retry,
-    distributor.retry). Failed attempt n is retried after min(base_seconds * 2^(n-1),
-    max_seconds), less up to `jitter` of that at random, so that workers that failed
-    together do not retry together while the bounds still hold; after max_attempts
-    attempts the row is failed with its error (app/stages/leases.py `retry_later`)."""
+    """How a failed attempt is retried: a background stage's row (compression.retry,
+    distributor.retry) or a call to the model endpoint (tinker.retry). Failed attempt
+    n is retried after min(base_seconds * 2^(n-1), max_seconds), less up to `jitter`
+    of that at random, so that workers that failed together do not retry together
+    while the bounds still hold; after max_attempts attempts the row is failed with
+    its error (app/stages/leases.py `retry_later`), or the call (app/llm.py)."""
 
     max_attempts: int = Field(3, gt=0)
     base_seconds: float = Field(5, ge=0)
@@ -184,12 +186,59 @@ class DeliveryRetry(RetryPolicy):
     jitter: float = Field(0.5, ge=0, le=1)
 
 
-# distributor keys from before `retry` was an object of its own, still read.
-_FLAT_RETRY_KEYS = {
-    "max_attempts": "max_attempts",
-    "retry_base_seconds": "base_seconds",
-    "retry_max_seconds": "max_seconds",
+class ModelRetry(RetryPolicy):
+    """tinker.retry: the model endpoint's 429, 5xx, 408, timeouts and connection
+    failures. A Retry-After longer than max_seconds fails the call at once."""
+
+    max_attempts: int = Field(4, gt=0)
+    base_seconds: float = Field(1, ge=0)
+    max_seconds: float = Field(30, ge=0)
+    jitter: float = Field(0.5, ge=0, le=1)
+
+
+# Keys from before `retry` was an object of its own, still read: the old key, the
+# retry key it became, and how its value reads there.
+_Legacy = dict[str, tuple[str, Callable[[Any], Any]]]
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _attempts(retries: Any) -> Any:
+    # max_retries counted the retries after the first attempt; max_attempts counts it too.
+    return retries + 1 if isinstance(retries, int) else retries
+
+
+_DISTRIBUTOR_RETRY_KEYS: _Legacy = {
+    "max_attempts": ("max_attempts", _same),
+    "retry_base_seconds": ("base_seconds", _same),
+    "retry_max_seconds": ("max_seconds", _same),
 }
+_MODEL_RETRY_KEYS: _Legacy = {
+    "max_retries": ("max_attempts", _attempts),
+    "retry_base_delay_seconds": ("base_seconds", _same),
+    "retry_max_delay_seconds": ("max_seconds", _same),
+}
+
+
+def _legacy_retry_keys(data: Any, legacy: _Legacy) -> Any:
+    """A section's older flat retry keys moved into its `retry` object, as older config
+    files and environment overrides write them; one key set both ways is refused."""
+    if not isinstance(data, dict) or not legacy.keys() & data.keys():
+        return data
+    data = dict(data)
+    retry = data.get("retry") or {}
+    if not isinstance(retry, dict):
+        return data  # the retry field reports what is wrong with it
+    retry = dict(retry)
+    for flat, (key, convert) in legacy.items():
+        if flat in data:
+            if key in retry:
+                raise ValueError(f"{flat} and retry.{key} both set; keep retry.{key}")
+            retry[key] = convert(data.pop(flat))
+    data["retry"] = retry
+    return data
 
 
 class DistributorConfig(_Section):
@@ -213,50 +262,60 @@ class DistributorConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _flat_retry_keys(cls, data: Any) -> Any:
-        """max_attempts, retry_base_seconds, retry_max_seconds: the keys of retry
-        before it was an object, as older config files and overrides write them."""
-        if not isinstance(data, dict) or not _FLAT_RETRY_KEYS.keys() & data.keys():
-            return data
-        data = dict(data)
-        retry = data.get("retry") or {}
-        if not isinstance(retry, dict):
-            return data  # the retry field reports what is wrong with it
-        retry = dict(retry)
-        for flat, key in _FLAT_RETRY_KEYS.items():
-            if flat in data:
-                if key in retry:
-                    raise ValueError(f"{flat} and retry.{key} both set; keep retry.{key}")
-                retry[key] = data.pop(flat)
-        data["retry"] = retry
-        return data
+        return _legacy_retry_keys(data, _DISTRIBUTOR_RETRY_KEYS)
+
+
+class TinkerTargetConfig(DistributorConfig):
+    """distributor.target `tinker`: no keys of its own, the service is tinker.json's."""
+
+    target: Literal["tinker"] = "tinker"
+
+
+class JsonlTargetConfig(DistributorConfig):
+    target: Literal["jsonl"] = "jsonl"
+    # One training file per batch, plus manifest.jsonl.
+    output_dir: HomePath = "~/.atropos/batches"
+
+
+class HttpTargetConfig(DistributorConfig):
+    target: Literal["http"] = "http"
+    # Where batches are POSTed, e.g. https://trainer/batches.
+    url: str
+    http_timeout_seconds: float = Field(60, gt=0)
+
+
+# Each target's distributor keys, by distributor.target, in the order config errors list
+# them. The config owns every key; app/targets builds each target from its model.
+TARGET_CONFIGS: Mapping[str, type[DistributorConfig]] = MappingProxyType({
+    "tinker": TinkerTargetConfig,
+    "jsonl": JsonlTargetConfig,
+    "http": HttpTargetConfig,
+})
 
 
 def _for_its_target(raw: dict[str, Any]) -> DistributorConfig:
     """The distributor section as the config model of the target it names. A key of
     another target is refused unless it holds that key's default or null, as
     config.json.example, which lists every key, has it."""
-    # The targets import this module, so their registry is looked up only now.
-    from app.targets import TARGETS
-
     name = raw.get("target", DistributorConfig.model_fields["target"].default)
-    spec = TARGETS.get(name) if isinstance(name, str) else None
-    if spec is None:
+    model = TARGET_CONFIGS.get(name) if isinstance(name, str) else None
+    if model is None:
         raise _error("literal_error", "Input should be {expected}", ("target",), name,
-                     expected=_either(TARGETS))
-    own = spec.config.model_fields
+                     expected=_either(TARGET_CONFIGS))
+    own = model.model_fields
     keys = dict(raw)
     for key, value in raw.items():
         if key in own:
             continue
-        owner = next((t for t in TARGETS.values() if key in t.config.model_fields), None)
+        owner = next((t for t, m in TARGET_CONFIGS.items() if key in m.model_fields), None)
         if owner is None:
             continue  # no target's key: the model refuses it, below
-        if value is not None and value != owner.config.model_fields[key].default:
+        if value is not None and value != TARGET_CONFIGS[owner].model_fields[key].default:
             raise _error("not_a_key", "a key of the {owner} target; distributor.target is {target}",
-                         (key,), value, owner=owner.name, target=name)
+                         (key,), value, owner=owner, target=name)
         del keys[key]
     try:
-        config: DistributorConfig = spec.config.model_validate(keys)
+        config: DistributorConfig = model.model_validate(keys)
     except ValidationError as exc:
         unknown = next((e for e in exc.errors() if e["type"] == "extra_forbidden"), None)
         if unknown is None:
@@ -445,8 +504,6 @@ class AtroposConfig(_Section):
 
 
 def _re2_pattern(pattern: str) -> str:
-    from app.evaluation.redaction import compile_pattern  # it imports this module
-
     compile_pattern(pattern)
     return pattern
 
@@ -586,12 +643,10 @@ class TinkerConfig(_Section):
     learning_rate: float = Field(4e-5, gt=0)
     epochs: int = Field(1, gt=0)
     batch_size: int = Field(32, gt=0)
-    # The model endpoint client (app/llm.py): per-request timeout, and retries with
-    # jittered exponential backoff on 429, 5xx and timeouts.
+    # The model endpoint client (app/llm.py): per-request timeout, and the retries of
+    # 429, 5xx and timeouts (the stages' policy, its own defaults).
     timeout_seconds: float = Field(60, gt=0)
-    max_retries: int = Field(3, ge=0)
-    retry_base_delay_seconds: float = Field(1.0, ge=0)
-    retry_max_delay_seconds: float = Field(30.0, ge=0)
+    retry: ModelRetry = Field(default_factory=ModelRetry)
     # Training (the tinker target and `atropos train`): `openai` is an OpenAI-compatible
     # fine-tuning API at base_url; `tinker` is Thinking Machines' SDK (pip extra).
     backend: Literal["openai", "tinker"] = "openai"
@@ -600,6 +655,11 @@ class TinkerConfig(_Section):
     job_timeout_seconds: float = Field(86400, gt=0)
     # The tinker backend: a Hugging Face tokenizer for traces that carry no token ids.
     tokenizer: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_retry_keys(cls, data: Any) -> Any:
+        return _legacy_retry_keys(data, _MODEL_RETRY_KEYS)
 
     def api_key(self) -> str | None:
         value = os.environ.get(self.api_key_env)

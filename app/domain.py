@@ -89,6 +89,10 @@ TRANSITIONS: dict[Stage, frozenset[Stage]] = {
     Stage.DELIVERED: frozenset(),
 }
 
+# Where a trace becomes eligible for a batch: every accepted trace passes through the
+# compression stage (which skips it when compression is off).
+ELIGIBLE: tuple[Stage, ...] = (Stage.COMPRESSED, Stage.COMPRESSION_SKIPPED)
+
 # Never deleted by retention (`atropos prune`, config `retention`): on its way to training.
 NEVER_PRUNED: frozenset[Stage] = frozenset({Stage.BATCHED})
 
@@ -230,7 +234,7 @@ class Trace(BaseModel):
         prompt: each schema the trace carried as JSON (`json.dumps`, as Jinja's
         `tojson` writes it), one per line, and a tool known only by name as its name.
         One part, so that the tool list an agent resends with every trace is tokenized
-        once (app/ingest/tokens.py remembers long parts)."""
+        once (app/tokens.py remembers long parts)."""
         schemas = self.metadata.get("tool_schemas")
         schemas = schemas if isinstance(schemas, list) else []
         described = {
@@ -247,7 +251,7 @@ class Trace(BaseModel):
 
 @lru_cache(maxsize=64)
 def _template_json(schemas: bytes) -> str:
-    # json.dumps is ~8x slower than orjson, whose compact output a template would not
+    # json.dumps is slower than orjson, whose compact output a template would not
     # write; agents resend the same tool list with every trace, so its text is kept,
     # keyed by the compact bytes.
     return "\n".join(json.dumps(schema, ensure_ascii=False) for schema in orjson.loads(schemas))

@@ -17,6 +17,15 @@ HubError
  └── Unavailable (503)            overload; carries Retry-After
 StartupError                      stops start-up with one line (no tokenizer, ...)
  └── ConfigError                  a bad config file
+ServiceError                      a service the hub calls failed or refused (one line, the fix)
+ ├── LLMError                     the model endpoint (app/llm.py holds its own subtree)
+ ├── DeliveryError                a delivery target: the http target's URL, the jsonl directory
+ └── TrainingFailed               a training job ended other than succeeded
+      └── TrainingTimeout         still running after tinker.job_timeout_seconds
+
+Foreign errors (httpx's, OSError, an SDK's) are translated into a ServiceError where the
+hub calls the service (app/llm.py, app/targets, app/training), so nothing above those
+clients catches them.
 """
 
 from __future__ import annotations
@@ -143,3 +152,22 @@ class StartupError(Exception):
 class ConfigError(StartupError):
     """A config file that cannot be used; the message is one line naming the file,
     the key and the fix."""
+
+
+class ServiceError(Exception):
+    """A service the hub calls failed or refused: the message says which, and what to do.
+    A stage records it (a batch's last_error) in one line, without a traceback."""
+
+
+class DeliveryError(ServiceError):
+    """A delivery that failed in a way the target could describe (the message becomes
+    the batch's last_error)."""
+
+
+class TrainingFailed(ServiceError):
+    """The training job ended in a state other than success; the message says why."""
+
+
+class TrainingTimeout(TrainingFailed):
+    """The job was still running after tinker.job_timeout_seconds; a later attempt
+    resumes polling it."""

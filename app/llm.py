@@ -6,7 +6,7 @@ retries and errors.
 Errors, translated from httpx and HTTP statuses here and nowhere else. Each message
 says what to do about it; none carries the key (the variable is named, its value never).
 
-LLMError
+LLMError (an app.errors.ServiceError)
  ├── KeyMissing           the variable named by api_key_env is unset or empty
  ├── KeyRejected          401/403: the endpoint refused the key
  ├── WrongURL             404: nothing answers at the URL used (or not for that model)
@@ -22,7 +22,6 @@ import asyncio
 import email.utils
 import logging
 import os
-import random
 import re
 import time
 import urllib.request
@@ -32,7 +31,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from app.config import TinkerConfig
+from app.config import RetryPolicy, TinkerConfig
+from app.errors import ServiceError
 
 __all__ = [
     "BadResponse",
@@ -59,12 +59,9 @@ log = logging.getLogger(__name__)
 # v1beta, v1alpha2 ...
 _VERSION = re.compile(r"v\d+(?:(?:alpha|beta)\d*)?", re.IGNORECASE)
 _BODY_SHOWN = 200
-# Added to the exponential backoff, as a fraction of it, so that workers that failed
-# together do not retry together (Hermes' jittered_backoff uses the same ratio).
-_JITTER_RATIO = 0.5
 
 
-class LLMError(Exception):
+class LLMError(ServiceError):
     """A model call that failed; `url` is the URL used, `status` the HTTP status if any."""
 
     def __init__(self, message: str, *, url: str, status: int | None = None):
@@ -155,9 +152,9 @@ async def chat(
     """One chat completion from the endpoint tinker.json names, with tinker.model_id
     (or `model`: a model fine-tuned there).
 
-    Retries 429, 5xx, 408, timeouts and connection failures up to `max_retries` times,
-    waiting a jittered exponential backoff, or longer when the endpoint says so with
-    Retry-After. Anything else fails at once with an `LLMError` that says what to fix.
+    Retries 429, 5xx, 408, timeouts and connection failures as tinker.retry says (the
+    stages' RetryPolicy), or waits longer when the endpoint says so with Retry-After.
+    Anything else fails at once with an `LLMError` that says what to fix.
     """
     call = _Call(client, tinker, chat_url(tinker.base_url), model or tinker.model_id)
     body = {
@@ -228,8 +225,8 @@ class _Call:
 
     async def send(self, method: str, send: dict[str, Any]) -> tuple[httpx.Response, int]:
         """The 2xx response and the attempt that got it, after the retries."""
-        tinker = self.tinker
-        attempts = tinker.max_retries + 1
+        policy = self.tinker.retry
+        attempts = policy.max_attempts
         for attempt in range(1, attempts + 1):
             outcome = await self.attempt(method, send)
             if isinstance(outcome, httpx.Response):
@@ -237,12 +234,11 @@ class _Call:
             retry = outcome
             if attempt == attempts:
                 break
-            delay = _delay(attempt, retry.after, tinker)
+            delay = _delay(attempt, retry.after, policy)
             if delay is None:
                 raise self.unavailable(
                     f"{retry.reason}, and it asks to wait {retry.after or 0:.0f} s, longer "
-                    f"than tinker.retry_max_delay_seconds "
-                    f"({tinker.retry_max_delay_seconds:g} s)",
+                    f"than tinker.retry.max_seconds ({policy.max_seconds:g} s)",
                     attempt,
                     retry.status,
                 )
@@ -251,7 +247,7 @@ class _Call:
                 shown(self.url),
                 retry.reason,
                 attempt,
-                tinker.max_retries,
+                attempts - 1,
                 delay,
             )
             await asyncio.sleep(delay)
@@ -275,6 +271,10 @@ class _Call:
             if self.proxy_var and isinstance(exc, httpx.ConnectError):
                 raise self._proxy_failed(_transport_detail(exc)) from None
             return _Retry(f"cannot reach it ({_transport_detail(exc)})")
+        except httpx.HTTPError as exc:  # an undecodable body, a redirect loop
+            raise BadResponse(
+                f"{method} {shown(self.url)} failed: {_transport_detail(exc)}", url=self.url
+            ) from None
         return self._answer(response)
 
     def _answer(self, response: httpx.Response) -> httpx.Response | _Retry:
@@ -347,7 +347,7 @@ class _Call:
     def unavailable(self, reason: str, attempts: int, status: int | None) -> EndpointUnavailable:
         return EndpointUnavailable(
             f"the model endpoint at {shown(self.url)} is unavailable after {attempts} "
-            f"attempt(s): {reason}; try again later or raise tinker.max_retries",
+            f"attempt(s): {reason}; try again later or raise tinker.retry.max_attempts",
             url=self.url,
             status=status,
         )
@@ -357,15 +357,11 @@ class _Call:
         return repr(response.text.replace(self.key, "***")[:_BODY_SHOWN])
 
 
-def _delay(attempt: int, retry_after: float | None, tinker: TinkerConfig) -> float | None:
+def _delay(attempt: int, retry_after: float | None, policy: RetryPolicy) -> float | None:
     """Seconds before the next attempt; None when Retry-After asks for more than we wait."""
-    if retry_after is not None and retry_after > tinker.retry_max_delay_seconds:
+    if retry_after is not None and retry_after > policy.max_seconds:
         return None
-    backoff: float = min(
-        tinker.retry_base_delay_seconds * 2.0 ** (attempt - 1), tinker.retry_max_delay_seconds
-    )
-    backoff += random.uniform(0, _JITTER_RATIO * backoff)
-    return max(backoff, retry_after or 0.0)
+    return max(policy.delay(attempt), retry_after or 0.0)
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -403,7 +399,7 @@ def proxy_var(url: str) -> str | None:
     return None
 
 
-def _transport_detail(exc: httpx.TransportError) -> str:
+def _transport_detail(exc: httpx.HTTPError) -> str:
     # The text can name a proxy URL, and proxy URLs can carry user:password.
     text = re.sub(r"//[^/@\s]+@", "//***@", str(exc))
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

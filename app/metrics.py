@@ -41,8 +41,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from app.domain import BatchState, Stage
-from app.stages.distribution import ELIGIBLE
+from app.domain import ELIGIBLE, BatchState, Stage
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -1,4 +1,4 @@
-"""Replays the denial-of-service attacks of issue 17 against a real `atropos serve` and
+"""Replays the denial-of-service attacks of docs/access.md against a real `atropos serve` and
 prints what each cost: the time to an answer, the answer, and the serving process's
 memory peak above its level before (VmHWM - VmRSS, from /proc).
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from app.compression import Compressed, compress
 from app.config import CompressionConfig
 from app.domain import StepType, Trace
-from app.ingest.tokens import count_parts
+from app.tokens import count_parts
 from tests.support import compression_quality as quality
 from tests.support.real_traces import OPENHANDS, SWE_AGENT, load
 

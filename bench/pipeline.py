@@ -38,7 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection  # noqa: E402
 from app.config import TraceServerConfig  # noqa: E402
 from app.db.engine import create_engine  # noqa: E402
 from app.db.models import BATCHES, MEMBERS, TRACES  # noqa: E402
-from app.stages.distribution import ELIGIBLE  # noqa: E402
+from app.domain import ELIGIBLE  # noqa: E402
 from bench.ingest import load, load_arguments, trace_server  # noqa: E402
 
 

@@ -22,7 +22,7 @@ from app.config import EnvironmentConfig, LimitsConfig, PrivacyConfig  # noqa: E
 from app.evaluation.environment import Environment  # noqa: E402
 from app.evaluation.redaction import _SECRETS, Redactor  # noqa: E402
 from app.ingest.ingestor import Preparer  # noqa: E402
-from app.ingest.tokens import encoding  # noqa: E402
+from app.tokens import encoding  # noqa: E402
 
 SECRET_LINE = "OPENAI_API_KEY=sk-proj-Fake0penAIkey1234567890abcdefGHIJ"
 

@@ -1,4 +1,4 @@
-"""Ingest under wrk, as issue 20 measured it: wrk (C, 2 threads, 32 connections) posts
+"""Ingest under wrk, as docs/ingest.md measures it: wrk (C, 2 threads, 32 connections) posts
 distinct native traces to a real `atropos serve` on 127.0.0.1 for a fixed time, after a
 3 s warm-up. It prints the acknowledged traces/s, wrk's latency percentiles and the CPU
 time per acknowledged trace of all the hub's processes (bench/ingest.py's measure), then

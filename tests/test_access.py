@@ -30,7 +30,7 @@ def bearer(key: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def secured(start_hub: Any, trace_server: dict[str, Any]) -> tuple[InProcessHub, dict[str, str]]:
+def secured(start_hub: Any, trace_server: dict[str, Any]) -> tuple[InProcessHub, dict[Scope, str]]:
     hub = start_hub(trace_server, auth=AUTH)
     keys = {scope: make_key(trace_server, scope, name=f"{scope}-key") for scope in Scope}
     return hub, keys
@@ -98,6 +98,7 @@ def test_scopes(secured: tuple[InProcessHub, dict[str, str]]) -> None:
     assert doc["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
 
 
+@pytest.mark.process
 def test_keys_cli_create_list_revoke(start_hub: Any, trace_server: dict[str, Any]) -> None:
     hub = start_hub(trace_server, auth=AUTH)
     created = run_cli("keys", "create", "--config", str(hub.config),
@@ -219,11 +220,12 @@ def test_rate_limit_without_auth_is_per_address(
     assert db_execute(trace_server, "SELECT trace_id FROM traces WHERE trace_id = 'limited'") == []
 
 
+@pytest.mark.process
 def test_a_forwarded_address_counts_only_from_a_listed_proxy(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
     """X-Forwarded-For let any client on loopback pick its own address and escape the
-    per-address rate limit (issue 17): it is believed only from
+    per-address rate limit: it is believed only from
     trace_server.forwarded_allow_ips, which lists none by default. (`atropos serve`
     itself: the headers are uvicorn's to believe.)"""
     limit = {"rate_limit_per_second": 0.05}
@@ -243,6 +245,7 @@ def test_a_forwarded_address_counts_only_from_a_listed_proxy(
         assert r.status_code == 429 and "10.0.0.1" in r.json()["error"]["message"]
 
 
+@pytest.mark.process
 def test_forwarded_allow_ips_takes_addresses_and_networks(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text('{"trace_server": {"forwarded_allow_ips": ["proxy.local"]}}')
@@ -264,6 +267,7 @@ def test_an_unguarded_v1_route_stops_start_up() -> None:
         install_openapi(app, AuthConfig())
 
 
+@pytest.mark.process
 def test_auth_config_errors(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
     config.write_text('{"auth": {"enabled": true, "cors_origins": ["dash.example"]}}')
@@ -275,6 +279,7 @@ def test_auth_config_errors(tmp_path: Path) -> None:
     assert result.returncode == 2 and "auth.rate_limit_per_second" in result.stderr
 
 
+@pytest.mark.process
 def test_import_over_http_sends_the_key_and_waits_when_told(
     start_hub: Any, trace_server: dict[str, Any]
 ) -> None:

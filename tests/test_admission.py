@@ -69,7 +69,7 @@ def test_no_request_waits_past_the_bound_and_readiness_follows_the_write_path(
 ) -> None:
     """With another process holding the write lock past SQLite's busy timeout (10 s), a
     write failed, the timer behind limits.max_write_wait_seconds restarted, and
-    requests admitted then waited 15-38 s; /readyz said 200 throughout (issue 17).
+    requests admitted then waited 15-38 s; /readyz said 200 throughout.
     Every request is answered within the bound (503, never written afterwards), /readyz
     says 503 while writes fail and 200 again by itself once they succeed."""
     hub = start_hub(trace_server, "--no-workers",
@@ -138,7 +138,7 @@ def test_a_lock_held_past_sqlites_busy_timeout_is_503_not_422(
     start_hub: Any, tmp_path: Any
 ) -> None:
     """SQLite gives up on a lock after its busy_timeout (10 s): the trace was answered
-    422 "database is locked", and a client drops a trace on a 4xx (issue 17)."""
+    422 "database is locked", and a client drops a trace on a 4xx."""
     trace_server = {"storage_backend": "sqlite", "db_path": str(tmp_path / "t.db")}
     hub = start_hub(trace_server, "--no-workers", limits={"max_write_wait_seconds": 60})
     post = in_background(hub)

@@ -200,7 +200,7 @@ def test_bad_input_is_a_clear_4xx(
 
 def test_nul_characters_are_stored_the_same_on_both_databases(client: httpx.Client) -> None:
     """PostgreSQL's text and jsonb cannot hold NUL, SQLite can: a trace with one sank its
-    whole group commit on PostgreSQL (issue 17). Agents write them (smolagents reading a
+    whole group commit on PostgreSQL. Agents write them (smolagents reading a
     binary file, in the real corpus): stored as U+FFFD on both, everywhere."""
     nul = native_trace(trace_id="nul", env="sh\x00ell",
                        steps=[{"type": "observation", "content": "PK\x03\x04\x00\x00"}],

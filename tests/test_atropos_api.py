@@ -131,6 +131,7 @@ def restart(hub: HubProcess, client: httpx.Client) -> httpx.Client:
 # --- handshake ------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_handshake_killed_at_each_step(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -190,6 +191,7 @@ def test_status_env_needs_a_registered_env(api: httpx.Client) -> None:
 # --- batching -------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_first_batch_forms_every_batch_then_serves_one_per_call(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -236,6 +238,7 @@ def test_weights_and_minimum_allocation(api: httpx.Client) -> None:
     assert api.get("/status").json() == {"current_step": 1, "queue_size": 4}
 
 
+@pytest.mark.process
 def test_a_dead_env_stops_holding_batches_back(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -345,6 +348,7 @@ def test_inference_logprobs_are_served_as_sent(api: httpx.Client) -> None:
     assert served[0]["inference_logprobs"] is None
 
 
+@pytest.mark.process
 def test_missing_logprobs_are_filled_when_asked(
     start_hub: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -387,6 +391,7 @@ def test_latest_example_is_the_group_as_sent(api: httpx.Client) -> None:
 # --- the ack lease --------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_ack_lease_and_redelivery(start_hub_process: Any, trace_server: dict[str, Any]) -> None:
     hub: HubProcess = start_hub_process(trace_server, atropos={"ack_timeout_seconds": 0.5})
     client = hub.client()
@@ -530,7 +535,7 @@ def test_bad_input_gets_4xx(api: httpx.Client) -> None:
 
 
 def test_nan_and_infinity_are_refused(api: httpx.Client) -> None:
-    """They are not JSON; stored, they were served back as null (issue 17)."""
+    """They are not JSON; stored, they were served back as null."""
     register(api, batch_size=1)
     json_body = {"content-type": "application/json"}
     for number in (b"NaN", b"Infinity", b"-Infinity", b"1e400"):
@@ -583,9 +588,10 @@ def test_with_auth_on_reset_takes_an_admin_key_and_the_rest_stays_open(
         hub.stop()
 
 
+@pytest.mark.process
 def test_with_require_key_envs_need_ingest_and_trainers_train(tmp_path: Path) -> None:
     """With auth on, anyone who reached the port could inject groups, take batches
-    (which removes them) or read /latest_example (issue 17). atropos.require_key
+    (which removes them) or read /latest_example. atropos.require_key
     closes every path but / to requests without a key of the right scope."""
     trace_server = {"db_path": str(tmp_path / "hub.db")}
     config = write_config(tmp_path, trace_server, auth={"enabled": True},
@@ -643,6 +649,7 @@ def test_with_require_key_envs_need_ingest_and_trainers_train(tmp_path: Path) ->
         hub.kill()
 
 
+@pytest.mark.process
 def test_require_key_without_auth_stops_start_up(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"db_path": str(tmp_path / "hub.db")},
                           atropos={"require_key": True})
@@ -661,6 +668,8 @@ def test_the_queue_is_bounded_in_bytes_by_default() -> None:
 # --- durability and concurrency under load ---------------------------------------------
 
 
+@pytest.mark.process
+@pytest.mark.soak
 def test_kill_9_under_load_loses_no_group_and_acks_each_once(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -735,6 +744,8 @@ def test_kill_9_under_load_loses_no_group_and_acks_each_once(
     assert all(n == 1 or m in unacked for m, n in delivered.items())
 
 
+@pytest.mark.process
+@pytest.mark.soak
 def test_two_hubs_on_one_database_serve_each_group_once(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:

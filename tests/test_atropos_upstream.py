@@ -35,6 +35,8 @@ from tests.support.atroposlib import RegistryUnreachable, install_atroposlib, st
 from tests.support.hubs import InProcessHub
 from tests.support.waiting import wait_until
 
+pytestmark = [pytest.mark.process, pytest.mark.framework]
+
 
 @pytest.fixture(scope="session")
 def atroposlib_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -274,7 +276,7 @@ def atroposlib_utils(atroposlib_dir: Path) -> ModuleType:
 def test_batch_formation_matches_atroposlib(atroposlib_utils: ModuleType) -> None:
     rnd = random.Random(7)
     for _ in range(3000):
-        envs = [
+        envs: list[dict[str, Any]] = [
             {
                 "registered_id": e,
                 "connected": rnd.random() < 0.8,

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 import app.compression.ledger as ledger_module
-import app.ingest.tokens
+import app.tokens
 from app.compression import Compressed, ModelSummarizer, Skipped, compress
 from app.compression.compress import _budget
 from app.compression.extract import (
@@ -20,10 +20,10 @@ from app.compression.extract import (
 )
 from app.compression.ledger import Budget, Ledger, is_error
 from app.compression.summarize import PREFIX, _span, _turns
-from app.config import CompressionConfig, TinkerConfig
+from app.config import CompressionConfig, ModelRetry, TinkerConfig
 from app.domain import Step, StepType, Trace
-from app.ingest.tokens import count_parts
 from app.llm import LLMError
+from app.tokens import count_parts
 from tests.support.fakes.model_server import FakeModel
 from tests.support.real_traces import OPENHANDS, SWE_AGENT, load
 
@@ -162,7 +162,9 @@ def test_an_elided_output_keeps_the_lines_a_later_turn_uses() -> None:
     ledger = Ledger.of(trace)
     found = shape(trace, CompressionConfig())
     assert ledger.trim(1, 64, "redundant_tool_outputs", Budget(0, 0, 0), found.needed(1))
-    out = ledger.steps[1].content or ""
+    trimmed = ledger.steps[1]
+    assert trimmed is not None
+    out = trimmed.content or ""
     assert "row 0150: build_id=HX42Q7 failed, nothing to see here at all" in out.splitlines()
     assert out.startswith("row 0000") and out.endswith("row 0299: status ok, nothing to see here at all")
     [before, after] = MARKER_RE.findall(out)
@@ -193,7 +195,7 @@ async def test_a_saving_under_min_saving_keeps_the_trace_whole() -> None:
 
 def test_system_prompt_cannot_be_dropped() -> None:
     with pytest.raises(ValueError, match="never alters the system prompt"):
-        CompressionConfig(drop_fields=["system_prompt"])
+        CompressionConfig(drop_fields=["system_prompt"])  # type: ignore[list-item]
 
 
 @pytest.mark.parametrize("path", REAL, ids=_ids(REAL))
@@ -211,13 +213,13 @@ async def test_never_under_min_tokens_after(path: Path) -> None:
 def test_counts_are_kept_per_step_not_retokenized(monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole trace is tokenized about once (incl. the result), not once per removal."""
     encoded = [0]
-    real = app.ingest.tokens.count_tokens
+    real = app.tokens.count_tokens
 
     def counting(text: str) -> int:
         encoded[0] += len(text)
         return real(text)
 
-    monkeypatch.setattr(app.ingest.tokens, "count_tokens", counting)
+    monkeypatch.setattr(app.tokens, "count_tokens", counting)
     monkeypatch.setattr(ledger_module, "count_tokens", counting)
     trace = load(OPENHANDS[0])
     policy = CompressionConfig()
@@ -335,8 +337,7 @@ async def summarizer(model_server: tuple[FakeModel, str]) -> AsyncIterator[Model
         base_url=f"{model_server[1]}/v1",
         api_key_env=KEY_ENV,
         model_id="fake/summarizer",
-        max_retries=1,
-        retry_base_delay_seconds=0.001,
+        retry=ModelRetry(max_attempts=2, base_seconds=0.001),
     )
     async with httpx.AsyncClient() as client:
         yield ModelSummarizer(client, tinker)

@@ -20,10 +20,10 @@ from app.compression.invariants import (
     violations,
 )
 from app.compression.ledger import Ledger
-from app.config import CompressionConfig, TinkerConfig
+from app.config import CompressionConfig, ModelRetry, TinkerConfig
 from app.domain import Step, StepType, Trace
 from app.import_sources import Parsed, read_path
-from app.ingest.tokens import count_parts
+from app.tokens import count_parts
 from tests.support import REAL
 from tests.support.fakes.model_server import FakeModel
 
@@ -53,7 +53,7 @@ async def summarizer(
 ) -> AsyncIterator[ModelSummarizer]:
     monkeypatch.setenv(KEY_ENV, FakeModel.key)
     tinker = TinkerConfig(base_url=f"{model_root}/v1", api_key_env=KEY_ENV,
-                          model_id="fake/summarizer", max_retries=0)
+                          model_id="fake/summarizer", retry=ModelRetry(max_attempts=1))
     async with httpx.AsyncClient() as client:
         yield ModelSummarizer(client, tinker)
 
@@ -76,6 +76,7 @@ async def _compress_all(
     return done, broken
 
 
+@pytest.mark.corpus
 @pytest.mark.parametrize("policy", EXTRACT.values(), ids=EXTRACT.keys())
 async def test_key_decision_extract_keeps_every_invariant_on_the_real_corpus(
     corpus: list[tuple[str, Trace]], policy: CompressionConfig
@@ -89,6 +90,7 @@ async def test_key_decision_extract_keeps_every_invariant_on_the_real_corpus(
     assert removed["repeated_calls"] > 0 and removed["repeat_counts"] > 0
 
 
+@pytest.mark.corpus
 @pytest.mark.parametrize("policy", SUMMARIZE.values(), ids=SUMMARIZE.keys())
 async def test_summarize_middle_keeps_every_invariant_on_the_real_corpus(
     corpus: list[tuple[str, Trace]], policy: CompressionConfig, summarizer: ModelSummarizer

@@ -12,7 +12,7 @@ import pytest
 from app.compression import Compressed, Skipped, compress
 from app.compression.ledger import is_system
 from app.domain import StepType
-from app.ingest.tokens import count_parts
+from app.tokens import count_parts
 from tests.support import compression_quality as quality
 from tests.support.real_traces import SWE_AGENT, load
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import sqlalchemy as sa
 
 from app.db.models import TRACES
@@ -26,7 +27,7 @@ from tests.support.waiting import wait_until
 DONE = {"compressed", "compression_skipped", "compression_failed"}
 # Some real runs are rejected by the default filters (error streaks); these tests are
 # about compression, so every trace is let through.
-ACCEPT_ALL = {"invalid_trace_filters": []}
+ACCEPT_ALL: dict[str, Any] = {"invalid_trace_filters": []}
 # The distribution stage moves traces on (below_threshold, batched); these tests look
 # at compression, so no trace is ever below the threshold or in a full batch.
 NO_BATCHES = {"min_reward_threshold": -1e9, "batch_size": 100_000}
@@ -121,6 +122,7 @@ def test_traces_over_max_tokens_are_compressed_even_when_disabled(
     assert "disabled" in records["small"]["compression"]["skipped"]
 
 
+@pytest.mark.process
 def test_kill_9_during_the_stage_compresses_every_trace_once(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -154,7 +156,7 @@ def test_kill_9_during_the_stage_compresses_every_trace_once(
     assert "lease lost" not in burst.stderr
 
 
-# --- a failing, hanging or slow model (issue 17) -------------------------------------
+# --- a failing, hanging or slow model -------------------------------------
 
 KEY_ENV = "FAKE_SUMMARY_KEY"
 FAST_RETRY = {"max_attempts": 3, "base_seconds": 0.3, "max_seconds": 1}
@@ -226,7 +228,7 @@ def test_with_fallback_an_outage_compresses_by_extraction_after_the_retries_and_
     model_root: str, monkeypatch: Any,
 ) -> None:
     """Traces fell back to key_decision_extract at the model's first failure, silently,
-    and were never summarized once it came back (issue 17). With on_model_failure
+    and were never summarized once it came back. With on_model_failure
     `fallback` the fallback comes after the retries, is counted in /v1/stats, and the
     outage is logged at WARNING once, not per trace."""
     fake_model.down = "503"
@@ -258,7 +260,7 @@ def test_a_hanging_model_holds_up_no_trace_that_does_not_need_it(
     model_root: str, monkeypatch: Any,
 ) -> None:
     """With the model hanging, 14 short traces waited ~85 s behind 2 long ones and
-    batching waited too (issue 17): skips are written at once, and distribution runs
+    batching waited too: skips are written at once, and distribution runs
     on its own schedule."""
     fake_model.down = ("slow", 120)  # hangs past the client's timeout
     hub = start_hub({**trace_server, "flush_interval_seconds": 60},
@@ -281,6 +283,7 @@ def test_a_hanging_model_holds_up_no_trace_that_does_not_need_it(
             "accepted"}  # still with the model
 
 
+@pytest.mark.process
 def test_model_calls_run_concurrently_up_to_the_bound(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
     model_root: str, monkeypatch: Any,
@@ -299,12 +302,13 @@ def test_model_calls_run_concurrently_up_to_the_bound(
     assert fake_model.most_in_flight == 3
 
 
+@pytest.mark.process
 def test_a_model_slower_than_the_lease_summarizes_each_trace_once(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path, fake_model: FakeModel,
     model_root: str, monkeypatch: Any,
 ) -> None:
     """With 8 s model calls and two workers, 26 calls were made for 24 traces: the
-    lease ran out mid-call and the other worker took the trace (issue 17). The lease
+    lease ran out mid-call and the other worker took the trace. The lease
     is renewed while the call runs."""
     fake_model.delay = 6  # longer than the lease
     files = summarizing(tmp_path, model_root, monkeypatch, timeout=30, max_concurrent_calls=2)

@@ -9,14 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from app.config import load_compression, load_config, load_tinker
+from app.config import (
+    HttpTargetConfig,
+    JsonlTargetConfig,
+    RetryPolicy,
+    load_compression,
+    load_config,
+    load_tinker,
+)
 from app.errors import ConfigError
-from app.targets.http import HttpTargetConfig
-from app.targets.jsonl import JsonlTargetConfig
 from tests.support import ROOT
 from tests.support.processes import run_cli
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "content, expected",
     [
@@ -48,6 +54,7 @@ def test_bad_config_stops_start_up_with_one_line(
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.process
 def test_no_tokenizer_stops_start_up_with_one_line(tmp_path: Path) -> None:
     """The tokenizer cannot load (as with the toktok-rs package missing or broken):
     serve says so in one sentence and stops. (It loads once the server answers, so that
@@ -73,6 +80,7 @@ def test_no_tokenizer_stops_start_up_with_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.process
 def test_missing_files_name_the_file(tmp_path: Path) -> None:
     good = tmp_path / "config.json"
     good.write_text("{}")
@@ -160,8 +168,26 @@ def test_retry_policies_and_the_older_delivery_keys(
 
     compression = tmp_path / "compression.json"
     compression.write_text(json.dumps({"compression": {"retry": {"max_attempts": 5}}}))
-    retry = load_compression(compression).compression.retry
-    assert (retry.max_attempts, retry.base_seconds, retry.max_seconds, retry.jitter) == (5, 5, 60, 0)
+    policy = load_compression(compression).compression.retry
+    assert (policy.max_attempts, policy.base_seconds, policy.max_seconds, policy.jitter) == (5, 5, 60, 0)
+
+
+def test_the_model_client_retries_by_the_same_policy_and_reads_its_older_keys(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "tinker.json"
+    path.write_text(json.dumps({"tinker": {}}))
+    retry = load_tinker(path).tinker.retry
+    assert isinstance(retry, RetryPolicy)
+    assert (retry.max_attempts, retry.base_seconds, retry.max_seconds, retry.jitter) == (4, 1, 30, 0.5)
+    # max_retries counted the retries only: 2 of them are 3 attempts.
+    path.write_text(json.dumps({"tinker": {"max_retries": 2, "retry_base_delay_seconds": 0.5}}))
+    monkeypatch.setenv("ATROPOS_TINKER__RETRY_MAX_DELAY_SECONDS", "8")
+    retry = load_tinker(path).tinker.retry
+    assert (retry.max_attempts, retry.base_seconds, retry.max_seconds) == (3, 0.5, 8)
+    path.write_text(json.dumps({"tinker": {"max_retries": 2, "retry": {"max_attempts": 5}}}))
+    with pytest.raises(ConfigError, match=r"max_retries and retry.max_attempts both set"):
+        load_tinker(path)
 
 
 def test_api_key_is_read_from_the_named_variable_and_stripped(
@@ -173,6 +199,7 @@ def test_api_key_is_read_from_the_named_variable_and_stripped(
     assert load_tinker(path).tinker.api_key() == "sk-test-123"
 
 
+@pytest.mark.process
 def test_db_upgrade_creates_a_fresh_database(tmp_path: Path) -> None:
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"trace_server": {"db_path": str(tmp_path / "new" / "t.db")}}))
@@ -180,3 +207,12 @@ def test_db_upgrade_creates_a_fresh_database(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "schema at revision" in result.stderr
     assert (tmp_path / "new" / "t.db").exists()
+
+
+def test_every_target_is_built_from_its_config_model() -> None:
+    # The config knows every target's keys; app/targets knows how to build each.
+    from app.config import TARGET_CONFIGS
+    from app.targets import TARGETS
+
+    assert list(TARGETS) == list(TARGET_CONFIGS)
+    assert all(spec.config is TARGET_CONFIGS[name] for name, spec in TARGETS.items())

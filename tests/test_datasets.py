@@ -54,6 +54,8 @@ def load(directory: Path, cache: Path) -> datasets.DatasetDict:
     return datasets.load_dataset("parquet", data_dir=str(directory), cache_dir=str(cache))
 
 
+@pytest.mark.process
+@pytest.mark.corpus
 def test_chat_exports_of_the_real_corpus_are_valid_chats(corpus_config: Path, tmp_path: Path) -> None:
     said = export(corpus_config, tmp_path / "openai.jsonl", "--format", "openai", "--all")
     records = lines(tmp_path / "openai.jsonl")
@@ -72,7 +74,9 @@ def test_chat_exports_of_the_real_corpus_are_valid_chats(corpus_config: Path, tm
         check_hermes(record)
         turns = record["conversations"]
         assert [t["from"] for t in turns].count("system") == 1
-        tools = json.loads(re.search(r"<tools>\n(.*?)\n</tools>", turns[0]["value"], re.S)[1])
+        declared = re.search(r"<tools>\n(.*?)\n</tools>", turns[0]["value"], re.S)
+        assert declared is not None
+        tools = json.loads(declared[1])
         called = {json.loads(c).get("name") for t in turns[1:] if t["from"] == "gpt"
                   for c in re.findall(r"<tool_call>\n(.*?)\n</tool_call>", t["value"], re.S)}
         assert tools or not called  # never an empty list beside calls
@@ -86,6 +90,7 @@ def test_chat_exports_of_the_real_corpus_are_valid_chats(corpus_config: Path, tm
         assert [t["from"] for t in record["conversations"]].count("system") <= 1
 
 
+@pytest.mark.process
 def test_the_agents_system_prompt_survives_the_one_hermes_system_turn(
     corpus_config: Path, tmp_path: Path
 ) -> None:
@@ -98,6 +103,7 @@ def test_the_agents_system_prompt_survives_the_one_hermes_system_turn(
     assert again.steps[0].content and again.steps[0].content.startswith("# Airline Agent Policy")
 
 
+@pytest.mark.process
 def test_parquet_loads_as_it_is_and_arguments_round_trip(
     corpus_config: Path, tmp_path: Path
 ) -> None:
@@ -163,6 +169,7 @@ def _tau_traces() -> list[tuple[str, Any]]:
             if isinstance(r, Parsed)]
 
 
+@pytest.mark.process
 def test_default_selection_is_what_training_gets_and_says_what_it_left_out(
     corpus_config: Path, tmp_path: Path
 ) -> None:
@@ -176,6 +183,8 @@ def test_default_selection_is_what_training_gets_and_says_what_it_left_out(
     assert len(rows) + int(left[1]) == total
 
 
+@pytest.mark.process
+@pytest.mark.corpus
 def test_decontaminate_drops_tasks_that_share_a_13_gram(corpus_config: Path, tmp_path: Path) -> None:
     tasks = {trace.task for _, trace in _tau_traces()}
     task = next(t for t in sorted(tasks) if len(re.findall(r"\w+", t)) >= 16)
@@ -190,6 +199,8 @@ def test_decontaminate_drops_tasks_that_share_a_13_gram(corpus_config: Path, tmp
     assert not any(m.get("content") == task for r in kept for m in r["messages"])
 
 
+@pytest.mark.process
+@pytest.mark.corpus
 def test_dpo_pairs_from_the_tau_bench_runs(corpus_config: Path, tmp_path: Path) -> None:
     said = export(corpus_config, tmp_path / "pairs.jsonl", "--format", "dpo")
     pairs = lines(tmp_path / "pairs.jsonl")
@@ -225,14 +236,15 @@ def test_dpo_pairs_from_the_tau_bench_runs(corpus_config: Path, tmp_path: Path) 
 
 
 def test_preference_pairs_take_the_clearest_first() -> None:
-    runs = [dataset.Run(f"r{i}", "task", reward) for i, reward in enumerate([0, 1, 5, 9, 9.5])]
+    runs = [dataset.Attempt(f"r{i}", "task", reward) for i, reward in enumerate([0, 1, 5, 9, 9.5])]
     pairs = dataset.preference_pairs(runs, margin=1.0, max_per_run=1)
     assert [(a.trace_id, b.trace_id) for a, b in pairs] == [("r4", "r0"), ("r3", "r1")]
     assert dataset.preference_pairs(runs, margin=10, max_per_run=1) == []
-    other = [*runs, dataset.Run("x", "other", 0.0)]
+    other = [*runs, dataset.Attempt("x", "other", 0.0)]
     assert len(dataset.preference_pairs(other, margin=1.0, max_per_run=3)) == 7
 
 
+@pytest.mark.process
 def test_dedup_and_arguments_from_the_agent_byte_for_byte(
     start_hub: Any, tmp_path: Path
 ) -> None:
@@ -261,6 +273,7 @@ def test_dedup_and_arguments_from_the_agent_byte_for_byte(
         "path": {"type": "string"}, "opts": {"type": "object"}}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("args", "said"), [
     (["--format", "openai", "--eval-fraction", "0.1", "-o", "x.jsonl"], "needs a dataset directory"),
     (["--format", "parquet", "-o", "-"], "-o DIR, not -"),

@@ -41,6 +41,7 @@ def batches(client: httpx.Client) -> list[dict[str, Any]]:
     return listed
 
 
+@pytest.mark.process
 async def test_kill_9_mid_delivery_redelivers_with_the_same_key(
     start_hub: Any, trace_server: dict[str, Any], trainer: tuple[FakeTrainer, str]
 ) -> None:
@@ -100,6 +101,7 @@ async def test_a_trainer_that_fails_twice_then_succeeds(
     assert "retrying in" in hub.log
 
 
+@pytest.mark.process
 async def test_a_target_that_keeps_failing_ends_failed_and_can_be_retried(
     start_hub: Any, trace_server: dict[str, Any], trainer: tuple[FakeTrainer, str]
 ) -> None:
@@ -144,3 +146,25 @@ def test_backoff_first_within_5_s_then_growing_to_at_most_a_minute() -> None:
     assert ceilings[0] <= 5 and all(c <= 60 for c in ceilings)
     assert ceilings[5] > 30  # it does grow towards the cap
     assert min(retry.delay(1) for _ in range(200)) >= 2.5
+
+
+async def test_a_directory_that_cannot_be_written_fails_the_batch_in_one_line(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Any
+) -> None:
+    # The jsonl target's OSError is translated where the target writes (a DeliveryError,
+    # one of the services the hub calls): the batch says why, and no traceback is logged.
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    hub = start_hub(trace_server, "--no-workers",
+                    distributor={"target": "jsonl", "output_dir": str(blocker / "batches"),
+                                 "batch_size": 3, "min_reward_threshold": 0,
+                                 "retry": {"max_attempts": 1}})
+    with hub.client() as client:
+        ingest(client, ["x", "y", "z"])
+        await set_rewards(trace_server, {"x": 1.0, "y": 1.0, "z": 1.0})
+        hub.start_stages()
+        [failed] = wait_until(lambda: [b for b in batches(client) if b["state"] == "failed"],
+                              timeout=30, what="the batch failed")
+    assert failed["last_error"].startswith("DeliveryError: writing batch ")
+    assert str(blocker) in failed["last_error"]
+    assert "Traceback" not in hub.log and "giving up" in hub.log

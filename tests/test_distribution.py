@@ -92,6 +92,7 @@ async def test_jsonl_target_writes_files_and_manifest(
     assert not list(out.glob(".*.tmp"))  # written atomically: no temporary left behind
 
 
+@pytest.mark.process
 async def test_concurrent_distributors_never_share_a_trace(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:

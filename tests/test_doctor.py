@@ -15,6 +15,8 @@ import pytest
 from tests.support.fakes.model_server import FakeModel
 from tests.support.processes import run_cli
 
+pytestmark = pytest.mark.process
+
 KEY = FakeModel.key
 KEY_ENV = "DOCTOR_TEST_KEY"
 PROXY_VARS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy",

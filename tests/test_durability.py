@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.support.builders import native_trace
 from tests.support.hubs import write_config
@@ -17,6 +18,7 @@ from tests.support.processes import HubProcess
 from tests.support.waiting import wait_until
 
 
+@pytest.mark.process
 def test_traces_survive_a_restart(start_hub_process: Any, trace_server: dict[str, Any]) -> None:
     hub = start_hub_process(trace_server)
     with hub.client() as client:
@@ -29,6 +31,7 @@ def test_traces_survive_a_restart(start_hub_process: Any, trace_server: dict[str
         assert client.get("/v1/traces/r-3").json()["trace"]["task"] == native_trace()["task"]
 
 
+@pytest.mark.process
 def test_sigterm_finishes_requests_in_flight(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -63,6 +66,7 @@ def test_sigterm_finishes_requests_in_flight(
             assert client.get(f"/v1/traces/{trace_id}").status_code == 200, trace_id
 
 
+@pytest.mark.process
 def test_kill_9_loses_no_acknowledged_trace(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -121,6 +125,7 @@ def test_seed_sqlite_commands_run_against_the_file(
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
+@pytest.mark.process
 def test_serve_logs_its_two_lines_and_stops_cleanly_on_sigint(
     tmp_path: Path, trace_server: dict[str, Any]
 ) -> None:
@@ -130,6 +135,7 @@ def test_serve_logs_its_two_lines_and_stops_cleanly_on_sigint(
     assert "Traceback" not in hub.log
 
 
+@pytest.mark.process
 def test_no_workers_runs_the_api_alone(tmp_path: Path, trace_server: dict[str, Any]) -> None:
     hub = HubProcess(write_config(tmp_path, trace_server), "--no-workers").start()
     with hub.client() as client:

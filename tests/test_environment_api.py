@@ -163,6 +163,7 @@ def test_long_form_and_custom_rules(env_client: Any) -> None:
     assert streak["reject_reasons"][0]["filter"] == "tool_error_streak"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "environment, expected",
     [

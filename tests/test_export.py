@@ -107,6 +107,7 @@ def run_export(hub: InProcessHub, out: Path, *args: str) -> list[dict[str, Any]]
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
+@pytest.mark.process
 async def test_every_format_validates_and_filters_apply(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -160,6 +161,7 @@ async def test_every_format_validates_and_filters_apply(
     assert [r["session_id"] for r in rejected] == ["e-rejected"]
 
 
+@pytest.mark.process
 def test_compressed_view_progress_and_stdout(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -1,4 +1,4 @@
-"""Files the hub creates are private to its user, whatever the umask (issue 17: they
+"""Files the hub creates are private to its user, whatever the umask (they
 were 0644 under umask 022), and readable by a configured group; `atropos export`
 writes through a temporary file nobody can plant a link at."""
 
@@ -39,6 +39,7 @@ def _modes(root: Path) -> dict[str, tuple[int, int]]:
     return found
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("group", [None, "daemon"])
 def test_every_file_the_hub_creates_is_private(
     tmp_path: Path, loose_umask: None, group: str | None
@@ -87,11 +88,12 @@ def test_every_file_the_hub_creates_is_private(
     assert modes["./"][0] == dir_mode
 
 
+@pytest.mark.process
 def test_export_writes_through_a_random_name_and_never_a_link(
     start_hub: Any, tmp_path: Path
 ) -> None:
     """`atropos export -o out.jsonl` wrote `.out.jsonl.tmp` and followed a symlink
-    planted there, overwriting its target (issue 17)."""
+    planted there, overwriting its target."""
     hub = start_hub({"db_path": str(tmp_path / "traces.db")}, "--no-workers")
     with hub.client() as client:
         assert client.post("/v1/traces", json=native_trace()).status_code == 202
@@ -113,7 +115,7 @@ def test_a_temporary_file_is_never_opened_through_a_planted_name(
     """Even at a name guessed right, a planted link or file is refused, not followed."""
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
-    monkeypatch.setattr(files.secrets, "token_hex", lambda _: "guessed")
+    monkeypatch.setattr("app.files.secrets.token_hex", lambda _: "guessed")
     (tmp_path / ".out.guessed.tmp").symlink_to(victim)
     with pytest.raises(FileExistsError):
         files.temporary(tmp_path, "out")

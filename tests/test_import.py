@@ -8,6 +8,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.support import REAL
 from tests.support.hubs import write_config
 from tests.support.processes import run_cli
@@ -25,6 +27,8 @@ def summary(stdout: str) -> dict[str, str]:
     return counts | dict(line.strip().split(": ", 1) for line in details if ": " in line)
 
 
+@pytest.mark.process
+@pytest.mark.corpus
 def test_the_whole_corpus_is_stored_or_reported(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     config = write_config(tmp_path, {"db_path": str(db)})
@@ -65,6 +69,7 @@ def test_the_whole_corpus_is_stored_or_reported(tmp_path: Path) -> None:
     assert strict.returncode == 1
 
 
+@pytest.mark.process
 def test_import_through_a_running_hub(start_hub: Any, trace_server: dict[str, Any],
                                       tmp_path: Path) -> None:
     hub = start_hub(trace_server, "--no-workers", listen=True)  # `import --url`: a socket
@@ -78,6 +83,7 @@ def test_import_through_a_running_hub(start_hub: Any, trace_server: dict[str, An
         assert stats["env_reward"] == {"traces": 200, "mean": 84 / 200}
 
 
+@pytest.mark.process
 def test_unknown_format_name_is_one_line(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
     result = run("import", "--config", str(config), "--format", "klingon", str(REAL))

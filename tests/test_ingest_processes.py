@@ -173,6 +173,7 @@ def _sqlite(tmp_path: Path) -> dict[str, Any]:
     return {"storage_backend": "sqlite", "db_path": str(tmp_path / "traces.db")}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "systemd"])
 def test_a_stop_signal_to_the_whole_group_finishes_requests_in_flight(
     start_hub_process: Any, tmp_path: Path, sig: signal.Signals
@@ -214,6 +215,7 @@ def test_a_stop_signal_to_the_whole_group_finishes_requests_in_flight(
     hub.stop()
 
 
+@pytest.mark.process
 def test_ingest_processes_start_with_the_hub_and_die_with_it(
     start_hub_process: Any, tmp_path: Path
 ) -> None:

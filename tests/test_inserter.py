@@ -30,7 +30,7 @@ async def test_a_refused_row_sinks_alone_in_its_group_commit(
     trace_server: dict[str, Any],
 ) -> None:
     """On PostgreSQL a refused first insert aborted the transaction, and 17 of 32 good
-    traces sent beside it got 422 (issue 17). Refused first, in the middle and last."""
+    traces sent beside it got 422. Refused first, in the middle and last."""
     engine = create_engine(TraceServerConfig(**trace_server))
     await migrate.upgrade(engine)
     inserter = TraceInserter(engine)
@@ -84,7 +84,7 @@ async def test_rows_read_back_as_prepared_and_sqlite_keeps_the_seed_timestamp_te
             read = {r.trace_id: r._mapping for r in await conn.execute(sa.select(TRACES))}
             texts = dict((await conn.execute(
                 sa.select(TRACE_SEARCH.c.trace_id, TRACE_SEARCH.c.text))).all())
-            ages = dict((await conn.execute(sa.text(
+            ages: dict[str, Any] = dict((await conn.execute(sa.text(
                 "SELECT trace_id, created_at FROM traces WHERE created_at < "
                 + ("datetime('now', '+1 minute')" if engine.dialect.name == "sqlite"
                    else "now() + interval '1 minute'")))).all())

@@ -43,14 +43,15 @@ async def client() -> AsyncIterator[httpx.AsyncClient]:
         yield c
 
 
+RETRY = {"max_attempts": 3, "base_seconds": 0.001, "max_seconds": 1.0}
+
+
 def tinker(base_url: str, **overrides: object) -> TinkerConfig:
     settings: dict[str, object] = {
         "base_url": base_url,
         "api_key_env": KEY_ENV,
         "model_id": "fake/model-1",
-        "max_retries": 2,
-        "retry_base_delay_seconds": 0.001,
-        "retry_max_delay_seconds": 1.0,
+        "retry": RETRY,
         "timeout_seconds": 2.0,
     }
     return TinkerConfig.model_validate(settings | overrides)
@@ -183,7 +184,7 @@ async def test_5xx_exhausts_retries(fake: FakeModel, model_root: str, client: ht
 async def test_timeouts_are_retried(fake: FakeModel, model_root: str, client: httpx.AsyncClient) -> None:
     fake.faults.extend([("slow", 1.0)] * 2)
     with pytest.raises(EndpointUnavailable, match="timeout"):
-        await chat(client, tinker(model_root, timeout_seconds=0.2, max_retries=1), MESSAGES)
+        await chat(client, tinker(model_root, timeout_seconds=0.2, retry=RETRY | {"max_attempts": 2}), MESSAGES)
     assert len(fake.received) == 2
 
 

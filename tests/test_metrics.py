@@ -1,4 +1,4 @@
-"""GET /metrics (issue 19): the counters and histograms of a running hub replay the
+"""GET /metrics: the counters and histograms of a running hub replay the
 traffic it saw, the gauges say what its database holds, the processes of one machine
 share their counters (PROMETHEUS_MULTIPROC_DIR), and the Grafana dashboard in docs/
 uses only metrics a hub exports."""
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.support import ROOT
 from tests.support.builders import long_trace, native_trace
@@ -39,6 +40,7 @@ def group(size: int, env_id: int) -> dict[str, Any]:
             "scores": [float(i % 2) for i in range(size)], "env_id": env_id}
 
 
+@pytest.mark.process
 def test_the_metrics_of_a_running_hub_replay_its_traffic(
     start_hub_process: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -118,6 +120,7 @@ def test_the_metrics_of_a_running_hub_replay_its_traffic(
     assert types["atropos_ingest_process_restarts"] == "counter"  # counted in test_ingest_processes
 
 
+@pytest.mark.process
 def test_processes_sharing_a_multiproc_dir_serve_each_others_counters(tmp_path: Path) -> None:
     """`atropos serve --no-workers` and an `atropos worker`: the worker's compressions
     and deliveries are in the hub's /metrics."""

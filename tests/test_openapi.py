@@ -99,6 +99,7 @@ def fuzz(hub_schema: Any, mode: GenerationMode, max_examples: int,
     return labels
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 def test_with_a_key(hub_schema: Any, fuzzed: tuple[InProcessHub, str], mode: GenerationMode) -> None:
     ran = fuzz(hub_schema, mode, 25, {"Authorization": f"Bearer {fuzzed[1]}"})

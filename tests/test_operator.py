@@ -1,4 +1,4 @@
-"""What an operator meets at the command line (issue 19): every failure one line
+"""What an operator meets at the command line: every failure one line
 saying what failed and what to do, exit 2 for configuration and environment problems,
 the traceback only with --debug; typos refused; the log's level and format."""
 
@@ -45,7 +45,7 @@ def one_line_error(result: Any) -> str:
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, result.stderr
     assert PASSWORD not in result.stderr + result.stdout
-    return errors[0]
+    return str(errors[0])
 
 
 def free_port() -> int:
@@ -59,6 +59,7 @@ def postgres_at(tmp_path: Path, url: str) -> Path:
     return write_config(tmp_path, {"storage_backend": "postgresql", "database_url": url})
 
 
+@pytest.mark.process
 def test_postgresql_unreachable_is_one_line_without_the_password(tmp_path: Path) -> None:
     port = free_port()
     config = postgres_at(tmp_path, f"postgresql://hub:{PASSWORD}@127.0.0.1:{port}/atropos")
@@ -67,6 +68,7 @@ def test_postgresql_unreachable_is_one_line_without_the_password(tmp_path: Path)
     assert "trace_server.database_url" in line
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("url", "said"),
     [
@@ -81,12 +83,14 @@ def test_a_database_url_that_is_not_postgresql_is_one_line(
     assert "trace_server.database_url" in line and said in line
 
 
+@pytest.mark.process
 def test_db_path_that_is_a_directory_is_one_line(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"db_path": str(tmp_path)})
     line = one_line_error(run_cli("db", "upgrade", "--config", str(config)))
     assert f"trace_server.db_path: {tmp_path} is a directory" in line
 
 
+@pytest.mark.process
 def test_db_path_where_no_file_can_be_made_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("")
     db_path = tmp_path / "a-file" / "traces.db"  # its "directory" is a file
@@ -96,6 +100,7 @@ def test_db_path_where_no_file_can_be_made_is_one_line(tmp_path: Path) -> None:
     assert "trace_server.db_path" in line
 
 
+@pytest.mark.process
 def test_debug_shows_the_traceback_behind_the_line(tmp_path: Path) -> None:
     config = postgres_at(tmp_path, f"postgresql://hub:{PASSWORD}@127.0.0.1:{free_port()}/x")
     for result in (
@@ -107,6 +112,7 @@ def test_debug_shows_the_traceback_behind_the_line(tmp_path: Path) -> None:
         assert result.stderr.rstrip().splitlines()[-1].startswith("error: cannot reach")
 
 
+@pytest.mark.process
 def test_export_into_a_missing_directory_is_one_line(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
     out = tmp_path / "nowhere" / "out.jsonl"
@@ -116,6 +122,7 @@ def test_export_into_a_missing_directory_is_one_line(tmp_path: Path) -> None:
     assert f"the directory {out.parent} does not exist" in line
 
 
+@pytest.mark.process
 def test_import_to_a_hub_that_is_not_running_is_one_line(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
     url = f"http://127.0.0.1:{free_port()}"
@@ -125,6 +132,7 @@ def test_import_to_a_hub_that_is_not_running_is_one_line(tmp_path: Path) -> None
     assert f"cannot reach the hub at {url}" in line and "atropos serve" in line
 
 
+@pytest.mark.process
 def test_import_of_a_missing_path_names_it(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
     missing = tmp_path / "no-such-run.jsonl"
@@ -135,6 +143,7 @@ def test_import_of_a_missing_path_names_it(tmp_path: Path) -> None:
 # --- logs ---------------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_log_level_and_json_format(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
     quiet = run_cli("db", "upgrade", "--config", str(config), "--log-level", "warning")
@@ -147,6 +156,7 @@ def test_log_level_and_json_format(tmp_path: Path) -> None:
     assert any(line["message"].startswith("database sqlite") for line in lines)
 
 
+@pytest.mark.process
 def test_log_level_from_the_config_file(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db"), "log_level": "ERROR"})
     result = run_cli("db", "upgrade", "--config", str(config))
@@ -156,6 +166,7 @@ def test_log_level_from_the_config_file(tmp_path: Path) -> None:
 # --- typos are errors -------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_an_override_naming_no_section_stops_start_up(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
     result = run_cli("db", "upgrade", "--config", str(config),
@@ -165,6 +176,7 @@ def test_an_override_naming_no_section_stops_start_up(tmp_path: Path) -> None:
     assert not (tmp_path / "t.db").exists()  # stopped before the database
 
 
+@pytest.mark.process
 def test_a_bad_override_is_blamed_on_the_variable(tmp_path: Path) -> None:
     config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
     typo = one_line_error(run_cli("db", "upgrade", "--config", str(config),
@@ -190,6 +202,7 @@ def test_an_override_read_as_json_except_for_text_keys(
     assert loaded.trace_server.host == "1234"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     ("section", "key", "value"),
     [("distributor", "batch_size", "32"), ("auth", "enabled", "yes"),
@@ -218,6 +231,7 @@ def test_a_query_value_outside_its_set_is_422_listing_the_valid_ones(client: Any
 # --- commands that do not surprise ---------------------------------------------------
 
 
+@pytest.mark.process
 def test_batches_list_and_retry_arguments(tmp_path: Path) -> None:
     config = str(write_config(tmp_path, {"db_path": str(tmp_path / "t.db")}))
     empty = run_cli("batches", "list", "--state", "failed", "--config", config)
@@ -259,6 +273,7 @@ def test_every_help_ends_with_an_example_that_parses() -> None:
 # --- logs a person can read -------------------------------------------------------------
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("path", ["/v1/traces", "/scored_data"])
 def test_a_client_gone_mid_body_is_one_info_line(
     start_hub_process: Any, tmp_path: Path, path: str
@@ -302,6 +317,7 @@ def ctrl_c(*args: str, when: Callable[[], object]) -> subprocess.CompletedProces
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.mark.process
 def test_ctrl_c_on_import_then_export(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     config = str(write_config(tmp_path, {"db_path": str(db)}))
@@ -350,6 +366,7 @@ def test_connections_dropped_while_idle_cost_no_request(
         ]
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not PG_ADMIN_URL, reason="no PostgreSQL: set ATROPOS_TEST_DATABASE_URL")
 def test_a_database_lost_while_serving_is_said_once_per_kind_and_its_return(
     start_hub_process: Any,
@@ -393,6 +410,7 @@ def summarized(lines: list[str]) -> Counter[str]:
     return found
 
 
+@pytest.mark.process
 def test_info_gets_a_periodic_summary_not_a_line_per_trace(
     start_hub_process: Any, tmp_path: Path
 ) -> None:
@@ -415,6 +433,7 @@ def test_info_gets_a_periodic_summary_not_a_line_per_trace(
     assert not [line for line in hub.lines if re.search(r"\bt-5\b", line)], hub.log
 
 
+@pytest.mark.process
 def test_the_import_clients_requests_are_debug_lines(
     start_hub_process: Any, tmp_path: Path
 ) -> None:

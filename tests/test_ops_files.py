@@ -227,6 +227,7 @@ def test_compose_delivers_to_jsonl_by_default() -> None:
     assert example["distributor"]["target"] == "jsonl"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("argv", [[*SERVE, "--no-workers"], WORKER], ids=["serve", "worker"])
 def test_the_cli_takes_the_flags_the_docker_files_pass(argv: list[str]) -> None:
     atropos = Path(sys.executable).parent / "atropos"
@@ -254,6 +255,7 @@ def _cluster(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.process
 @pytest.mark.skipif(
     not _postgres_binaries() and not os.environ.get("CI"),
     reason="no PostgreSQL server binaries (CI installs them)",
@@ -285,6 +287,7 @@ async def test_pg_test_cluster_starts_serves_and_stops() -> None:
     assert _cluster("stop", str(state)).returncode == 0, "stopping twice is harmless"
 
 
+@pytest.mark.process
 def test_pg_test_cluster_stop_leaves_other_dirs_alone() -> None:
     with tempfile.TemporaryDirectory() as other:
         (Path(other) / "keep").write_text("mine")

@@ -80,12 +80,14 @@ def otlp_process(start_hub_process: Any, trace_server: dict[str, Any]) -> HubPro
 def exporter(otlp_process: HubProcess) -> Iterator[OTLPSpanExporter]:
     exp = OTLPSpanExporter(endpoint=f"{otlp_process.url}/v1/traces", timeout=10)
     yield exp
-    exp.shutdown()
+    exp.shutdown()  # type: ignore[no-untyped-call]
 
 
 # --- the SDK's exporter, over a socket ------------------------------------------------
 
 
+@pytest.mark.process
+@pytest.mark.framework
 def test_the_sdk_exporter_makes_one_trajectory(
     otlp_process: HubProcess, exporter: OTLPSpanExporter
 ) -> None:
@@ -111,6 +113,8 @@ def test_the_sdk_exporter_makes_one_trajectory(
                                       "refused_traces": 0, "spans": 4, "late_spans": 0}
 
 
+@pytest.mark.process
+@pytest.mark.framework
 def test_gzip_and_an_api_key_as_exporters_send_them(
     start_hub_process: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -131,7 +135,7 @@ def test_gzip_and_an_api_key_as_exporters_send_them(
         assert keyed.export(spans) is SpanExportResult.SUCCESS
     finally:
         for exp in (without, wrong_scope, keyed):
-            exp.shutdown()
+            exp.shutdown()  # type: ignore[no-untyped-call]
     with hub.client() as client:
         refused = client.post("/v1/traces", content=protobuf(document(weather_run(trace_id()))),
                               headers=PROTOBUF)
@@ -143,6 +147,8 @@ def test_gzip_and_an_api_key_as_exporters_send_them(
         assert weather_steps(record["trace"]) == WEATHER_STEPS
 
 
+@pytest.mark.process
+@pytest.mark.framework
 def test_shuffled_spans_over_three_requests_and_a_repeat_make_one_trajectory(
     otlp_process: HubProcess, exporter: OTLPSpanExporter
 ) -> None:
@@ -160,6 +166,8 @@ def test_shuffled_spans_over_three_requests_and_a_repeat_make_one_trajectory(
         assert client.get("/v1/stats").json()["traces"] == 1
 
 
+@pytest.mark.process
+@pytest.mark.framework
 def test_concurrent_exporters(otlp_process: HubProcess) -> None:
     """Eight exporters at once, each its own runs: every run one trajectory."""
     def send(n: int) -> list[str]:
@@ -172,7 +180,7 @@ def test_concurrent_exporters(otlp_process: HubProcess) -> None:
                 ids.append(tid)
             return ids
         finally:
-            exp.shutdown()
+            exp.shutdown()  # type: ignore[no-untyped-call]
 
     with ThreadPoolExecutor(8) as pool:
         ids = [tid for ids in pool.map(send, range(8)) for tid in ids]
@@ -182,6 +190,7 @@ def test_concurrent_exporters(otlp_process: HubProcess) -> None:
         assert otlp_stats(client)["assembled_traces"] == 24
 
 
+@pytest.mark.process
 def test_kill_9_after_the_200_and_before_assembly(
     start_hub_process: Any, start_hub: Any, trace_server: dict[str, Any]
 ) -> None:
@@ -212,6 +221,7 @@ def _weather_model(body: dict[str, Any]) -> str | dict[str, Any]:
         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("instrumentation", ["openai-v2", "openinference"])
 def test_an_instrumented_openai_agent_feeds_the_hub_by_environment_alone(
     otlp_process: HubProcess, fake_model: FakeModel, model_root: str, instrumentation: str
@@ -716,7 +726,7 @@ def test_overload_is_a_503_with_retry_after_in_the_requests_encoding(
 
     def post() -> int:
         with hub.client() as c:
-            return c.post("/v1/traces", content=body, headers=PROTOBUF).status_code
+            return int(c.post("/v1/traces", content=body, headers=PROTOBUF).status_code)
 
     with hub.client() as client, ThreadPoolExecutor(1) as pool:
         one = document(weather_run(trace_id())[:1])
@@ -755,8 +765,8 @@ def test_spans_are_taken_no_faster_than_they_become_trajectories(
 
         def export() -> int:
             with hub.client() as c:
-                return c.post("/v1/traces", content=protobuf(document(weather_run(trace_id()))),
-                              headers=PROTOBUF).status_code
+                return int(c.post("/v1/traces", content=protobuf(document(weather_run(trace_id()))),
+                                  headers=PROTOBUF).status_code)
 
         held = pool.submit(export)
         hub.drain()  # the worker catches up

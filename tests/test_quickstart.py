@@ -34,6 +34,7 @@ def test_the_readme_starts_with_the_example_configs() -> None:
     assert compression["compression"]["strategy"] != "summarize_middle", "it calls a model"
 
 
+@pytest.mark.process
 def test_the_first_command_delivers_batches_to_files_in_the_data_directory(
     tmp_path: Path,
 ) -> None:
@@ -69,6 +70,7 @@ def _tinker_config(tmp_path: Path) -> Path:
                         distributor={"target": "tinker"})
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("command", ["serve", "worker"])
 @pytest.mark.parametrize("tinker", [None, {"tinker": {"model_id": "m"}}],
                          ids=["no --tinker", "no base_url"])
@@ -88,11 +90,13 @@ def test_tinker_without_a_named_base_url_stops_with_one_line(
     assert not (tmp_path / "t.db").exists(), "stopped before opening the database"
 
 
+@pytest.mark.process
 def test_the_api_alone_delivers_nothing_and_needs_no_tinker_json(tmp_path: Path) -> None:
     hub = HubProcess(_tinker_config(tmp_path), "--no-workers").start()
     assert hub.stop() == 0
 
 
+@pytest.mark.process
 def test_tinker_with_a_named_base_url_starts(tmp_path: Path) -> None:
     tinker = tmp_path / "tinker.json"
     # A port nothing listens on: starting must not need the service.

@@ -136,6 +136,7 @@ def test_everything_off_stores_as_sent() -> None:
     assert redactor.redact({"x": ENV_DUMP}) == ({"x": ENV_DUMP}, {})
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("pattern", ["(unclosed", "a(?=b)", ""])
 def test_a_bad_extra_pattern_is_a_one_line_config_error(tmp_path: Path, pattern: str) -> None:
     config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")},
@@ -199,6 +200,7 @@ def _batching(tmp_path: Path, batch_size: int) -> tuple[dict[str, Any], Path, di
     return trace_server, out, sections
 
 
+@pytest.mark.process
 def test_no_path_stores_a_secret(start_hub: Any, tmp_path: Path) -> None:
     trace_server, out, sections = _batching(tmp_path, 5)
     # atropos import of a file, into the database.
@@ -290,6 +292,7 @@ def _escaped(secret: str) -> str:
     return f"\\u{ord(secret[0]):04x}{secret[1:]}"
 
 
+@pytest.mark.process
 def test_secrets_spelt_to_slip_past_are_redacted_on_the_way_to_training(
     start_hub: Any, tmp_path: Path
 ) -> None:

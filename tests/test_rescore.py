@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import sqlalchemy as sa
 
 from app.db.models import BATCHES, MEMBERS, TRACES
@@ -17,6 +18,8 @@ from tests.support.hubs import write_config
 from tests.support.processes import run_cli
 from tests.support.real_traces import SWE_AGENT, load
 from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.process
 
 
 def test_rescore_applies_new_rules_and_filters(

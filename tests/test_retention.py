@@ -89,6 +89,7 @@ def aged(start_hub: Any, trace_server: dict[str, Any]) -> InProcessHub:
     return hub
 
 
+@pytest.mark.process
 def test_prune_counts_then_deletes_in_batches(aged: InProcessHub, trace_server: dict[str, Any]) -> None:
     config = str(aged.config)
     dry = run_cli("prune", "--config", config, "--older-than", "30d", "--max-reward", "5",
@@ -144,6 +145,7 @@ def on_a_terminal(answer: str, *args: str) -> tuple[int, str, str]:
     return proc.returncode, out, shown.decode()
 
 
+@pytest.mark.process
 def test_prune_asks_on_a_terminal_and_shows_a_progress_bar(aged: InProcessHub) -> None:
     args = ("prune", "--config", str(aged.config), "--older-than", "30d", "--max-reward", "5",
             "--batch-size", "2")
@@ -157,6 +159,7 @@ def test_prune_asks_on_a_terminal_and_shows_a_progress_bar(aged: InProcessHub) -
         assert len(present(client, *ALL)) == len(ALL) - 4
 
 
+@pytest.mark.process
 def test_worker_applies_retention_once_per_period(
     aged: InProcessHub, start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -186,6 +189,7 @@ def test_worker_applies_retention_once_per_period(
         assert "new-low" in present(client, "new-low")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("retention, words", [
     ({"older_than": "soon"}, "retention.older_than: Value error, 'soon' is not a duration"),
     ({"older_than": "30d", "stages": ["batched"]}, "retention.stages: Value error, batched"),

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.support.builders import native_trace
 from tests.support.databases import make_api_key
@@ -64,6 +65,7 @@ def test_a_review_is_kept_shown_and_filtered(client: httpx.Client) -> None:
     assert client.get("/v1/traces", params={"label": "great"}).status_code == 422
 
 
+@pytest.mark.process
 async def test_bad_is_never_batched_and_an_override_is_the_reward(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -138,8 +140,9 @@ def test_reviewing_needs_the_review_scope(
         ingest(client, ["t0"])
     with hub.client() as client:
         def as_key(key: str, **body: Any) -> httpx.Response:
-            return client.post("/v1/traces/t0/review", json=body,
-                               headers={"Authorization": f"Bearer {key}"})
+            response: httpx.Response = client.post("/v1/traces/t0/review", json=body,
+                                                   headers={"Authorization": f"Bearer {key}"})
+            return response
 
         assert client.post("/v1/traces/t0/review", json={"label": "good"}).status_code == 401
         refused = as_key(reader, label="good")
@@ -166,7 +169,8 @@ def test_the_queue_serves_each_trace_to_one_reviewer(
             r = client.post("/v1/review-queue/next", params=params,
                             headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200, r.text
-            return r.json()["trace_id"]
+            trace_id: str | None = r.json()["trace_id"]
+            return trace_id
 
         assert next_for(alice) == "t0"
         assert next_for(bob) == "t1"  # t0 is alice's for now

@@ -28,6 +28,8 @@ from tests.support.runs import (
     wait_status,
 )
 
+pytestmark = pytest.mark.process
+
 
 def test_runs_are_refused_unless_enabled(runs_env: RunsEnv) -> None:
     hub = runs_env.hub(enabled=False)
@@ -252,7 +254,7 @@ def _at(iso: str) -> datetime:
 
 def test_runs_user_keeps_the_processes_out_of_the_hubs_environment(runs_env: RunsEnv) -> None:
     """A run's processes, as the hub's own user, can read /proc/PID/environ of the hub
-    and so the model keys the environments are not given (issue 17). With runs.user
+    and so the model keys the environments are not given. With runs.user
     (the hub runs as root) they run as that user and cannot."""
     if os.geteuid() != 0:
         pytest.skip("runs.user needs the hub to run as root")

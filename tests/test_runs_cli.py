@@ -18,6 +18,8 @@ import pytest
 from tests.support import ROOT
 from tests.support.runs import RunsEnv, alive
 
+pytestmark = pytest.mark.process
+
 
 @pytest.fixture
 def dialect() -> str:

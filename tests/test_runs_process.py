@@ -12,18 +12,18 @@ import pytest
 
 from app.runs.health import _LogScanner
 from app.runs.logs import TAIL_MAX_BYTES, tail
-from app.runs.process import RunProcess, describe_exit, is_running, start_ticks
+from app.runs.process import SupervisedProcess, describe_exit, is_running, start_ticks
 from tests.support.waiting import wait_until_async
 
 
-def _spawn(tmp_path: Path, code: str, role: str = "trainer") -> RunProcess:
-    return RunProcess.spawn(
+def _spawn(tmp_path: Path, code: str, role: str = "trainer") -> SupervisedProcess:
+    return SupervisedProcess.spawn(
         "r1", role, [sys.executable, "-c", code], cwd=str(tmp_path), env=dict(os.environ),
         log_path=tmp_path / f"{role}_r1.log",
     )
 
 
-async def _ended(proc: RunProcess, timeout: float = 10) -> None:
+async def _ended(proc: SupervisedProcess, timeout: float = 10) -> None:
     await wait_until_async(lambda: not proc.running(), timeout, what="the process to end")
 
 
@@ -41,12 +41,12 @@ async def test_the_launcher_records_the_exit_code(tmp_path: Path, code: str, exp
     assert proc.exit_code() == expected
     assert (tmp_path / "trainer_r1.exit").read_text() == f"{expected}\n"
     # A hub that did not spawn it reads the same file.
-    found = RunProcess.attach("r1", "trainer", proc.log_path, proc.pid, proc.start_ticks)
+    found = SupervisedProcess.attach("r1", "trainer", proc.log_path, proc.pid, proc.start_ticks)
     assert not found.running() and found.exit_code() == expected
 
 
 async def test_a_missing_program_exits_127_and_says_so(tmp_path: Path) -> None:
-    proc = RunProcess.spawn("r1", "env_0", ["/no/such/program"], cwd=str(tmp_path),
+    proc = SupervisedProcess.spawn("r1", "env_0", ["/no/such/program"], cwd=str(tmp_path),
                             env=dict(os.environ), log_path=tmp_path / "env_0_r1.log")
     await _ended(proc)
     assert proc.exit_code() == 127
@@ -57,7 +57,7 @@ def test_a_process_is_its_pid_and_its_start_time() -> None:
     ticks = start_ticks(os.getpid())
     assert ticks is not None and is_running(os.getpid(), ticks)
     assert not is_running(os.getpid(), ticks + 1)  # the pid, reused by someone else
-    found = RunProcess.attach("r1", "trainer", Path("/nonexistent.log"), os.getpid(), ticks + 1)
+    found = SupervisedProcess.attach("r1", "trainer", Path("/nonexistent.log"), os.getpid(), ticks + 1)
     assert not found.running() and found.exit_code() is None
     assert describe_exit(None) == "exit code unknown"
     assert describe_exit(-15) == "code -15 (killed by SIGTERM)"

@@ -7,8 +7,12 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
+
 from tests.support.runs import RunsEnv, alive, spec, start, wait_status
 from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.process
 
 
 def test_a_restarted_hub_reattaches_live_runs_and_fails_dead_ones(runs_env: RunsEnv) -> None:

@@ -25,7 +25,11 @@ from tests.support.waiting import wait_until
 TRACES = 3_000
 BATCH = 25
 
-pytestmark = pytest.mark.skipif(not PG_ADMIN_URL, reason="needs PostgreSQL")
+pytestmark = [
+    pytest.mark.process,
+    pytest.mark.soak,
+    pytest.mark.skipif(not PG_ADMIN_URL, reason="needs PostgreSQL"),
+]
 
 
 @pytest.fixture
@@ -91,9 +95,9 @@ def test_two_hubs_three_workers_one_killed(tmp_path: Path, pg_server: dict[str, 
     [row] = db_execute(pg_server, "SELECT count(*) AS n FROM batches WHERE state <> 'delivered'")
     assert row["n"] == 0
     # The training files agree: every trace once, across all batch files.
-    delivered = [json.loads(line) for f in out.glob("*.jsonl") if f.name != "manifest.jsonl"
-                 for line in f.read_text().splitlines()]
-    assert len(delivered) == TRACES
+    records = [json.loads(line) for f in out.glob("*.jsonl") if f.name != "manifest.jsonl"
+               for line in f.read_text().splitlines()]
+    assert len(records) == TRACES
     manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert len(manifest) == TRACES // BATCH
     # Compressed at most once: one compression record per trace, none left leased.

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 
@@ -21,6 +22,8 @@ from tests.support.fakes.model_server import FakeModel, serve
 from tests.support.hubs import write_config
 from tests.support.processes import HubProcess, run_cli
 from tests.support.waiting import wait_until
+
+pytestmark = pytest.mark.process
 
 MODEL_KEY = "sk-hygiene-model-key-4e1f0b7c2a"
 PASSWORD = "pg-hygiene-password-9d2a6e31"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from app.api.server import _JOINED_BYTES, _OneWritePerTurn
 
@@ -38,6 +39,7 @@ def _recv(sock: socket.socket, deadline: float) -> bytes:
         return b""
 
 
+@pytest.mark.process
 def test_half_sent_requests_are_timed_out_and_the_hub_still_answers(
     start_hub_process: Any, tmp_path: Path
 ) -> None:
@@ -84,6 +86,7 @@ def test_half_sent_requests_are_timed_out_and_the_hub_still_answers(
     assert "Traceback" not in hub.log and "unexpected error" not in hub.log
 
 
+@pytest.mark.process
 def test_a_slow_but_steady_body_is_read_and_headers_past_the_bound_are_refused(
     start_hub_process: Any, tmp_path: Path
 ) -> None:
@@ -121,7 +124,7 @@ async def test_the_writes_of_one_turn_leave_in_one_send() -> None:
     ours = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM, fileno=ours.detach())
     loop = asyncio.get_running_loop()
     transport, protocol = await loop.connect_accepted_socket(_Closing, ours)
-    joined = _OneWritePerTurn(transport, loop)  # type: ignore[arg-type]
+    joined = _OneWritePerTurn(transport, loop)
     theirs.settimeout(10)
     with theirs:
         joined.write(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n")
@@ -152,6 +155,7 @@ class _Closing(asyncio.Protocol):
         self.lost.set_result(exc)
 
 
+@pytest.mark.process
 def test_pipelined_requests_are_answered_whole_and_in_order(
     start_hub_process: Any, tmp_path: Path
 ) -> None:

@@ -17,7 +17,10 @@ from app.import_sources import ADAPTERS, Parsed, Record, Unreadable, detect, for
 
 REAL = Path(__file__).resolve().parents[1].parent / "shared/fixtures/real"
 
-pytestmark = pytest.mark.skipif(not REAL.is_dir(), reason=f"real corpus not found at {REAL}")
+pytestmark = [
+    pytest.mark.corpus,
+    pytest.mark.skipif(not REAL.is_dir(), reason=f"real corpus not found at {REAL}"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Token counts count what the model sees: the system prompt, the tool schemas and
-every message (app/ingest/tokens.py counts `Trace.text_parts`)."""
+every message (app/tokens.py counts `Trace.text_parts`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import tiktoken
 from app import formats
 from app.compression.ledger import Ledger
 from app.import_sources import Parsed, read_path
-from app.ingest.tokens import LONG_PART_CHARS, count_parts, count_tokens
+from app.tokens import LONG_PART_CHARS, count_parts, count_tokens
 from tests.support import REAL
 
 HERMES_LINE = REAL / "hermes-agent/lucifexia_trajectory_samples.jsonl"
@@ -100,7 +100,7 @@ def test_counts_equal_tiktokens_on_random_text() -> None:
     long word), and random mixes of the character classes cl100k_base's pretokenizer
     splits on (letters, digits, blanks, newlines, punctuation, contractions, scripts
     without spaces, emoji). Not the letters Unicode 17.0 added, which toktok knows and
-    tiktoken does not (app/ingest/tokens.py)."""
+    tiktoken does not (app/tokens.py)."""
     reference = _tiktoken()
     rng = random.Random(20)
     texts = [piece * n for piece in ("x", "ab", "1", " ", "\n", "é", "🙂", "'s", " \n", ".,")

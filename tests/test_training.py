@@ -154,6 +154,7 @@ async def test_a_failed_job_fails_the_attempt_and_the_next_starts_a_new_job(
     assert len(fake.files) == 1  # the uploaded file is reused
 
 
+@pytest.mark.process
 def test_atropos_train_runs_one_job_from_a_dataset(
     fake: FakeModel, model_root: str, tmp_path: Path
 ) -> None:
@@ -294,11 +295,12 @@ async def test_tinker_sdk_trains_lora_with_adam_then_saves_and_smoke_tests(
 FAKE_SDK_PACKAGE = Path(__file__).parent / "support" / "fakes" / "tinker_sdk"  # `import tinker` there
 
 
+@pytest.mark.process
 def test_a_worker_killed_mid_steps_resumes_at_the_next_step(
     fake: FakeModel, model_root: str, tmp_path: Path
 ) -> None:
     """The tinker SDK backend trained a batch again from the start when its worker was
-    killed mid-steps (issue 17). The steps done are recorded with the batch in the
+    killed mid-steps. The steps done are recorded with the batch in the
     database; the next worker loads the state of the last one and goes on from there,
     so each step of the batch is trained once."""
     trace_server = {"storage_backend": "sqlite", "db_path": str(tmp_path / "t.db"),

@@ -28,13 +28,15 @@ CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists():  # .ci/run installs it; a developer without it skips these
     pytest.skip("no /usr/bin/chromium (apt-get install -y chromium)", allow_module_level=True)
 
-from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402
+from playwright.sync_api import Browser, Page, ViewportSize, expect, sync_playwright  # noqa: E402
+
+pytestmark = pytest.mark.process
 
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SHOTS = ROOT / "artifacts" / "ui"
-DESKTOP = {"width": 1280, "height": 720}
-PHONE = {"width": 390, "height": 844}
+DESKTOP: ViewportSize = {"width": 1280, "height": 720}
+PHONE: ViewportSize = {"width": 390, "height": 844}
 THRESHOLD = 5
 # Nothing is batched while the corpus is prepared: the test of labelling forms the
 # batch itself.
@@ -102,8 +104,8 @@ def browser() -> Iterator[Browser]:
 class Visit:
     """A browser tab on the hub that records console errors and takes screenshots."""
 
-    def __init__(self, browser: Browser, base_url: str, viewport: dict[str, int]) -> None:
-        self.context = browser.new_context(base_url=base_url, viewport=viewport)  # type: ignore[arg-type]
+    def __init__(self, browser: Browser, base_url: str, viewport: ViewportSize) -> None:
+        self.context = browser.new_context(base_url=base_url, viewport=viewport)
         self.page = self.context.new_page()
         self.errors: list[str] = []
         self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)

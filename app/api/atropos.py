@@ -6,9 +6,10 @@ Keys: /reset_data needs an admin key whenever auth.enabled is on. With
 atropos.require_key the others need one too: an environment's paths `ingest`, a
 trainer's `train`, and the run's read-only figures (which both sides read) any key.
 
-The routes answer the bytes atroposlib's clients expect (a 128-bit uuid, batches joined
-from stored JSON), rendered here; `response_model=` declares them for the document only
-(app/api/schemas.py)."""
+The run's figures (/status, /info, /wandb_info) and /batch/ack return their models, as
+the /v1 routes do. The others answer the bytes atroposlib's clients expect (a 128-bit
+uuid, batches joined from stored JSON, keys left out rather than null), rendered here;
+`response_model=` declares those for the document only (app/api/schemas.py)."""
 
 from __future__ import annotations
 
@@ -168,17 +169,17 @@ def router(require_key: bool = False) -> APIRouter:
         openapi_extra=_body_doc(BatchAck),
         responses=_ACK_ERRORS,
     )
-    async def batch_ack(request: Request, hub: HubDep) -> JSONResponse:
+    async def batch_ack(request: Request, hub: HubDep) -> BatchAcked:
         body = _parse(BatchAck, await _body(request, hub))
-        return JSONResponse(await hub.atropos.acknowledge(body.batch_id))
+        return BatchAcked.model_validate(await hub.atropos.acknowledge(body.batch_id))
 
     @api.get("/latest_example", dependencies=trainer, response_model=ScoredData | NoExample)
     async def latest_example(request: Request, hub: HubDep) -> Response:
         return _segments_json(request, await hub.atropos.latest_example())
 
     @api.get("/status", dependencies=anyone, response_model=AtroposStatus)
-    async def status(hub: HubDep) -> JSONResponse:
-        return JSONResponse(await hub.atropos.status())
+    async def status(hub: HubDep) -> AtroposStatus:
+        return AtroposStatus.model_validate(await hub.atropos.status())
 
     @api.get(
         "/status-env",
@@ -201,12 +202,12 @@ def router(require_key: bool = False) -> APIRouter:
         return JSONResponse(await hub.atropos.status_env(env_id))
 
     @api.get("/info", dependencies=anyone, response_model=AtroposInfo)
-    async def info(hub: HubDep) -> JSONResponse:
-        return JSONResponse(await hub.atropos.info())
+    async def info(hub: HubDep) -> AtroposInfo:
+        return AtroposInfo.model_validate(await hub.atropos.info())
 
     @api.get("/wandb_info", dependencies=anyone, response_model=WandbInfo)
-    async def wandb_info(hub: HubDep) -> JSONResponse:
-        return JSONResponse(await hub.atropos.wandb_info())
+    async def wandb_info(hub: HubDep) -> WandbInfo:
+        return WandbInfo.model_validate(await hub.atropos.wandb_info())
 
     @api.get(
         "/reset_data",

@@ -5,10 +5,11 @@ Two ways a route answers, one per kind of route:
 - The /v1 routes but POST /v1/traces, and the ops routes, return their model (the return
   annotation, as in full-stack-fastapi-template); FastAPI validates it and pydantic-core
   writes the JSON, so a body cannot drift from its schema unnoticed.
-- POST /v1/traces (the ingest hot path) and the Atropos API render their JSON themselves
-  and declare the model for the document only (`responses=` / `response_model=`):
-  ingest answers thousands of traces a second, and the Atropos routes answer the bytes
-  atroposlib's clients expect (a 128-bit trainer uuid, batches joined from stored JSON).
+- POST /v1/traces (the ingest hot path) and the Atropos routes but the run's figures
+  and /batch/ack render their JSON themselves and declare the model for the document
+  only (`responses=` / `response_model=`): ingest answers thousands of traces a second,
+  and those Atropos routes answer the bytes atroposlib's clients expect (a 128-bit
+  trainer uuid, batches joined from stored JSON, keys absent rather than null).
   tests/test_openapi.py checks those bodies against the document.
 
 Errors have their one shape in app/api/openapi.py (`Error`).

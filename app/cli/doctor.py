@@ -126,7 +126,7 @@ async def _check_proxy(url: str, report: _Report) -> bool:
 async def _check_chat(tinker: TinkerConfig, report: _Report) -> None:
     # One try, bounded: the doctor diagnoses, it does not wait out an outage.
     once = tinker.model_copy(
-        update={"max_retries": 0,
+        update={"retry": tinker.retry.model_copy(update={"max_attempts": 1}),
                 "timeout_seconds": min(tinker.timeout_seconds, _CHAT_TIMEOUT_SECONDS)}
     )
     async with httpx.AsyncClient() as http:

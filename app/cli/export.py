@@ -248,12 +248,12 @@ async def export_dpo(
     """Preference pairs of runs of one task (rewards `margin` apart); JSONL to a
     `.jsonl` file or stdout, else a parquet directory like `export_parquet`'s."""
     tally = Tally()
-    runs: list[dataset.Run] = []
+    runs: list[dataset.Attempt] = []
     async for row in _selected(engine, query, tally, progress):
         if row.scores.reward is None:
             tally.left_out["no reward"] += 1
             continue
-        runs.append(dataset.Run(row.scores.trace_id, dataset.task_key(row.trace),
+        runs.append(dataset.Attempt(row.scores.trace_id, dataset.task_key(row.trace),
                                 row.scores.reward))
     pairs = dataset.preference_pairs(runs, margin, max_pairs_per_run)
     paired = {r.trace_id for pair in pairs for r in pair}

@@ -28,7 +28,7 @@ from app.hub import database
 from app.import_sources import Parsed, Record, Unreadable, read_path
 from app.ingest.ingestor import Ingestor, running_ingest
 from app.ingest.inserter import Stored
-from app.ingest.tokens import encoding
+from app.tokens import encoding
 
 CHUNK = 64  # traces per database group or per HTTP request
 RETRIES_WHEN_BUSY = 20

@@ -17,7 +17,7 @@ from app.durations import parse_duration, parse_moment
 if TYPE_CHECKING:
     from app.hub import Settings
 
-Run = Callable[[argparse.Namespace], Awaitable[int]]
+CommandHandler = Callable[[argparse.Namespace], Awaitable[int]]
 Commands = argparse._SubParsersAction  # the subparsers of `atropos` or of a group
 
 # Every command of `atropos`: the module (app/cli/<module>.py) that declares it, and
@@ -62,7 +62,7 @@ def _looked_for(name: str) -> str:
 def command(
     commands: Commands[argparse.ArgumentParser],
     name: str,
-    run: Run,
+    run: CommandHandler,
     *,
     example: str,
     config: str | None = "config.json",

@@ -20,8 +20,8 @@ from app.errors import StartupError
 from app.evaluation.environment import Environment
 from app.hub import Settings, add_assembly, database, open_database, running_stages
 from app.ingest.ingestor import running_ingest
-from app.ingest.tokens import encoding
 from app.metrics import start_at_zero, summarizing
+from app.tokens import encoding
 
 log = logging.getLogger("atropos")
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from app.cli.options import Commands, command
 from app.config import load_tinker
-from app.llm import LLMError
-from app.training import TrainingFailed
+from app.errors import ServiceError
 from app.training.dataset import train_dataset
 
 
@@ -26,7 +25,7 @@ async def _train(args: argparse.Namespace) -> int:
     tinker = load_tinker(args.config).tinker
     try:
         record = await train_dataset(tinker, args.dataset, args.output)
-    except (LLMError, TrainingFailed) as exc:
+    except ServiceError as exc:
         print(f"error: training failed: {exc} (details in {args.output})", file=sys.stderr)
         return 1
     job = record["receipt"]["job"]

@@ -1,4 +1,4 @@
-"""Compression: long traces cut to their training-worthy core (issue 4).
+"""Compression: long traces cut to their training-worthy core.
 
     result = await compress(trace, total_tokens, policy, forced=..., summarizer=...)
     # -> Compressed(trace, tokens_before, tokens_after, target, ratio, strategy,

@@ -26,8 +26,8 @@ from app.compression.ledger import Budget, Ledger
 from app.compression.summarize import Summarizer, summarize_middle
 from app.config import CompressionConfig
 from app.domain import Trace
-from app.ingest.tokens import count_parts
 from app.llm import LLMError
+from app.tokens import count_parts
 
 # How far a drop may overshoot under the aim; trims are sized to land on it.
 _DROP_OVERSHOOT = 0.15

@@ -26,7 +26,7 @@ from typing import Literal
 from app.compression.facts import TOKEN as _FACT_TOKEN
 from app.compression.facts import candidates, holds
 from app.domain import Step, StepType, Trace
-from app.ingest.tokens import count_parts, count_tokens
+from app.tokens import count_parts, count_tokens
 
 # Steps with more text than this are estimated until needed (~300 tokens of code or
 # logs). On real agent runs such steps hold 70% of the text.

@@ -8,11 +8,10 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.db.models import BATCHES, MEMBERS
-from app.db.moves import BATCH_STATES
+from app.db.moves import BATCH_STATES, RELEASED
 from app.db.trace_queries import newest_first
 from app.domain import BatchState
 from app.errors import Conflict, NotFound
-from app.stages.leases import RELEASED
 
 COLUMNS = tuple(c for c in BATCHES.c if c.name not in ("lease_owner", "lease_expires_at"))
 

@@ -81,9 +81,9 @@ def create_engine(cfg: TraceServerConfig) -> AsyncEngine:
 
 # A pooled PostgreSQL connection idle for longer than this is pinged before use: the
 # server may have restarted or dropped it meanwhile. SQLAlchemy's pool_pre_ping pinged
-# at every checkout, a round trip of ~210 µs of the event loop's CPU for every group
-# commit. One that fails in use anyway (a restart under load) fails its operation with
-# 503, and the pool replaces every connection older than the failure.
+# at every checkout, a round trip of the event loop's CPU for every group commit. One
+# that fails in use anyway (a restart under load) fails its operation with 503, and
+# the pool replaces every connection older than the failure.
 IDLE_BEFORE_PING_SECONDS = 5.0
 
 
@@ -123,7 +123,7 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cursor = dbapi_conn.cursor()
     # 8 KB pages, PostgreSQL's size, for a database created now (an existing one keeps
     # its own: in WAL mode it cannot change). A 5 KB trace's row (its item and its
-    # canonical trace, ~10 KB) wastes less of its last page: the file is 11% smaller
+    # canonical trace) wastes less of its last page: the file is smaller
     # (docs/decisions.md).
     cursor.execute("PRAGMA page_size=8192")
     # A checkpoint every 4 MB of WAL, as SQLite's default of 1,000 pages made it with

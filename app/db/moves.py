@@ -23,6 +23,9 @@ from app.domain import BATCH_TRANSITIONS, TRANSITIONS, BatchState, Stage
 
 S = TypeVar("S", bound=StrEnum)
 
+# A row no worker holds: its lease columns as a move (or a give-up) leaves them.
+RELEASED = {"lease_owner": None, "lease_expires_at": None}
+
 
 class ForbiddenMove(Exception):
     """A move its transition table does not allow: a mistake in the code, never in

@@ -5,8 +5,8 @@ It is made where the trace is parsed (Preparer.row, in an ingest process) and wr
 by the code that stores the trace, in the same transaction (insert_traces in
 app/ingest/inserter.py, and the OTLP assembly when it replaces a trajectory). Until
 migration 0013 a trigger on `traces` made it in the database; extracting it from the
-trace's JSON there took ~45 µs of each insert, under SQLite's one write lock
-(docs/decisions.md), and SQLite's FTS5 trigram index over it another ~27 µs. A search
+trace's JSON there lengthened each insert under SQLite's one write lock, and SQLite's
+FTS5 trigram index over it more (docs/ingest.md). A search
 reads the narrow table (`matching`), on both databases.
 """
 
@@ -23,7 +23,7 @@ from app.domain import StepType, Trace
 
 SEARCH_CHARS = 2000
 # A trace assembled again replaces its text, in the same statement: a DELETE of the
-# trace_ids first cost PostgreSQL ~80 µs a trace (bench/ingest.py --db postgresql).
+# trace_ids first cost PostgreSQL a round of work a trace (bench/ingest.py --db postgresql).
 _ROWS = BulkInsert(TRACE_SEARCH, "trace_id", ("trace_id", "text"), replace=True)
 
 
@@ -47,7 +47,7 @@ def has_words(words: str) -> sa.ColumnElement[bool]:
 
 
 def matching(words: str) -> sa.Select[Any]:
-    """The trace_ids whose search text contains `words`: a read of the narrow table
-    (~60 ms for 100,000 traces on SQLite). The trace list first looks among the next
+    """The trace_ids whose search text contains `words`: a read of the narrow table.
+    The trace list first looks among the next
     traces in its own order (app/db/trace_queries.py), where common words are found."""
     return sa.select(TRACE_SEARCH.c.trace_id).where(has_words(words))

@@ -27,6 +27,7 @@ import orjson
 import re2  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
 from app.config import PrivacyConfig
+from app.patterns import QUIET, compile_pattern
 
 CUSTOM = "custom"
 
@@ -138,22 +139,6 @@ def marker(kind: str) -> str:
     return f"{REDACTED}{kind}]"
 
 
-_QUIET = re2.Options()
-_QUIET.log_errors = False  # a bad pattern is reported once, as a ConfigError
-
-
-def compile_pattern(pattern: str) -> Any:
-    """An RE2 pattern, or ValueError saying why it is not one (config validation)."""
-    try:
-        compiled = re2.compile(pattern, _QUIET)
-    except re2.error as exc:
-        reason = exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else exc
-        raise ValueError(f"not a valid RE2 pattern ({reason})") from None
-    if compiled.fullmatch("") is not None:
-        raise ValueError(f"{pattern!r} matches the empty string, so it would redact nothing")
-    return compiled
-
-
 @dataclass(frozen=True, slots=True)
 class Redacted:
     """An item whose secrets were replaced before it came to be prepared (an OTLP
@@ -185,8 +170,8 @@ class Redactor:
         self._kinds += [(CUSTOM, compile_pattern(p)) for p in config.extra_patterns]
         # Which kinds a string holds, in one pass: a set runs the DFA alone, without
         # the submatch search that one alternation of them all (with their groups)
-        # falls back to, ~50x slower.
-        self._any = re2.Set.SearchSet(_QUIET) if self._kinds else None
+        # falls back to, far slower (bench/redaction.py).
+        self._any = re2.Set.SearchSet(QUIET) if self._kinds else None
         if self._any is not None:
             for kind in kinds:
                 self._any.Add(kind.pattern)
@@ -246,7 +231,8 @@ class Redactor:
         return self._text(text, counts)
 
     def _text(self, text: str, counts: Counter[str]) -> str:
-        # Keys and short values ("type", "role") hold no secret; one Set.Match costs ~2 µs.
+        # Keys and short values ("type", "role") hold no secret, and a Set.Match on each
+        # would cost more than the rest of the walk (bench/redaction.py).
         if self._any is None or len(text) < self._shortest:
             return text
         if "\\u" in text:

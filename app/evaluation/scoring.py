@@ -217,7 +217,7 @@ def _loops(view: _View, threshold: int) -> int:
 def _same_arguments(x: Any, y: Any) -> bool:
     if isinstance(x, str) or isinstance(y, str):
         return _canonical_arguments(x) == _canonical_arguments(y)
-    # == on parsed JSON is exact but for true == 1 == 1.0; serialising costs ~1 us, so
+    # == on parsed JSON is exact but for true == 1 == 1.0; serialising costs more, so
     # only the rare equal pair is confirmed canonically.
     return bool(x == y) and _canonical_arguments(x) == _canonical_arguments(y)
 

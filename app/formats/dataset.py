@@ -187,21 +187,25 @@ def _grams(text: str) -> Iterator[int]:
 
 
 @dataclass(frozen=True)
-class Run:
+class Attempt:
+    """One trace's attempt at a task, as preference pairs compare them."""
+
     trace_id: str
     task: str  # task_key
     reward: float
 
 
-def preference_pairs(runs: Iterable[Run], margin: float, max_per_run: int) -> list[tuple[Run, Run]]:
+def preference_pairs(
+    runs: Iterable[Attempt], margin: float, max_per_run: int
+) -> list[tuple[Attempt, Attempt]]:
     """(chosen, rejected) pairs of runs of the same task whose rewards differ by at
     least `margin`, each run in at most `max_per_run` pairs. Per task, the best runs
     are paired with the worst first (the clearest preference); ties break by id, so
     the same database gives the same pairs."""
-    tasks: dict[str, list[Run]] = {}
+    tasks: dict[str, list[Attempt]] = {}
     for run in runs:
         tasks.setdefault(run.task, []).append(run)
-    pairs: list[tuple[Run, Run]] = []
+    pairs: list[tuple[Attempt, Attempt]] = []
     for group in tasks.values():
         best = sorted(group, key=lambda r: (-r.reward, r.trace_id))
         used = dict.fromkeys((r.trace_id for r in group), 0)
@@ -231,7 +235,7 @@ def dpo_record(chosen: Trace, rejected: Trace) -> dict[str, Any]:
     return record
 
 
-def pair_scores(chosen: Run, rejected: Run) -> dict[str, Any]:
+def pair_scores(chosen: Attempt, rejected: Attempt) -> dict[str, Any]:
     """Which runs a pair holds and their rewards, beside TRL's columns."""
     return {
         "chosen_reward": chosen.reward,
@@ -241,7 +245,7 @@ def pair_scores(chosen: Run, rejected: Run) -> dict[str, Any]:
     }
 
 
-def dpo_row(record: dict[str, Any], chosen: Run, rejected: Run) -> dict[str, Any]:
+def dpo_row(record: dict[str, Any], chosen: Attempt, rejected: Attempt) -> dict[str, Any]:
     """One parquet row of a pair (tool calls and schemas as JSON text)."""
     return {
         "prompt": [_message(m) for m in record["prompt"]],

@@ -37,8 +37,8 @@ from app.ingest.admission import Admission
 from app.ingest.inserter import Stored, TraceInserter, TraceRow
 from app.ingest.limits import check_item, check_trace
 from app.ingest.processes import IngestProcesses
-from app.ingest.tokens import count_parts
 from app.metrics import REJECTIONS, TRACES_INGESTED, Labeled
+from app.tokens import count_parts
 
 log = logging.getLogger("atropos.ingest")
 

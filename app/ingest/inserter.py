@@ -50,9 +50,9 @@ from app.db import search
 from app.db.dialect import BulkInsert, OneHop
 from app.db.errors import database_error, database_refusal, outage_of, refuses_row
 from app.db.models import TRACES
+from app.db.schedule import claim_if_due
 from app.errors import Conflict, HubError, Unavailable
 from app.metrics import DB_COMMITS
-from app.stages.schedule import claim_if_due
 
 log = logging.getLogger("atropos.ingest")
 _commits = DB_COMMITS.labels("traces")

@@ -2,6 +2,6 @@
 tokenizer, loaded once there, is shared by every process forked from it instead of
 each loading its own (~0.3 s and ~60 MB apiece)."""
 
-from app.ingest.tokens import encoding
+from app.tokens import encoding
 
 encoding()

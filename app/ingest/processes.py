@@ -40,8 +40,8 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from app.errors import HubError, Invalid, Unavailable
-from app.ingest.tokens import encoding
 from app.metrics import INGEST_RESTARTS
+from app.tokens import encoding
 
 if TYPE_CHECKING:
     from app.ingest.ingestor import Preparer

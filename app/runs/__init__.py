@@ -1,5 +1,5 @@
 """Training runs: the trainer and environment processes the hub starts, watches and
-stops (issue 7). `RunSupervisor` is the entry point; see docs/runs.md."""
+stops. `RunSupervisor` is the entry point; see docs/runs.md."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from app.runs.process import RunProcess
+from app.runs.process import SupervisedProcess
 from app.runs.spec import HealthCheck
 from app.waits import event_set_within
 
@@ -51,7 +51,7 @@ HealthResult = Healthy | Exited | TimedOut | Interrupted
 
 
 async def wait_until_healthy(
-    proc: RunProcess,
+    proc: SupervisedProcess,
     check: HealthCheck | None,
     *,
     timeout: float,

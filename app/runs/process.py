@@ -75,7 +75,7 @@ def describe_exit(code: int | None) -> str:
     return f"code {code}"
 
 
-class RunProcess:
+class SupervisedProcess:
     """One command of a run, led by its launcher: `pid` is the launcher's, and also
     the id of the process group that holds the command and whatever it starts."""
 
@@ -108,7 +108,7 @@ class RunProcess:
         env: dict[str, str],
         log_path: Path,
         user: str | None = None,
-    ) -> RunProcess:
+    ) -> SupervisedProcess:
         """`command` under the launcher, which runs it as `user` (runs.user) when given;
         the launcher itself stays the hub's, so that it can write the exit file."""
         files.make_dir(log_path.parent)
@@ -130,7 +130,7 @@ class RunProcess:
     @classmethod
     def attach(
         cls, run_id: str, role: str, log_path: Path, pid: int, ticks: int | None
-    ) -> RunProcess:
+    ) -> SupervisedProcess:
         """A process another hub process spawned."""
         return cls(run_id, role, log_path, pid, ticks)
 

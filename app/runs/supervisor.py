@@ -32,7 +32,7 @@ from app.runs import records
 from app.runs.channel import ModelChannel, process_env
 from app.runs.health import Exited, Healthy, Interrupted, TimedOut, wait_until_healthy
 from app.runs.logs import log_path, tail
-from app.runs.process import RunProcess, describe_exit, is_running, start_ticks
+from app.runs.process import SupervisedProcess, describe_exit, is_running, start_ticks
 from app.runs.records import RunRecord, RunStatus
 from app.runs.spec import RunSpec
 from app.waits import event_set_within
@@ -189,7 +189,7 @@ class _Run:
         spec: RunSpec,
         channel: ModelChannel,
         hub_url: str,
-        processes: list[RunProcess] | None = None,
+        processes: list[SupervisedProcess] | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.run_id = run_id
@@ -205,7 +205,7 @@ class _Run:
     def adopt(cls, supervisor: RunSupervisor, record: RunRecord) -> _Run:
         """A run another hub process started, with the processes it had started."""
         processes = [
-            RunProcess.attach(record.run_id, p.role, Path(p.log_path), p.pid, p.start_ticks)
+            SupervisedProcess.attach(record.run_id, p.role, Path(p.log_path), p.pid, p.start_ticks)
             for p in record.processes
             if p.pid is not None
         ]
@@ -266,7 +266,7 @@ class _Run:
                 role, spec_env=self.spec.env, channel=self.channel, hub_url=self.hub_url
             )
             try:
-                proc = RunProcess.spawn(
+                proc = SupervisedProcess.spawn(
                     self.run_id, role, spec.command, cwd=self.spec.cwd, env=env,
                     log_path=path, user=self.supervisor._config.user,
                 )

@@ -41,7 +41,7 @@ from app.compression import (
 from app.config import CompressionConfig
 from app.db.errors import outage_of
 from app.db.models import TRACES
-from app.db.moves import TRACE_STAGES
+from app.db.moves import RELEASED, TRACE_STAGES
 from app.domain import Stage, Trace
 from app.llm import LLMError
 from app.metrics import (
@@ -50,7 +50,7 @@ from app.metrics import (
     COMPRESSIONS,
     COMPRESSIONS_SKIPPED,
 )
-from app.stages.leases import RELEASED, Heartbeat, Lease, claim, held_by, retry_later
+from app.stages.leases import Heartbeat, Lease, claim, held_by, retry_later
 
 log = logging.getLogger("atropos.compression")
 

@@ -18,28 +18,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import DistributorConfig
 from app.db.models import BATCHES, MEMBERS, TRACES
-from app.db.moves import BATCH_STATES, TRACE_STAGES
+from app.db.moves import BATCH_STATES, RELEASED, TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import BatchState, Stage, Trace
-from app.llm import LLMError
+from app.errors import ServiceError
 from app.metrics import DELIVERY_ATTEMPTS
-from app.stages.leases import RELEASED, Heartbeat, Lease, claim, held_by, retry_later
-from app.targets import Batch, BatchItem, DeliveryError, Target
-from app.training import TrainingFailed
-from app.training.openai_api import TrainingTimeout
+from app.stages.leases import Heartbeat, Lease, claim, held_by, retry_later
+from app.targets import Batch, BatchItem, Target
 
 log = logging.getLogger("atropos.delivery")
-
-# What a target raises when the service it delivers to fails or refuses: said in one
-# line (and kept as last_error). Anything else is also logged with its traceback.
-EXPECTED_FAILURES = (DeliveryError, LLMError, TrainingFailed, TrainingTimeout,
-                     httpx.HTTPError, OSError)
 
 
 class DeliveryStage:
@@ -159,7 +151,9 @@ class DeliveryStage:
                 give_up=BATCH_STATES.move(BatchState.FAILED, expected=[BatchState.PENDING]),
                 wake=self._on_advance, last_error=error,
             )
-        trace = None if isinstance(exc, EXPECTED_FAILURES) else exc
+        # A service that failed is said in one line (kept as last_error); anything else
+        # is a fault of the hub's, logged with its traceback.
+        trace = None if isinstance(exc, ServiceError) else exc
         if delay is None:
             log.error("batch %s: delivery to %s failed %d times, giving up: %s; "
                       "`atropos batches retry %s` re-queues it", batch_id,

@@ -28,14 +28,9 @@ from app.db.models import BATCHES, MEMBERS, TRACES
 from app.db.moves import BATCH_STATES, TRACE_STAGES
 from app.db.review_queries import not_labelled_bad
 from app.db.types import utcnow
-from app.domain import BatchState, Stage
+from app.domain import ELIGIBLE, BatchState, Stage
 
 log = logging.getLogger("atropos.distribution")
-# Every accepted trace passes through the compression stage (which skips it when
-# compression is off), so these two are where a trace becomes eligible.
-ELIGIBLE = (Stage.COMPRESSED, Stage.COMPRESSION_SKIPPED)
-
-
 @dataclass(frozen=True)
 class FormedBatch:
     batch_id: str

@@ -37,6 +37,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from app.config import RetryPolicy
 from app.db.dialect import dialect_of, picked_once
 from app.db.errors import outage_of
+from app.db.moves import RELEASED
 from app.db.types import utcnow
 from app.waits import event_set_within
 
@@ -166,9 +167,6 @@ class Heartbeat:
                 if key in self._held:
                     log.warning(self._lost, key)
                     self._held.discard(key)
-
-
-RELEASED = {"lease_owner": None, "lease_expires_at": None}
 
 
 async def retry_later(

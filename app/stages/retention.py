@@ -21,12 +21,12 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import RetentionConfig
+from app.db import schedule
 from app.db.dialect import after_bulk_delete, dialect_of, skip_locked
 from app.db.models import TRACES
 from app.db.types import utcnow
 from app.domain import NEVER_PRUNED, BatchState, Stage
 from app.durations import format_duration
-from app.stages import schedule
 from app.stages.leases import lease_is_free
 
 log = logging.getLogger("atropos.retention")
@@ -110,7 +110,7 @@ async def prune(
 
 class RetentionStage:
     """The `retention` section applied by the worker, once per `every` across all hub
-    processes on the database (app/stages/schedule.py). It does not VACUUM: that would hold
+    processes on the database (app/db/schedule.py). It does not VACUUM: that would hold
     SQLite's write lock while ingest is running; freed pages are reused anyway."""
 
     name = "retention"

@@ -10,9 +10,10 @@ batch delivered twice (a worker died before acknowledging) is written, accepted 
 trained once.
 
 A target is one module that declares a `SPEC` (app/targets/base.py: its name, its
-distributor keys as a DistributorConfig subclass, its builder), plus its line in
-REGISTERED below; config.json's distributor section is checked against the model of
-the target it names.
+distributor keys, its builder), plus its line in REGISTERED below. Its keys are a
+DistributorConfig subclass in app/config.py's TARGET_CONFIGS, which checks
+config.json's distributor section against the model of the target it names: the
+config sits below the code that uses it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ app/targets/__init__.py."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Generic, Protocol, TypeVar
@@ -15,17 +15,13 @@ import httpx
 from app import formats
 from app.config import DistributorConfig, TinkerConfig
 from app.domain import Trace
-from app.errors import Unexportable
+from app.errors import DeliveryError, Unexportable
+from app.training import SaveReceipt
+
+__all__ = ["Batch", "BatchItem", "DeliveryError", "Resources", "SaveReceipt", "Target",
+           "TargetSpec"]
 
 log = logging.getLogger("atropos.delivery")
-
-SaveReceipt = Callable[[dict[str, Any]], Awaitable[None]]
-
-
-class DeliveryError(Exception):
-    """A delivery that failed in a way the target could describe (the message becomes
-    the batch's last_error)."""
-
 
 @dataclass(frozen=True)
 class BatchItem:
@@ -91,6 +87,6 @@ class TargetSpec(Generic[C]):
 
     name: str
     # config.json's distributor section for this target: the keys every target shares
-    # (DistributorConfig) plus its own.
+    # (DistributorConfig) plus its own (app/config.py TARGET_CONFIGS).
     config: type[C]
     build: Callable[[C, Resources], Target]

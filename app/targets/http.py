@@ -11,23 +11,15 @@ a failed attempt, retried by the delivery stage with the same key and body.
 from __future__ import annotations
 
 import gzip
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import orjson
-from pydantic import Field
 
-from app.config import DistributorConfig
+from app.config import HttpTargetConfig
 from app.targets.base import Batch, DeliveryError, Resources, SaveReceipt, TargetSpec
 
 _BODY_SHOWN = 200
-
-
-class HttpTargetConfig(DistributorConfig):
-    target: Literal["http"] = "http"
-    # Where batches are POSTed, e.g. https://trainer/batches.
-    url: str
-    http_timeout_seconds: float = Field(60, gt=0)
 
 
 class HttpTarget:

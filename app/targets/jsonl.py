@@ -16,25 +16,20 @@ import asyncio
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 
 from app import files
-from app.config import DistributorConfig, HomePath
+from app.config import JsonlTargetConfig
 from app.db.types import utcnow
+from app.errors import DeliveryError
 from app.targets.base import Batch, Resources, SaveReceipt, TargetSpec
 
 MANIFEST = "manifest.jsonl"
 # A temporary batch file untouched this long is no write in progress (a batch is
 # written in seconds, and its lease lasts workers.lease_seconds): it is swept at start.
 STALE_TEMPORARY_SECONDS = 3600
-
-
-class JsonlTargetConfig(DistributorConfig):
-    target: Literal["jsonl"] = "jsonl"
-    # One training file per batch, plus manifest.jsonl.
-    output_dir: HomePath = "~/.atropos/batches"
 
 
 class JsonlTarget:
@@ -46,7 +41,10 @@ class JsonlTarget:
 
     async def deliver(self, batch: Batch, save: SaveReceipt) -> dict[str, Any]:
         # Serialising and fsyncing is blocking work: off the event loop.
-        return await asyncio.to_thread(self._write, batch)
+        try:
+            return await asyncio.to_thread(self._write, batch)
+        except OSError as exc:  # a full disk, a directory we may not write
+            raise DeliveryError(f"writing batch {batch.batch_id} to {self._dir}: {exc}") from exc
 
     def _write(self, batch: Batch) -> dict[str, Any]:
         files.make_dir(self._dir)

@@ -7,19 +7,14 @@ says: that is what fine-tuning takes. The trainer log is
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeGuard
+from typing import Any, TypeGuard
 
 import httpx
 
-from app.config import DistributorConfig, TinkerConfig
+from app.config import TinkerConfig, TinkerTargetConfig
+from app.errors import DeliveryError
 from app.targets.base import Batch, BatchItem, Resources, SaveReceipt, TargetSpec
 from app.training import Backend, Example, TrainerLog, TrainingRun, backend_for, run
-
-
-class TinkerTargetConfig(DistributorConfig):
-    """No keys of its own: the service is tinker.json's."""
-
-    target: Literal["tinker"] = "tinker"
 
 
 class TinkerTarget:
@@ -34,7 +29,11 @@ class TinkerTarget:
 
     async def deliver(self, batch: Batch, save: SaveReceipt) -> dict[str, Any]:
         examples = [_example(item, record) for item, record in batch.records("openai")]
-        with TrainerLog(self._tinker.logs_dir, batch.batch_id) as log:
+        try:
+            log = TrainerLog(self._tinker.logs_dir, batch.batch_id)
+        except OSError as exc:
+            raise DeliveryError(f"cannot open the trainer log in tinker.logs_dir: {exc}") from exc
+        with log:
             job = TrainingRun(examples, batch.batch_id, dict(batch.receipt), save, log)
             return await run(self._backend, job, http=self._http, tinker=self._tinker)
 

@@ -32,6 +32,7 @@ import httpx
 
 from app import files
 from app.config import TinkerConfig
+from app.errors import TrainingFailed
 from app.llm import chat
 
 __all__ = [
@@ -49,10 +50,6 @@ __all__ = [
 log = logging.getLogger("atropos.trainer")
 SMOKE_PROMPT = "Reply with one short sentence: are you ready?"
 SaveReceipt = Callable[[dict[str, Any]], Awaitable[None]]
-
-
-class TrainingFailed(Exception):
-    """The training job ended in a state other than success; the message says why."""
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,11 @@ import httpx
 import orjson
 
 from app.config import TinkerConfig
+from app.errors import TrainingFailed, TrainingTimeout
 from app.llm import request
-from app.training import Example, TrainingFailed, TrainingRun, hyperparameters
+from app.training import Example, TrainingRun, hyperparameters
 
 FINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
-
-
-class TrainingTimeout(Exception):
-    """The job was still running after tinker.job_timeout_seconds; a later attempt
-    resumes polling it."""
 
 
 class OpenAIFineTuning:

@@ -27,10 +27,15 @@ sampling again (under the same name).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Protocol
 
+import httpx
+
 from app.config import TinkerConfig
-from app.training import Example, TrainingFailed, TrainingRun
+from app.errors import TrainingFailed
+from app.training import Example, TrainingRun
 
 EXTRA_HINT = "pip install 'atropos-hub[tinker]'"
 
@@ -58,8 +63,12 @@ class TinkerSDK:
         self._tokenizer = tokenizer
 
     async def train(self, run: TrainingRun) -> dict[str, Any]:
-        t, log, key = self._tinker, run.log, run.key
         sdk = self._load_sdk()
+        with _sdk_errors(sdk):
+            return await self._train(sdk, run)
+
+    async def _train(self, sdk: Any, run: TrainingRun) -> dict[str, Any]:
+        t, log, key = self._tinker, run.log, run.key
         service = self._service or sdk.ServiceClient(api_key=t.api_key())
         state = run.receipt.get("state_path")
         if state:
@@ -162,6 +171,20 @@ class TinkerSDK:
                 raise TrainingFailed(f"tinker.tokenizer needs transformers: {EXTRA_HINT}") from None
             self._tokenizer = AutoTokenizer.from_pretrained(name)
         return self._tokenizer
+
+
+@contextlib.contextmanager
+def _sdk_errors(sdk: Any) -> Iterator[None]:
+    """The SDK's errors (its APIError tree, the httpx errors under it) as TrainingFailed:
+    translated here, as httpx translates httpcore's, so nothing above catches them."""
+    foreign: tuple[type[Exception], ...] = tuple(
+        t for t in (getattr(sdk, "APIError", None), httpx.HTTPError)
+        if isinstance(t, type) and issubclass(t, Exception)
+    )
+    try:
+        yield
+    except foreign as exc:
+        raise TrainingFailed(f"the tinker service failed: {type(exc).__name__}: {exc}") from exc
 
 
 async def _result_path(future: Any) -> str:

@@ -19,7 +19,7 @@ from app.compression.ledger import speaker
 from app.config import CompressionConfig, load_compression, load_config
 from app.domain import Step, StepType, Trace
 from app.import_sources import Parsed, read_path
-from app.ingest.tokens import count_parts
+from app.tokens import count_parts
 from tests.support import REAL, ROOT
 
 EXAMPLE_COMPRESSION = ROOT / "compression.json.example"
@@ -82,10 +82,10 @@ def still_backed(original: Trace, compressed: Trace) -> tuple[int, int]:
         if speaker(step) != "assistant":
             held |= facts(step_text(step))
             continue
-        i = origin.get(j)
-        if i is None:
+        source = origin.get(j)
+        if source is None:
             continue
-        mine = wanted.get(i, set()) & facts(step_text(step), parts=False)
+        mine = wanted.get(source, set()) & facts(step_text(step), parts=False)
         total += len(mine)
         kept += len(mine & held)
     return total, kept

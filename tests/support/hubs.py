@@ -32,7 +32,7 @@ from app.api.server import server_config
 from app.config import load_compression, load_config, load_tinker
 from app.evaluation.environment import Environment
 from app.hub import Hub, Settings, open_database
-from app.ingest.tokens import encoding
+from app.tokens import encoding
 from tests.support.waiting import wait_until, wait_until_async
 
 T = TypeVar("T")

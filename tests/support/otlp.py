@@ -199,7 +199,8 @@ def trajectory(client: httpx.Client, tid: str, **headers: str) -> dict[str, Any]
         r = client.get(f"/v1/traces/{tid}", headers=headers)
         return r.json() if r.status_code == 200 else None
 
-    record: dict[str, Any] = wait_until(stored, what=f"trajectory {tid}")
+    record = wait_until(stored, what=f"trajectory {tid}")
+    assert record is not None  # wait_until returns a true value
     return record
 
 

@@ -40,7 +40,7 @@ def main(instrumentation: str) -> None:
     if instrumentation == "openai-v2":
         from opentelemetry.instrumentation.openai_v2 import OpenAIInstrumentor
 
-        OpenAIInstrumentor().instrument()
+        OpenAIInstrumentor().instrument()  # type: ignore[no-untyped-call]
         root = {"gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": "weather"}
     else:
         from openinference.instrumentation.openai import OpenAIInstrumentor as OIInstrumentor
@@ -62,6 +62,7 @@ def main(instrumentation: str) -> None:
                     run.set_attribute("output.value", reply.content or "")
                 break
             for call in reply.tool_calls:
+                assert call.type == "function"
                 result = get_weather(**json.loads(call.function.arguments))
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
         trace_id = format(run.get_span_context().trace_id, "032x")

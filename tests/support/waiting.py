@@ -7,7 +7,7 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 POLL = 0.05
@@ -27,8 +27,14 @@ def wait_until(check: Callable[[], T], timeout: float = 30, what: str = "conditi
         time.sleep(poll)
 
 
-async def wait_until_async(check: Callable[[], T | Awaitable[T]], timeout: float = 30,
-                           what: str = "condition", poll: float = POLL) -> T:
+@overload
+async def wait_until_async(check: Callable[[], Awaitable[T]], timeout: float = 30,
+                           what: str = "condition", poll: float = POLL) -> T: ...
+@overload
+async def wait_until_async(check: Callable[[], T], timeout: float = 30,
+                           what: str = "condition", poll: float = POLL) -> T: ...
+async def wait_until_async(check: Callable[[], Any], timeout: float = 30,
+                           what: str = "condition", poll: float = POLL) -> Any:
     """wait_until for async tests: the event loop runs on while it waits."""
     deadline = time.monotonic() + timeout
     while True:

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
 from starlette.applications import Starlette
@@ -199,7 +199,7 @@ def _multipart(content_type: str, raw: bytes) -> dict[str, Any]:
             fields[str(name)] = data
             fields["filename"] = part.get_filename()
         else:
-            fields[str(name)] = data.decode()
+            fields[str(name)] = data.decode() if isinstance(data, bytes) else str(data)
     return fields
 
 
@@ -219,8 +219,14 @@ def _error(status: int, code: str, message: str, headers: dict[str, str] | None 
     return JSONResponse({"error": {"code": code, "message": message}}, status, headers)
 
 
+class Servable(Protocol):
+    """A fake server: its ASGI app."""
+
+    def app(self) -> Any: ...
+
+
 @contextmanager
-def serve(fake: FakeModel) -> Iterator[str]:
+def serve(fake: Servable) -> Iterator[str]:
     """Run `fake` on 127.0.0.1 (a free port) in a thread; yields its root URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

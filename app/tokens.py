@@ -4,7 +4,7 @@ the numbers are comparable.
 
 The counts are cl100k_base's, as tiktoken's `encode_ordinary` makes them. toktok (a
 BPE counter in Rust, its tables compiled in) counts them without building the tokens,
-about 25x faster than tiktoken and with no tables to download; tests/test_tokens.py
+faster than tiktoken (docs/ingest.md) and with no tables to download; tests/test_tokens.py
 checks that its counts equal tiktoken's on every text of the real corpus and on random
 text. One known difference: toktok's Unicode tables know the 4,657 letters and digits
 Unicode 17.0 added (2025: CJK Extension J, a few new scripts), tiktoken's do not, and
@@ -28,20 +28,20 @@ _long_counts: dict[int, int] = {}
 _lock = threading.Lock()
 
 
-class Tokenizer(Protocol):
+class TokenCounter(Protocol):
     def count(self, text: str) -> int: ...
 
 
 @cache
-def encoding() -> Tokenizer:
-    """cl100k_base, loaded once per process (~0.2 s; the ingest processes' fork server
-    loads it for all of them)."""
+def encoding() -> TokenCounter:
+    """cl100k_base, loaded once per process (the ingest processes' fork server loads it
+    for all of them)."""
     try:
-        # The extension's own class: the package's `batch_count` wrapper cost ~30 µs a
-        # call (measured), more than counting a 5 KB trace's text (~9 µs).
+        # The extension's own class: the package's `batch_count` wrapper costs more a
+        # call than counting a typical trace's text (docs/ingest.md).
         from toktok._toktok import Tokenizer as Toktok
 
-        return cast(Tokenizer, Toktok("cl100k_base", ""))
+        return cast(TokenCounter, Toktok("cl100k_base", ""))
     except Exception as exc:  # an import error, or an extension that does not load
         raise StartupError(
             f"The cl100k_base tokenizer could not be loaded ({type(exc).__name__}: {exc}): "
