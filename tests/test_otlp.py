@@ -600,10 +600,12 @@ def _megabyte(kind: str, hostile: bool) -> dict[str, Any]:
     if kind == "calls":
         said = [{"role": "user", "parts": [{"type": "text", "content": f"and now {i}?"}]}
                 for i in range(3300)]
+        # The model answers once, at the end: a trajectory needs an assistant turn.
         if hostile:
             return document([span(t, "chat", 100 + i, {"gen_ai.input.messages": [m]})
-                             for i, m in enumerate(said)])
-        return document([span(t, "chat", 100, {"gen_ai.input.messages": said})] + [
+                             for i, m in enumerate(said)] + [chat(t, 5000, [], [SAYS])])
+        return document([span(t, "chat", 100, {"gen_ai.input.messages": said,
+                                               "gen_ai.output.messages": [SAYS]})] + [
             span(t, "chat", 101 + i, {"gen_ai.operation.name": "chat"}) for i in range(3299)])
     calls = [{"type": "tool_call", "name": "s", "id": f"c{i}", "arguments": {"q": i}}
              for i in range(2200)]

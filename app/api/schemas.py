@@ -243,14 +243,23 @@ class RewardBucket(BaseModel):
     traces: int
 
 
+class OtlpRefusal(BaseModel):
+    reason: str = Field(description="Why the traces make no trajectory, naming the service "
+                        "and what its sender should change")
+    traces: int
+
+
 class OtlpCounts(BaseModel):
     """OTLP traces by assembly state (docs/otlp.md), and their spans."""
 
     open_traces: int = Field(description="Traces with spans their trajectory does not hold yet")
     assembled_traces: int = Field(description="Traces made into a trajectory")
     refused_traces: int = Field(
-        description="Traces whose spans make no trajectory (see the log for why)"
+        description="Traces whose spans make no trajectory (`refusals` says why)"
     )
+    refusals: list[OtlpRefusal] = Field(
+        default_factory=list,
+        description="The reasons traces were refused, the commonest first (at most 20)")
     spans: int = Field(description="Spans received (each once)")
     late_spans: int = Field(
         description="Spans that arrived after their trajectory was batched: kept, not used"

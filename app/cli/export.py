@@ -244,6 +244,7 @@ async def export_parquet(
 async def export_dpo(
     engine: AsyncEngine, query: ExportQuery, output: str, *, margin: float,
     max_pairs_per_run: int, eval_fraction: float, progress: Progress | None = None,
+    across_agents: bool = False,
 ) -> Tally:
     """Preference pairs of runs of one task (rewards `margin` apart); JSONL to a
     `.jsonl` file or stdout, else a parquet directory like `export_parquet`'s."""
@@ -253,9 +254,12 @@ async def export_dpo(
         if row.scores.reward is None:
             tally.left_out["no reward"] += 1
             continue
-        runs.append(dataset.Attempt(row.scores.trace_id, dataset.task_key(row.trace),
-                                row.scores.reward))
-    pairs = dataset.preference_pairs(runs, margin, max_pairs_per_run)
+        if not dataset.pairable(row.trace):
+            tally.left_out["no task (an empty prompt is never paired)"] += 1
+            continue
+        runs.append(dataset.pairing_attempt(row.scores.trace_id, row.trace, row.scores.reward))
+    pairs = dataset.preference_pairs(runs, margin, max_pairs_per_run,
+                                     across_agents=across_agents)
     paired = {r.trace_id for pair in pairs for r in pair}
     tally.left_out["in no pair"] += len(runs) - len(paired)
     traces = await _load(engine, query, paired)
@@ -425,6 +429,8 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
                         help="dpo: the least reward difference of a pair (default 1)")
     parser.add_argument("--max-pairs-per-run", type=int, default=1, metavar="N",
                         help="dpo: pairs a run may be in (default 1)")
+    parser.add_argument("--across-agents", action="store_true",
+                        help="dpo: pair runs of one task by different agents too")
     parser.add_argument("--label", choices=["good", "bad", "unreviewed"],
                         help="only traces a reviewer labelled so (unreviewed: none did)")
 
@@ -481,7 +487,8 @@ async def _write_format(engine: AsyncEngine, query: ExportQuery, args: argparse.
     if args.format == "dpo":
         return await export_dpo(engine, query, args.output, margin=args.margin,
                                 max_pairs_per_run=args.max_pairs_per_run,
-                                eval_fraction=args.eval_fraction, progress=progress)
+                                eval_fraction=args.eval_fraction, progress=progress,
+                                across_agents=args.across_agents)
     with _output(args.output) as out:
         return await export_traces(engine, query, out, progress)
 

@@ -193,18 +193,27 @@ class Attempt:
     trace_id: str
     task: str  # task_key
     reward: float
+    agent: str | None = None  # the agent's name: runs of two agents are not one task's
 
 
-def preference_pairs(
-    runs: Iterable[Attempt], margin: float, max_per_run: int
-) -> list[tuple[Attempt, Attempt]]:
-    """(chosen, rejected) pairs of runs of the same task whose rewards differ by at
-    least `margin`, each run in at most `max_per_run` pairs. Per task, the best runs
-    are paired with the worst first (the clearest preference); ties break by id, so
-    the same database gives the same pairs."""
-    tasks: dict[str, list[Attempt]] = {}
+def pairable(trace: Trace) -> bool:
+    """A run with no task has no prompt a preference could be about: never paired."""
+    return bool(task_text(trace).strip())
+
+
+def pairing_attempt(trace_id: str, trace: Trace, reward: float) -> Attempt:
+    return Attempt(trace_id, task_key(trace), reward, trace.agent.name)
+
+
+def preference_pairs(runs: Iterable[Attempt], margin: float, max_per_run: int, *,
+                     across_agents: bool = False) -> list[tuple[Attempt, Attempt]]:
+    """(chosen, rejected) pairs of runs of the same task (and, unless `across_agents`,
+    the same agent) whose rewards differ by at least `margin`, each run in at most
+    `max_per_run` pairs. Per task, the best runs are paired with the worst first (the
+    clearest preference); ties break by id, so the same database gives the same pairs."""
+    tasks: dict[tuple[str, str | None], list[Attempt]] = {}
     for run in runs:
-        tasks.setdefault(run.task, []).append(run)
+        tasks.setdefault((run.task, None if across_agents else run.agent), []).append(run)
     pairs: list[tuple[Attempt, Attempt]] = []
     for group in tasks.values():
         best = sorted(group, key=lambda r: (-r.reward, r.trace_id))

@@ -96,6 +96,8 @@ class AssemblyStage:
         self._next: _Pass | None = None  # the batch in preparation
         self._failures = 0  # passes failed in a row
         self._retry_at = 0.0  # time.monotonic() before which no pass is tried
+        # Refusal reasons warned of: once each (a reason names its service), then INFO.
+        self._warned: set[str] = set()
 
     @property
     def poll_seconds(self) -> float:
@@ -237,7 +239,7 @@ class AssemblyStage:
                 if outcome == "again":
                     continue  # left open, and due: the next round takes it
                 if error is not None:
-                    log.warning("OTLP trace %s makes no trajectory: %s", d.trace_id, error)
+                    self._refused(d.trace_id, error)
                 state = {"late": TraceState.SENT, "refused": TraceState.REFUSED}.get(
                     outcome, TraceState.ASSEMBLED)
                 settled.append(Settled(d.trace_id, d.spans, state, late=outcome == "late",
@@ -254,6 +256,15 @@ class AssemblyStage:
                  ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())))
         if (outcomes["new"] or outcomes["replaced"]) and self._on_advance is not None:
             self._on_advance()
+
+    def _refused(self, trace_id: str, reason: str) -> None:
+        """Every refusal in the log; a WARNING the first time a service's traces are
+        refused for a reason, not once per trace of an agent that sends thousands."""
+        log.info("OTLP trace %s makes no trajectory: %s", trace_id, reason)
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning("OTLP traces make no trajectory (e.g. %s): %s; warned once, "
+                        "/v1/stats otlp.refusals counts them", trace_id, reason)
 
     async def _forget(self) -> int:
         """Now and then, when nothing is due: delete the spans no trajectory needs."""

@@ -39,6 +39,7 @@ from app.db.trace_queries import SORTS, TraceFilter, View, get_trace
 from app.domain import BatchState, Stage, Status
 from app.errors import Forbidden, HubError, Invalid
 from app.hub import Hub
+from app.ingest.otlp import store as otlp_store
 
 router = APIRouter(prefix="/ui", include_in_schema=False)
 
@@ -92,6 +93,7 @@ async def overview(
         "envs": await trace_queries.distinct_values(conn, "env"),
         "models": await trace_queries.distinct_values(conn, "model"),
         "labels": await trace_queries.label_counts(conn),
+        "otlp": await otlp_store.counts(conn),
     }, nav="overview", title="Overview")
 
 

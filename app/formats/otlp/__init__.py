@@ -26,24 +26,39 @@ mapping with an example per convention; in short:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
-from app.domain import Trace
+from app.domain import Step, StepType, Trace
 from app.formats import _common as c
 from app.formats import openai
-from app.formats.otlp import genai, openinference, wire
-from app.formats.otlp.conversation import Exchange, ToolRun, one_conversation, openai_messages
+from app.formats.otlp import genai, langfuse, openinference, wire
+from app.formats.otlp.conversation import (
+    Exchange,
+    ToolRun,
+    one_conversation,
+    openai_messages,
+    tool_errors,
+)
 from app.formats.otlp.spans import Span, read
 from app.formats.spec import Format
 
 NAME = "otlp"
 EVALUATION_EVENT = "gen_ai.evaluation.result"
-_NO_CONTENT = (
-    "the spans of trace {trace_id} carry no messages, tool runs or agent input: nothing "
-    "to make a trajectory of (is message capture on? e.g. "
-    "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_AND_EVENT with "
-    "OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental)"
-)
+# Why a trace makes no trajectory, each saying what the sender should change. The same
+# words for every trace (the trace id is beside them in the log): the hub warns once
+# per service and reason.
+_CAPTURE = ("turn message capture on: for opentelemetry-instrumentation-openai-v2 "
+            "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_AND_EVENT (not true) "
+            "with OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental; "
+            "see docs/otlp.md for the other frameworks")
+NO_CONTENT = ("the spans carry no messages, tool runs or agent input: nothing to make a "
+              "trajectory of; " + _CAPTURE)
+NO_MESSAGES = ("the model-call spans carry no messages (the model's input and output are "
+               "not recorded); " + _CAPTURE)
+NO_TASK = ("no task: no model call was sent a user message and no agent span holds an "
+           "input; record the messages the model was sent (" + _CAPTURE + ")")
+NO_ASSISTANT = ("no assistant turn: no model call's answer was recorded; record the "
+                "model's output messages (" + _CAPTURE + ")")
 
 
 def looks_like(item: dict[str, Any]) -> bool:
@@ -64,29 +79,38 @@ def parse(item: dict[str, Any]) -> Trace:
         c.fail("resourceSpans", f"holds the spans of {len(trace_ids)} traces; a trajectory "
                "is the spans of one trace")
     trace_id = trace_ids[0]
+    sender = _service(spans)
     exchanges: list[Exchange] = []
     runs: list[ToolRun] = []
     offered: list[Any] = []
+    model_calls = 0
     for span in spans:
-        said = genai.exchange(span) or openinference.exchange(span)
+        said = genai.exchange(span) or openinference.exchange(span) or langfuse.exchange(span)
         if said is not None:
             exchanges.append(said)
-        run = genai.tool_run(span) or openinference.tool_run(span)
+        model_calls += _model_call(span)
+        run = genai.tool_run(span) or openinference.tool_run(span) or langfuse.tool_run(span)
         if run is not None:
             runs.append(run)
-        offered += genai.tools(span) + openinference.tools(span)
-    messages = openai_messages(one_conversation(exchanges, runs))
-    _agent_io(spans, messages)
+        offered += genai.tools(span) + openinference.tools(span) + langfuse.tools(span)
+    if model_calls and not exchanges:
+        # Tool spans alone would make calls the model's record does not hold.
+        _refuse(NO_MESSAGES, sender)
+    conversation = one_conversation(exchanges, runs)
+    messages = openai_messages(conversation)
+    if not exchanges:
+        _agent_io(spans, messages)
     if not messages:
-        c.fail(None, _NO_CONTENT.format(trace_id=trace_id))
+        _refuse(NO_CONTENT, sender)
     roots = [span for span in spans if span.root]
     first = roots + [span for span in spans if not span.root]
     record: dict[str, Any] = {
         "trace_id": trace_id,
         "messages": messages,
-        "agent": {"name": _first(first, "gen_ai.agent.name", "agent.name"),
+        "agent": {"name": _first(first, "gen_ai.agent.name", "agent.name", "agent_name")
+                  or openinference.agent_name(spans) or langfuse.agent_name(spans),
                   "model": _first(first, "gen_ai.request.model", "llm.model_name",
-                                  "gen_ai.response.model")},
+                                  langfuse.MODEL, "gen_ai.response.model")},
         "env": _first(first, "atropos.env") or _service(first),
         "policy_version": _first(first, "atropos.policy_version"),
         "metadata": _metadata(spans, roots),
@@ -98,7 +122,47 @@ def parse(item: dict[str, Any]) -> Trace:
     reward = _reward(first, roots)
     if reward is not None:
         record["reward"] = reward
-    return openai.parse(record).model_copy(update={"source_format": NAME})
+    trace = openai.parse(record)
+    _check(trace, sender)
+    return trace.model_copy(update={"source_format": NAME,
+                                    "steps": _with_errors(trace.steps, tool_errors(conversation))})
+
+
+def _model_call(span: Span) -> bool:
+    return (genai.model_call(span) or openinference.kind(span) == "LLM"
+            or langfuse.kind(span) == "generation")
+
+
+def _check(trace: Trace, sender: str | None) -> None:
+    """A trajectory is a task and what the model did with it: without either it is no
+    training data, and refused, with what the sender should change."""
+    if not trace.task.strip():
+        _refuse(NO_TASK, sender)
+    if not any(step.type in _ASSISTANT_STEPS
+               or (step.type == StepType.MESSAGE and step.role == "assistant")
+               for step in trace.steps):
+        _refuse(NO_ASSISTANT, sender)
+
+
+def _refuse(reason: str, sender: str | None) -> NoReturn:
+    """The same words for every trace of a service refused for one reason: the hub
+    warns of each once and counts them (/v1/stats otlp.refusals)."""
+    c.fail(None, f"service {sender or '(unnamed)'}: {reason}")
+
+
+_ASSISTANT_STEPS = (StepType.ACTION, StepType.FINAL, StepType.THOUGHT)
+
+
+def _with_errors(steps: list[Step], errors: list[str | None]) -> list[Step]:
+    """The tool runs' errors on their results, whose text stays what the model saw."""
+    observations = [i for i, step in enumerate(steps) if step.type == StepType.OBSERVATION]
+    if len(observations) != len(errors) or not any(errors):
+        return steps
+    out = list(steps)
+    for i, error in zip(observations, errors):
+        if error is not None:
+            out[i] = out[i].model_copy(update={"error": error})
+    return out
 
 
 def _agent_io(spans: list[Span], messages: list[dict[str, Any]]) -> None:
@@ -179,6 +243,10 @@ def _metadata(spans: list[Span], roots: list[Span]) -> dict[str, Any]:
     metadata: dict[str, Any] = {"spans": len(spans)}
     if not roots:
         metadata["incomplete"] = True
+    # Runs of one task pair for DPO by it (app/formats/dataset.py task_key).
+    task_id = _first(roots + [s for s in spans if not s.root], "atropos.task_id")
+    if task_id:
+        metadata["task_id"] = task_id
     conversation_id = _first(spans, "gen_ai.conversation.id", "session.id")
     if conversation_id:
         metadata["conversation_id"] = conversation_id
@@ -194,10 +262,13 @@ def _metadata(spans: list[Span], roots: list[Span]) -> dict[str, Any]:
     usage = {"input_tokens": 0, "output_tokens": 0}
     for span in spans:
         a = span.attrs
+        counted = langfuse.usage(span)
+        if counted is not None:
+            usage["input_tokens"] += counted[0]
+            usage["output_tokens"] += counted[1]
+            continue
         # Model calls only: an agent span may repeat the sum of its calls.
-        if a.get("gen_ai.operation.name") not in genai.MODEL_CALLS and (
-            openinference.kind(span) != "LLM"
-        ):
+        if not _model_call(span):
             continue
         usage["input_tokens"] += _count(a.get("gen_ai.usage.input_tokens",
                                               a.get("llm.token_count.prompt")))
@@ -209,6 +280,9 @@ def _metadata(spans: list[Span], roots: list[Span]) -> dict[str, Any]:
 
 
 def _count(value: Any) -> int:
+    """A token count, written as a number or (Logfire) as its digits."""
+    if isinstance(value, str) and value.isdecimal() and len(value) < 20:
+        return int(value)
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 

@@ -7,10 +7,13 @@ model call, `ToolRun` for one tool execution); `one_conversation()` merges them:
   at its end. A message is added unless the conversation already holds it, counted as
   a multiset: a call that repeats the history adds only what is new, and a message
   that really was said twice (the same text, the same call) stays twice.
-- Tool runs pair with the calls by call id: a result already in the conversation gets
-  the run's error, a call without a result gets it right after the call, and a run
-  that no model call asked for (or with no id that matches) becomes a call and its
-  result at the time it ran.
+- Tool runs pair with the model's calls: by the run's call id, else by order among the
+  calls of its tool that no other run took (those with its arguments first). A result
+  already in the conversation gets the run's error, a call without a result gets it
+  right after the call. A run that pairs with no call is left out when the spans
+  recorded the model's calls (code the model wrote calls tools it never called itself);
+  when they recorded none (an agent span's input and output at most), each run becomes
+  a call and its result at the time it ran.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ class Message:
     call_id: str | None = None  # a tool result: the call it answers
     error: str | None = None  # a tool result that failed: why
     at: int = 0  # when it entered the conversation (ns)
+    # A framework's rendering of calls a model made: it matches them, never adds one.
+    rendered: bool = False
     _key: tuple[Any, ...] | None = None
 
     def key(self) -> tuple[Any, ...]:
@@ -69,6 +74,8 @@ class Exchange:
     end: int
     inputs: list[Message]
     outputs: list[Message]
+    # A model's call, not an agent invocation's summary of the run.
+    model: bool = True
 
 
 @dataclass(slots=True)
@@ -88,7 +95,8 @@ def one_conversation(exchanges: list[Exchange], runs: list[ToolRun]) -> list[Mes
     merged = _Merged()
     for at, _, said in sorted(merges, key=lambda m: (m[0], m[1])):
         merged.add(said, at)
-    return _paired(merged.systems, merged.rest, sorted(runs, key=lambda r: r.start))
+    return _paired(merged.systems, _answering(merged.rest), sorted(runs, key=lambda r: r.start),
+                   runs_are_calls=not any(e.model for e in exchanges))
 
 
 def canonical(arguments: Any) -> str:
@@ -134,6 +142,8 @@ class _Merged:
             if self._held[key] > matched[key]:
                 matched[key] += 1
                 continue
+            if message.rendered:
+                continue
             message.at = at
             (self.systems if message.role == "system" else self.rest).append(message)
             # Held from now on, but not for this call: it said the message once.
@@ -141,10 +151,41 @@ class _Merged:
             matched[key] += 1
 
 
-def _paired(systems: list[Message], said: list[Message], runs: list[ToolRun]) -> list[Message]:
+def _answering(said: list[Message]) -> list[Message]:
+    """Each result tied to a call the model made: one without a call id answers the
+    earliest call before it still without a result. One that answers no call the model
+    made (a framework's own, such as the runs of a smolagents CodeAgent's code) is what
+    the model was told, and stays so, as a user message."""
+    asked: set[str] = set()
+    waiting: deque[Call] = deque()
+    answered: set[str] = set()
+    out: list[Message] = []
+    for message in said:
+        if message.role == "assistant":
+            waiting.extend(message.calls)
+            asked.update(call.id for call in message.calls if call.id)
+        elif message.role == "tool":
+            if message.call_id is None:
+                while waiting and waiting[0].id in answered:
+                    waiting.popleft()
+                if not waiting:
+                    message = Message("user", text=message.text, at=message.at)
+                else:
+                    message.call_id = waiting.popleft().id
+            elif message.call_id not in asked:
+                message = Message("user", text=message.text, at=message.at)
+            if message.call_id is not None:
+                answered.add(message.call_id)
+        out.append(message)
+    return out
+
+
+def _paired(systems: list[Message], said: list[Message], runs: list[ToolRun], *,
+            runs_are_calls: bool) -> list[Message]:
     """The tool runs paired with the conversation, in run order: a result already
     there gets the run's error; a call without its result gets it after the call and
-    the results that follow it; a run no call asked for becomes a call and its result
+    the results that follow it. A run no call asked for is left out, unless
+    `runs_are_calls` (no model call was recorded): then it becomes a call and its result
     where it happened in time (never between a call and its results)."""
     results: dict[str, Message] = {m.call_id: m for m in reversed(said)
                                    if m.role == "tool" and m.call_id}
@@ -171,6 +212,8 @@ def _paired(systems: list[Message], said: list[Message], runs: list[ToolRun]) ->
                 results[call_id] = _result(run, call_id, caller.at)
                 answers.setdefault(id(caller), []).append(results[call_id])
                 continue
+        if not runs_are_calls:
+            continue
         asked = Message("assistant", calls=[Call(run.name, run.arguments, call_id)],
                         at=run.start)
         answered = _result(run, call_id, run.start)
@@ -222,8 +265,18 @@ class _Unclaimed:
         self._by_arguments.setdefault(key, deque()).append(call.id)
 
     def take(self, run: ToolRun, claimed: set[str]) -> str | None:
-        ids = (self._by_name.get(run.name) if run.arguments is None
-               else self._by_arguments.get((run.name, canonical(run.arguments))))
+        """The call with the run's arguments, else the earliest of its tool: what an
+        instrumentation records as a tool's input is often not what the model wrote
+        (a wrapper's signature, a single argument's bare value)."""
+        if run.arguments is not None:
+            found = self._earliest(self._by_arguments.get((run.name, canonical(run.arguments))),
+                                   claimed)
+            if found is not None:
+                return found
+        return self._earliest(self._by_name.get(run.name), claimed)
+
+    @staticmethod
+    def _earliest(ids: deque[str] | None, claimed: set[str]) -> str | None:
         while ids:
             if ids[0] not in claimed:
                 return ids[0]
@@ -237,14 +290,15 @@ def _result(run: ToolRun, call_id: str | None, at: int) -> Message:
 
 def openai_messages(messages: list[Message]) -> list[dict[str, Any]]:
     """The conversation as OpenAI chat messages, which the openai format reads into
-    steps. A failed tool result is written as OpenAI-style agents write one:
-    "Error: ..." (the openai format reads that prefix as the step's error)."""
+    steps. A tool result holds what the model saw; its error goes beside it
+    (`tool_errors`). A failed run whose result nobody recorded is written as
+    OpenAI-style agents write one: "Error: ..."."""
     out: list[dict[str, Any]] = []
     for m in messages:
         if m.role == "tool":
             text = m.text or ""
-            if m.error and not text.lstrip().lower().startswith("error:"):
-                text = f"Error: {m.error}" + (f"\n{text}" if text else "")
+            if m.error and not text.strip():
+                text = f"Error: {m.error}"
             out.append({"role": "tool", "tool_call_id": m.call_id, "content": text})
             continue
         message: dict[str, Any] = {"role": m.role, "content": m.text}
@@ -258,3 +312,8 @@ def openai_messages(messages: list[Message]) -> list[dict[str, Any]]:
             ]
         out.append(message)
     return out
+
+
+def tool_errors(messages: list[Message]) -> list[str | None]:
+    """The error of each tool result, in order: the steps' `error` beside the text."""
+    return [m.error for m in messages if m.role == "tool"]

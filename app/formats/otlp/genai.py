@@ -11,6 +11,12 @@ today (docs/otlp.md has an example of each):
   in the event's attributes (`content`, `tool_calls`, `id`, `message`); and the
   `gen_ai.content.prompt` / `gen_ai.content.completion` events (`gen_ai.prompt`,
   `gen_ai.completion`: OpenAI messages as JSON).
+- Logfire (`logfire.instrument_openai_agents()`): the same per-message events, as a
+  JSON list in the span's `events` attribute (each with its `event.name`; the
+  answer's messages last), or, for a Chat Completions model, `Chat completion with
+  ...` spans whose `input` and `output` are OpenAI messages; tool runs are
+  `Function: {name}` spans with `name`,
+  `input`, `output` and, when the tool failed, `error` = `{"message", "data"}`.
 - OpenLLMetry (Traceloop): indexed attributes `gen_ai.prompt.N.role` / `.content` /
   `.tool_calls.M.{id,name,arguments}` / `.tool_call_id`, and `gen_ai.completion.N.*`;
   tools offered as `llm.request.functions.N.{name,description,parameters}`.
@@ -21,10 +27,12 @@ from __future__ import annotations
 from typing import Any
 
 from app.formats.otlp.conversation import ROLES, Call, Exchange, Message, ToolRun, text_of
-from app.formats.otlp.spans import Span
+from app.formats.otlp.spans import Span, failure
 from app.formats.otlp.unflatten import decoded_json, indexed
 
 MODEL_CALLS = {"chat", "text_completion", "generate_content"}
+_LOGFIRE_TOOL = "Function: {name}"
+_LOGFIRE_CHAT = "Chat completion with "
 _MESSAGE_EVENTS = {
     "gen_ai.system.message": "system",
     "gen_ai.user.message": "user",
@@ -48,17 +56,24 @@ def exchange(span: Span) -> Exchange | None:
     elif any(key.startswith(("gen_ai.prompt.", "gen_ai.completion.")) for key in a):
         inputs = [m for m in map(_openllmetry, indexed(a, "gen_ai.prompt")) if m]
         outputs = [m for m in map(_openllmetry, indexed(a, "gen_ai.completion")) if m][:1]
+    elif isinstance(logged := decoded_json(a.get("events")), list):
+        inputs, outputs = _logfire_events(logged)
+    elif _logfire_chat(span):
+        inputs = chat_messages(decoded_json(a.get("input")))
+        outputs = chat_messages(decoded_json(a.get("output")))[:1]
     else:
         inputs, outputs = _events(span)
     if not inputs and not outputs:
         return None
     if operation not in MODEL_CALLS | {"invoke_agent", None}:
         return None
-    return Exchange(span.start, span.end, inputs, outputs)
+    return Exchange(span.start, span.end, inputs, outputs, model=operation != "invoke_agent")
 
 
 def tool_run(span: Span) -> ToolRun | None:
     a = span.attrs
+    if a.get("logfire.msg_template") == _LOGFIRE_TOOL and isinstance(a.get("name"), str):
+        return _logfire_tool(span)
     if a.get("gen_ai.operation.name") != "execute_tool":
         return None
     result = a.get("gen_ai.tool.call.result")
@@ -92,9 +107,47 @@ def tools(span: Span) -> list[Any]:
 
 
 def _error(span: Span) -> str | None:
-    if not span.failed:
-        return None
-    return span.status_message or _str(span.attrs.get("error.type")) or "the tool failed"
+    return failure(span)
+
+
+def model_call(span: Span) -> bool:
+    """A span that records a model call, whether or not it carries the messages."""
+    operation = span.attrs.get("gen_ai.operation.name")
+    return operation in MODEL_CALLS or _logfire_chat(span)
+
+
+def _logfire_chat(span: Span) -> bool:
+    """Logfire's span of an OpenAI Agents Chat Completions call: `input` and `output`
+    hold the request's messages and the answer's, as OpenAI writes them."""
+    template = span.attrs.get("logfire.msg_template")
+    return isinstance(template, str) and template.startswith(_LOGFIRE_CHAT)
+
+
+def _logfire_tool(span: Span) -> ToolRun:
+    a = span.attrs
+    error = decoded_json(a.get("error"))
+    message = error.get("message") if isinstance(error, dict) else error
+    return ToolRun(
+        start=span.start,
+        name=str(a["name"]),
+        call_id=None,
+        arguments=decoded_json(a.get("input")),
+        result=text_of(a.get("output")),
+        error=(str(message) if message else failure(span)) if error or span.failed else None,
+    )
+
+
+def _logfire_events(logged: list[Any]) -> tuple[list[Message], list[Message]]:
+    """Logfire's `events`: the call's input messages, then its answer's."""
+    said: list[Message] = []
+    for body in logged:
+        role = _MESSAGE_EVENTS.get(str(body.get("event.name"))) if isinstance(body, dict) else None
+        if role is not None and isinstance(body, dict):
+            said.append(_openai_message(body, role))
+    answer = len(said)
+    while answer > 0 and said[answer - 1].role == "assistant":
+        answer -= 1
+    return said[:answer], said[answer:]
 
 
 # --- the current form: role + parts -------------------------------------------------
@@ -144,8 +197,9 @@ def _message(raw: dict[str, Any]) -> list[Message]:
             calls.append(Call(str(part.get("name") or ""), part.get("arguments"),
                               _str(part.get("id"))))
         elif kind == "tool_call_response":
-            results.append(Message("tool", text=text_of(part.get("response")),
-                                   call_id=_str(part.get("id"))))
+            # `response` in the conventions; PydanticAI writes `result`.
+            said = part.get("response", part.get("result"))
+            results.append(Message("tool", text=text_of(said), call_id=_str(part.get("id"))))
     if results:
         return results
     return [Message(role, _joined(texts), _joined(reasoning), calls)]
@@ -167,9 +221,9 @@ def _events(span: Span) -> tuple[list[Message], list[Message]]:
             if isinstance(message, dict):
                 outputs.append(_openai_message(message, "assistant"))
         elif event.name == "gen_ai.content.prompt":
-            inputs += _openai_messages(decoded_json(body.get("gen_ai.prompt")))
+            inputs += chat_messages(decoded_json(body.get("gen_ai.prompt")))
         elif event.name == "gen_ai.content.completion":
-            outputs += _openai_messages(decoded_json(body.get("gen_ai.completion")))[:1]
+            outputs += chat_messages(decoded_json(body.get("gen_ai.completion")))[:1]
     return inputs, outputs
 
 
@@ -182,7 +236,7 @@ def _body(attrs: dict[str, Any]) -> dict[str, Any]:
     return attrs
 
 
-def _openai_messages(value: Any) -> list[Message]:
+def chat_messages(value: Any) -> list[Message]:
     if not isinstance(value, list):
         return []
     out = []

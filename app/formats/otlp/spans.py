@@ -47,6 +47,22 @@ class Span:
         return self.status_code == STATUS_ERROR
 
 
+def failure(span: Span) -> str | None:
+    """Why a failed span failed, in the words it carries: the message of the exception
+    it recorded (a status message may hold the whole traceback), else its status
+    message, else its `error.type`."""
+    if not span.failed:
+        return None
+    for event in reversed(span.events):
+        message = event.attrs.get("exception.message") if event.name == "exception" else None
+        if isinstance(message, str) and message:
+            return message
+    if span.status_message:
+        return span.status_message
+    error_type = span.attrs.get("error.type")
+    return str(error_type) if error_type else "the tool failed"
+
+
 def read(doc: dict[str, Any]) -> list[Span]:
     """Every span of the document, in start order (then span id, for a stable order)."""
     spans: list[Span] = []

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -271,8 +272,13 @@ async def forget(conn: AsyncConnection, now: datetime, max_wait: float, limit: i
     return forgotten
 
 
-async def counts(conn: AsyncConnection) -> dict[str, int]:
-    """For /v1/stats: traces by assembly state, spans received, spans that came late."""
+# How many of the reasons traces were refused for /v1/stats lists, the commonest first.
+SHOWN_REFUSALS = 20
+
+
+async def counts(conn: AsyncConnection) -> dict[str, Any]:
+    """For /v1/stats: traces by assembly state, spans received, spans that came late,
+    and why traces were refused (each reason says what the sender should change)."""
     t = OTLP_TRACES.c
     rows = await conn.execute(
         sa.select(t.state, sa.func.count(), sa.func.sum(t.spans), sa.func.sum(t.late_spans))
@@ -287,4 +293,12 @@ async def counts(conn: AsyncConnection) -> dict[str, int]:
         out[f"{shown.get(state, state)}_traces"] += traces
         out["spans"] += int(spans or 0)
         out["late_spans"] += int(late or 0)
-    return out
+    refused = (TraceState.REFUSED.value, TraceState.DROPPED.value)
+    reasons = await conn.execute(
+        sa.select(t.error, sa.func.count().label("traces"))
+        .where(t.state.in_(refused), t.error.is_not(None))
+        .group_by(t.error).order_by(sa.func.count().desc(), t.error).limit(SHOWN_REFUSALS)
+    )
+    figures: dict[str, Any] = dict(out)
+    figures["refusals"] = [{"reason": reason, "traces": n} for reason, n in reasons]
+    return figures
