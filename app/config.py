@@ -67,7 +67,7 @@ Duration = Annotated[
 
 
 class TraceServerConfig(_Section):
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     endpoint: str = "/v1/traces"
     storage_backend: Literal["sqlite", "postgresql"] = "sqlite"
@@ -729,19 +729,33 @@ class TinkerFile(_Section):
 M = TypeVar("M", bound=BaseModel)
 
 
-def load_config(path: str | Path) -> HubConfig:
-    return _load(Path(path), HubConfig)
+def load_config(path: str | Path | None) -> HubConfig:
+    """config.json at `path`; None: the built-in defaults (environment overrides apply
+    to either)."""
+    return _load(path, HubConfig, "config.json")
 
 
 def load_compression(path: str | Path | None) -> CompressionFile:
-    return _load(Path(path), CompressionFile) if path else CompressionFile()
+    return _load(path, CompressionFile, "compression.json")
 
 
 def load_tinker(path: str | Path | None) -> TinkerFile:
-    return _load(Path(path), TinkerFile) if path else TinkerFile()
+    return _load(path, TinkerFile, "tinker.json")
 
 
-def _load(path: Path, model: type[M]) -> M:
+def _load(given: str | Path | None, model: type[M], default_name: str) -> M:
+    raw = {} if given is None else _read(Path(given), model)
+    name = default_name if given is None else Path(given).name
+    overridden = _apply_env_overrides(raw, model, name)
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        loc = exc.errors()[0]["loc"]
+        var = overridden.get((str(loc[0]), str(loc[1]))) if len(loc) > 1 else None
+        raise ConfigError(_describe(f"environment variable {var}" if var else name, exc)) from None
+
+
+def _read(path: Path, model: type[M]) -> dict[str, Any]:
     name = path.name
     path = path.expanduser()
     try:
@@ -756,13 +770,7 @@ def _load(path: Path, model: type[M]) -> M:
         ) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{name}: must be a JSON object with sections {_sections(model)}")
-    overridden = _apply_env_overrides(raw, model, name)
-    try:
-        return model.model_validate(raw)
-    except ValidationError as exc:
-        loc = exc.errors()[0]["loc"]
-        var = overridden.get((str(loc[0]), str(loc[1]))) if len(loc) > 1 else None
-        raise ConfigError(_describe(f"environment variable {var}" if var else name, exc)) from None
+    return raw
 
 
 def _either(names: Iterable[str]) -> str:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import re
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
@@ -28,3 +28,19 @@ def format_duration(value: timedelta) -> str:
         if seconds % _UNITS[unit] == 0:
             return f"{int(seconds // _UNITS[unit])}{unit}"
     return f"{seconds:g}s"
+
+
+def parse_moment(text: str) -> datetime:
+    """An ISO 8601 date or time (UTC unless it says otherwise), or an age back from now
+    (`1h`, `7d`): what `--since` and the API's `since` take. Raises ValueError."""
+    try:
+        return datetime.now(UTC) - parse_duration(text)
+    except ValueError:
+        pass
+    try:
+        parsed = datetime.fromisoformat(text)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"not an ISO 8601 date or time, nor an age like 7d: {text!r}"
+        ) from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)

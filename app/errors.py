@@ -63,7 +63,11 @@ class BadRequest(HubError):
     code = "bad_request"
 
 
-class UnknownFormat(BadRequest):
+class UnknownFormat(HubError):
+    """Well-formed JSON in no format the hub knows: the body parsed, its content is
+    what is wrong (422, as for any other invalid trace)."""
+
+    status = 422
     code = "unknown_format"
 
 

@@ -156,6 +156,9 @@ def hub_outages(engine: AsyncEngine, settings: Settings) -> Outages:
         training=training_outage(),
     )
 
+# How soon the stages see traces committed by another process.
+ARRIVALS_SECONDS = 1.0
+
 
 @asynccontextmanager
 async def running_stages(
@@ -169,6 +172,9 @@ async def running_stages(
     lease = Lease(config.workers.lease_seconds)
     async with httpx.AsyncClient() as http:
         policy = settings.compression.compression
+        # Traces another process commits (`atropos import` into the database, another
+        # replica's ingest) wake no stage here: the first stage looks for them every
+        # ARRIVALS_SECONDS, so that they move on within it.
         runner.add(
             CompressionStage(
                 engine,
@@ -179,6 +185,9 @@ async def running_stages(
                 on_advance=runner.wake,
                 model=outages.model,
             ),
+            every=ARRIVALS_SECONDS,
+        )
+        runner.add(
             DistributionStage(engine, config.distributor, on_advance=runner.wake),
             DeliveryStage(
                 engine,

@@ -21,6 +21,7 @@ on them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 from collections.abc import AsyncIterator, Iterable
@@ -126,6 +127,39 @@ DB_COMMITS = Histogram(
 )
 
 
+# The values a label takes, where they are known before anything happens.
+INGEST_OUTCOMES = ("accepted", "rejected", "duplicate", "refused", "unavailable")
+COMPRESSION_OUTCOMES = ("compressed", "skipped", "failed")
+DELIVERY_RESULTS = ("delivered", "failed")
+GROUP_PLACES = ("queued", "buffered")
+RESTART_REASONS = ("too_slow", "died")
+WRITERS = ("traces", "atropos_groups")
+
+
+def start_at_zero(*, formats: Iterable[str], filters: Iterable[str], strategy: str,
+                  target: str) -> None:
+    """Every series whose labels are known at start-up, at 0: a fresh hub's dashboard
+    shows 0 rather than "No data", and rate() has a start. (A process that records
+    into a series creates it anyway; this is for the ones nothing has touched yet.)"""
+    for fmt in formats:
+        for outcome in INGEST_OUTCOMES:
+            TRACES_INGESTED.labels(fmt, outcome)
+    for name in filters:
+        REJECTIONS.labels(name)
+    for outcome in COMPRESSION_OUTCOMES:
+        COMPRESSIONS.labels(outcome)
+    COMPRESSION_TOKENS_IN.labels(strategy)
+    COMPRESSION_TOKENS_OUT.labels(strategy)
+    for result in DELIVERY_RESULTS:
+        DELIVERY_ATTEMPTS.labels(target, result)
+    for place in GROUP_PLACES:
+        GROUPS_RECEIVED.labels(place)
+    for reason in RESTART_REASONS:
+        INGEST_RESTARTS.labels(reason)
+    for writer in WRITERS:
+        DB_COMMITS.labels(writer)
+
+
 M = TypeVar("M", Counter, Histogram)
 
 
@@ -174,6 +208,30 @@ _SUMMARY: tuple[tuple[str, Counter | Histogram, dict[str, str]], ...] = (
 )
 
 
+# Refused requests (4xx) by client address and status since the last summary: the
+# first of each is said at once, the rest counted into one line per interval.
+_refusals: collections.Counter[tuple[str, int]] = collections.Counter()
+_refusal_log = logging.getLogger("atropos.http")
+
+
+def refused(client: str, status: int) -> None:
+    """A request answered 4xx. Visible at the default level without a line per
+    request: one for the first from a client with that status, then a count."""
+    key = (client, status)
+    _refusals[key] += 1
+    if _refusals[key] == 1:
+        _refusal_log.info("answered %d to %s; more such answers to it are counted in the "
+                          "log's summary", status, client)
+
+
+def _refusal_lines(every: float) -> None:
+    for (client, status), n in sorted(_refusals.items()):
+        if n > 1:
+            _refusal_log.info("answered %d to %s: %d more in the last %g s", status,
+                              client, n - 1, every)
+    _refusals.clear()
+
+
 def _summary_totals() -> dict[str, float]:
     return {what: total(metric, **labels) for what, metric, labels in _SUMMARY}
 
@@ -214,6 +272,7 @@ async def log_summaries(every: float) -> None:
                 if what == "compressed" and skipped:
                     said.append(skipped)
             _summary_log.info("in the last %g s: %s", every, ", ".join(said))
+        _refusal_lines(every)
 
 
 @asynccontextmanager

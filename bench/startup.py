@@ -1,9 +1,13 @@
 """From start to answering: how long `atropos serve` takes from the process starting
 to its first 200 on GET /status, with the database already migrated (SQLite), beside
-atroposlib's `run-api` started the same way.
+atroposlib's `run-api` started the same way; and how long the commands a new user
+types first take, beside their targets (`atropos --help` and `--version` under 0.5 s,
+a command at work within 1 s, a one-file import done within 2 s, serve answering
+within 1 s).
 
     python bench/startup.py                 # 10 starts of each
     python bench/startup.py --runs 20 --only hub
+    python bench/startup.py --only commands
 
 atroposlib's `BaseEnv.get_status` gives up after three tries over about 1.5-3 s, and
 its env process exits: a hub that restarts must answer well within that. Each start
@@ -122,17 +126,54 @@ def time_start(start: Starter) -> tuple[float, float]:
             proc.wait()
 
 
+# (what is measured, the command after `atropos`, its target in seconds)
+COMMANDS = (
+    ("atropos --help", ["--help"], 0.5),
+    ("atropos --version", ["--version"], 0.5),
+    ("atropos db upgrade (at work)", ["db", "upgrade", "--config", "{config}"], 1.0),
+    ("atropos import (one file)", ["import", "--config", "{config}", "{trace}"], 2.0),
+)
+
+
+def time_commands(workdir: Path, runs: int) -> None:
+    """Each of COMMANDS `runs` times, interleaved; the median and p90 beside the target."""
+    config = workdir / "commands.json"
+    config.write_text(json.dumps({"trace_server": {"db_path": str(workdir / "commands.db")}}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    times: dict[str, list[float]] = {}
+    for n in range(runs):
+        trace = workdir / f"trace-{n}.jsonl"  # a new trace each time: stored, not a duplicate
+        trace.write_text(json.dumps({"task": f"Count the lines of notes-{n}.txt", "steps": [
+            {"type": "final", "content": "12 " * 2700}]}) + "\n")
+        for name, args, _ in COMMANDS:
+            words = [a.format(config=config, trace=trace) for a in args]
+            began = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "app.cli", *words], cwd=ROOT, env=env,
+                           check=False, capture_output=True)
+            times.setdefault(name, []).append(time.perf_counter() - began)
+    print(f"commands, {runs} runs each (seconds)")
+    print(f"{'':32}{'median':>10}{'p90':>10}{'target':>10}")
+    for name, _, target in COMMANDS:
+        runs_of = times[name]
+        p90 = statistics.quantiles(runs_of, n=10)[-1] if len(runs_of) > 1 else runs_of[0]
+        print(f"{name:32}{statistics.median(runs_of):10.2f}{p90:10.2f}{target:10.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--only", choices=["original", "hub"])
+    parser.add_argument("--only", choices=["original", "hub", "commands"])
     parser.add_argument("--atroposlib", type=Path, help="a directory atroposlib is installed in")
     args = parser.parse_args()
     results: dict[str, list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
+        if args.only in (None, "commands"):
+            time_commands(workdir, args.runs)
+        if args.only == "commands":
+            return
         starters: dict[str, Starter] = {}
         if args.only != "hub":
             atroposlib = args.atroposlib or install_atroposlib(workdir / "atroposlib")

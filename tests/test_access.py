@@ -292,7 +292,7 @@ def test_import_over_http_sends_the_key_and_waits_when_told(
     result = run_cli("import", "--config", str(hub.config), "--url", hub.url,
                      "--api-key-env", "HUB_KEY", files, env={"HUB_KEY": key})
     assert result.returncode == 0, result.stderr
-    assert "stored: 200" in result.stdout
+    assert "stored 200," in result.stdout
     assert key not in result.stdout + result.stderr
 
 

@@ -179,7 +179,8 @@ def test_batch_envelope_and_array_are_taken_apart_item_by_item(client: httpx.Cli
         (b'"a string"', {}, 422, "invalid"),
         (b'{"task": "x", "steps": [{"type": "dance"}]}', {}, 422, "invalid"),
         (b'{"task": "x", "steps": "no"}', {}, 422, "invalid"),
-        (b'{"format": "klingon", "task": "x"}', {}, 400, "unknown_format"),
+        (b'{"format": "klingon", "task": "x"}', {}, 422, "unknown_format"),
+        (b'{"hello": "world"}', {}, 422, "unknown_format"),  # JSON, but no trace
         (b'{"traces": 5}', {}, 400, "bad_request"),
     ],
 )
@@ -274,6 +275,10 @@ def test_list_filters_and_cursor(client: httpx.Client) -> None:
     assert ids(stage="rejected") == []
     assert ids(model="example/model-8b", limit=2) == ["l-6", "l-5"]
     assert ids(since="2000-01-01T00:00:00Z", until="2001-01-01T00:00:00Z") == []
+    # An age, as the CLI's --since takes it.
+    assert len(ids(since="1h")) == 7 and ids(until="1h") == []
+    assert ids(since="7d", env="maze") == ["l-2", "l-1", "l-0"]
+    assert client.get("/v1/traces", params={"since": "yesterday"}).status_code == 422
     assert client.get("/v1/traces", params={"cursor": "garbage!"}).status_code == 400
     assert client.get("/v1/traces", params={"limit": 0}).status_code == 422
 

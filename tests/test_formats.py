@@ -54,7 +54,7 @@ def test_unknown_format_name(item: dict[str, Any]) -> None:
     with pytest.raises(UnknownFormat) as err:
         formats.parse(item)
     assert err.value.field == "format"
-    assert err.value.status == 400
+    assert err.value.status == 422
     with pytest.raises(UnknownFormat):
         formats.parse(NATIVE, "yaml")
     with pytest.raises(UnknownFormat) as export_err:

@@ -20,7 +20,11 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def summary(stdout: str) -> dict[str, str]:
-    return dict(line.split(": ", 1) for line in stdout.splitlines() if not line.startswith(" "))
+    """The counts of the first line (`read N, stored M, ...`) and the detail lines
+    (`  rejected by filter: ...`) by name."""
+    first, *details = stdout.splitlines()
+    counts = dict(part.rsplit(" ", 1) for part in first.split(", "))
+    return counts | dict(line.strip().split(": ", 1) for line in details if ": " in line)
 
 
 @pytest.mark.process
@@ -32,11 +36,12 @@ def test_the_whole_corpus_is_stored_or_reported(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     counts = summary(result.stdout)
     stored, unreadable = int(counts["stored"]), int(counts["unreadable"])
-    assert stored + unreadable == 930 and stored >= 900
-    # The unreadable ones are the failed Gemini runs with no history, each with a reason.
+    assert stored + unreadable == int(counts["read"]) == 930 and stored >= 900
+    # The unreadable ones are the failed Gemini runs with no history: one reason, with
+    # its count and where to look.
     reasons = [line for line in result.stdout.splitlines() if line.startswith("  unreadable ")]
-    assert len(reasons) == unreadable
-    assert all("gemini-2.0_error.jsonl" in r and "no history" in r for r in reasons)
+    assert len(reasons) == 1 and reasons[0].startswith(f"  unreadable {unreadable}: "), reasons
+    assert "gemini-2.0_error.jsonl" in reasons[0] and "no history" in reasons[0]
     assert "imported: 930" in result.stderr
 
     with sqlite3.connect(db) as conn:

@@ -172,3 +172,22 @@ def test_every_metric_the_dashboard_uses_is_exported(client: httpx.Client) -> No
         base, kind = next(((name.removesuffix(s), k) for s, k in _SUFFIXES.items()
                            if name.endswith(s)), (name, None))
         assert types.get(base) == kind, f"the dashboard queries {name}, which /metrics lacks"
+
+
+def test_a_fresh_hub_has_a_series_for_every_metric_the_dashboard_queries(
+    start_hub_process: Any, tmp_path: Path
+) -> None:
+    """No panel of the dashboard says "No data" on a hub that has done nothing yet: each
+    metric it queries has its known label sets, at 0."""
+    dashboard = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    used = {name for expr in exprs for name in re.findall(r"\batropos_\w+", expr)}
+    hub = start_hub_process({"db_path": str(tmp_path / "t.db")})
+    text = httpx.get(f"{hub.url}/metrics", timeout=30).text
+    series = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+              if line and not line.startswith("#")}
+    # Requests appear with the first request; this scrape is one.
+    missing = sorted(name for name in used - series
+                     if not name.startswith("atropos_http_request"))
+    assert not missing, f"no series yet for {missing}"
+    assert 'atropos_compressions_total{outcome="failed"} 0.0' in text

@@ -333,7 +333,8 @@ def test_ctrl_c_on_import_then_export(tmp_path: Path) -> None:
     stored = stored_traces(db)
     assert 3000 <= stored < 20_000
     # What the summary says is stored is what the database holds.
-    assert imported.stdout.startswith(f"stored: {stored}\nduplicates: 0\n"), imported.stdout
+    assert imported.stdout.startswith(f"read {stored}, stored {stored}, duplicates 0,"), \
+        imported.stdout
     assert "interrupted (Ctrl-C)" in imported.stdout
 
     out = tmp_path / "exports"

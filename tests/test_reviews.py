@@ -109,6 +109,24 @@ async def test_bad_is_never_batched_and_an_override_is_the_reward(
     exported = [json.loads(line)["trace_id"] for line in export.read_text().splitlines()]
     assert sorted(exported) == ["t0", "t1"]  # t0 by its computed reward, t1 by its override
 
+    # A bad trace is never batched, and never exported unless asked for: the summary
+    # says it was left out and why.
+    default = tmp_path / "default.jsonl"
+    done = run_cli("export", "--config", str(hub.config), "--format", "native",
+                   "-o", str(default))
+    assert done.returncode == 0, done.stderr
+    exported = [json.loads(line)["trace_id"] for line in default.read_text().splitlines()]
+    assert sorted(exported) == ["t0", "t1", "t3"]
+    assert "left out 1: 1 labelled bad" in done.stderr
+    everything = tmp_path / "all.jsonl"
+    done = run_cli("export", "--config", str(hub.config), "--format", "native", "--all",
+                   "-o", str(everything))
+    assert done.returncode == 0, done.stderr
+    assert len(everything.read_text().splitlines()) == 4
+    done = run_cli("export", "--config", str(hub.config), "--format", "native",
+                   "--label", "bad", "--min-reward", "0", "-o", str(everything))
+    assert [json.loads(line)["trace_id"] for line in everything.read_text().splitlines()] == ["t2"]
+
 
 def test_reviewing_needs_the_review_scope(
     start_hub: Any, trace_server: dict[str, Any]

@@ -5,7 +5,8 @@ A pure ASGI middleware: a clock read at each end, the status taken from the resp
 first message, one histogram observation from a child kept per label set. The route is
 the template the router matched (`/v1/traces/{trace_id:path}`), never the path itself,
 so that the metric has as many series as the API has routes; a path that matched none
-is `unmatched`.
+is `unmatched`. A refused request (4xx) is also noted for the log (app/metrics.py
+`refused`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from time import perf_counter
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.metrics import HTTP_REQUESTS, Labeled
+from app.metrics import HTTP_REQUESTS, Labeled, refused
 
 _requests = Labeled(HTTP_REQUESTS)
 
@@ -42,3 +43,6 @@ class RequestMetrics:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
             _requests(scope["method"], template, str(status)).observe(perf_counter() - started)
+            if 400 <= status < 500:
+                client = scope.get("client")
+                refused(client[0] if client else "unknown", status)

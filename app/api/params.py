@@ -5,12 +5,22 @@ from __future__ import annotations
 
 from dataclasses import fields
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field
 
 from app.db.trace_queries import LabelFilter, Sort, TraceFilter
 from app.domain import Stage, Status
+from app.durations import parse_moment
+
+
+def _moment(value: Any) -> Any:
+    """An age (`1h`, `7d`) as the moment that long ago; anything else as given."""
+    return parse_moment(value) if isinstance(value, str) else value
+
+
+# An ISO 8601 date or time, or an age back from now: what the CLI's --since takes.
+Moment = Annotated[datetime, BeforeValidator(_moment)]
 
 
 class TraceQuery(BaseModel):
@@ -27,8 +37,12 @@ class TraceQuery(BaseModel):
     max_env_reward: float | None = Field(
         None, description="The environment's own reward at most this"
     )
-    since: datetime | None = Field(None, description="Stored at or after (ISO 8601)")
-    until: datetime | None = Field(None, description="Stored before (ISO 8601)")
+    since: Moment | None = Field(
+        None, description="Stored at or after: ISO 8601, or an age back from now (1h, 7d)"
+    )
+    until: Moment | None = Field(
+        None, description="Stored before: ISO 8601, or an age back from now (1h, 7d)"
+    )
     label: LabelFilter | None = Field(
         None, description="A reviewer's label; `unreviewed`: traces nobody has reviewed"
     )

@@ -22,8 +22,11 @@ files (its soft limit is raised, within the hard one).
 from __future__ import annotations
 
 import asyncio
+import errno
+import ipaddress
 import logging
 import resource
+import socket
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -31,7 +34,8 @@ import orjson
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from app.config import TraceServerConfig
+from app.config import HubConfig, TraceServerConfig
+from app.errors import ConfigError
 
 log = logging.getLogger("atropos.api")
 
@@ -39,6 +43,46 @@ log = logging.getLogger("atropos.api")
 MAX_HEADER_BYTES = 64 * 1024
 # File descriptors besides connections: database, ingest processes, logs, runs.
 _SPARE_FILES = 256
+
+
+def listening_socket(ts: TraceServerConfig) -> socket.socket:
+    """The API's socket, bound before anything else is done: a port in use stops
+    start-up in one line, before a database is created or a process started."""
+    family = socket.AF_INET6 if ":" in ts.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((ts.host, ts.port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"port {ts.port} on {ts.host} is in use (another hub?): stop what listens "
+                "there, or choose another port with trace_server.port in config.json or "
+                "ATROPOS_TRACE_SERVER__PORT"
+            ) from None
+        raise ConfigError(
+            f"cannot listen on {ts.host}:{ts.port} ({exc.strerror}): set trace_server.host "
+            "and .port in config.json"
+        ) from None
+    return sock
+
+
+def exposure(config: HubConfig) -> str | None:
+    """What to warn of when the API listens beyond this machine with auth off."""
+    host = config.trace_server.host
+    if config.auth.enabled or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name: it may resolve to any interface
+    return (
+        f"listening on {host} with auth off: anyone who can reach this machine reads "
+        "every trace, posts reviews and can empty the Atropos queue (GET /reset_data). "
+        'Set trace_server.host to "127.0.0.1", or turn on auth.enabled (docs/access.md)'
+    )
 
 
 def server_config(app: Any, ts: TraceServerConfig, **options: Any) -> uvicorn.Config:

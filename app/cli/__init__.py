@@ -1,13 +1,21 @@
 """The `atropos` command."""
 
-import gc
+from __future__ import annotations
 
-# Importing the hub allocates hundreds of thousands of objects and frees none: the
-# collector's passes meanwhile are ~15% of the time to start (a restarted hub must
-# answer within a second).
-gc.disable()
-from app.cli.main import main  # noqa: E402
+import sys
 
-gc.enable()
+
+def main(argv: list[str] | None = None) -> None:
+    """`atropos`: Ctrl-C at any moment, even while the hub is still being imported, ends
+    the command with exit 130 and no traceback (a command that was working has said
+    what it did by then)."""
+    try:
+        from app.cli.main import main as run
+
+        run(argv)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        sys.exit(130)
+
 
 __all__ = ["main"]

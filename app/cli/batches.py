@@ -14,7 +14,7 @@ from app.hub import database
 
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
-    batch_commands = group(commands, "batches", help="training batches",
+    batch_commands = group(commands, "batches",
                            example="atropos batches list --config config.json --state failed")
     listing = command(batch_commands, "list", _list, help="the newest batches, one per line",
                       example="atropos batches list --config config.json --state failed")

@@ -15,7 +15,7 @@ log = logging.getLogger("atropos")
 
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
-    db_commands = group(commands, "db", help="database operations",
+    db_commands = group(commands, "db",
                         example="atropos db upgrade --config config.json")
     command(db_commands, "upgrade", _upgrade, help="bring the database to the current schema",
             example="atropos db upgrade --config config.json")

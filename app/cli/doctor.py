@@ -155,7 +155,6 @@ def _check_sdk(report: _Report) -> None:
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
     doctor = command(commands, "doctor", _doctor, config=None,
-                     help="check the model endpoint set-up",
                      example="atropos doctor --tinker tinker.json")
     doctor.add_argument("--tinker", required=True, help="tinker.json")
 

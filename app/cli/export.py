@@ -6,11 +6,13 @@
 
 What is selected, by default, is what training would get: traces that are not
 rejected and whose reward passes distributor.min_reward_threshold (for dpo, whose
-pairs need the low runs too: every scored trace that is not rejected). `--all` lifts
-those defaults; `--stage`, `--min-reward` and `--since` narrow any selection. What is
-left out is printed by reason, with counts: by the selection, by `--dedup` (identical
-content, the oldest kept), by `--decontaminate FILE` (the task shares a word 13-gram
-with a line of FILE), and traces the format cannot hold (no assistant turn).
+pairs need the low runs too: every scored trace that is not rejected), leaving out the
+traces a reviewer labelled `bad` (never batched, so never exported by default either).
+`--all` lifts those defaults (`--label bad` asks for the bad ones); `--stage`,
+`--min-reward` and `--since` narrow any selection. What is left out is printed by
+reason, with counts: by the selection, by `--dedup` (identical content, the oldest
+kept), by `--decontaminate FILE` (the task shares a word 13-gram with a line of FILE),
+and traces the format cannot hold (no assistant turn).
 
 Streamed: traces are read in pages of PAGE rows by keyset (created_at, trace_id), each
 page written and dropped before the next is read, so memory stays flat whatever the
@@ -40,7 +42,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import files, formats
-from app.cli.options import Commands, add_since, command
+from app.cli.options import Commands, add_since, command, counted
 from app.cli.progress import Progress
 from app.config import load_config
 from app.db.models import TRACES
@@ -74,9 +76,13 @@ class ExportQuery:
     dedup: bool = False
     decontaminate: dataset.Contamination | None = None
     label: LabelFilter | None = None
+    # A trace a reviewer labelled bad is never batched: training would not get it.
+    without_bad: bool = True
 
     def clauses(self) -> list[sa.ColumnElement[bool]]:
         clauses = [*self.window(), TRACES.c.stage.in_(self.stages)]
+        if self.without_bad:
+            clauses.append(sa.not_(labelled("bad")))
         if self.min_reward is not None:
             clauses.append(TRACES.c.reward >= self.min_reward)
         if self.label is not None:
@@ -95,6 +101,8 @@ class ExportQuery:
             if stage.value not in self.stages:
                 whens.append((c.stage == stage.value, why))
         whens.append((c.stage.not_in(self.stages), "at a stage not asked for"))
+        if self.without_bad:
+            whens.append((labelled("bad"), "labelled bad"))
         if self.min_reward is not None:
             whens.append((sa.or_(c.reward.is_(None), c.reward < self.min_reward),
                           f"reward under {self.min_reward:g}"))
@@ -397,7 +405,7 @@ def _card(directory: Path, args: argparse.Namespace, query: ExportQuery, tally: 
 
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
-    parser = command(commands, "export", run, help="stored traces to a training file or dataset",
+    parser = command(commands, "export", run,
                      example="atropos export --config config.json --format openai "
                              "-o train.jsonl")
     parser.add_argument("--format", required=True, choices=sorted(FORMATS))
@@ -410,7 +418,7 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
     parser.add_argument("-o", "--output", required=True,
                         help="the file to write ('-': stdout), or the dataset directory")
     parser.add_argument("--all", action="store_true",
-                        help="every trace, rejected and under the threshold too")
+                        help="every trace: rejected, under the threshold and labelled bad too")
     parser.add_argument("--dedup", action="store_true",
                         help="leave out traces whose content equals an older one's")
     parser.add_argument("--decontaminate", type=Path, metavar="FILE",
@@ -453,9 +461,9 @@ async def run(args: argparse.Namespace) -> int:
     if _to_directory(args):
         _card(Path(args.output), args, query,
               tally, Environment.from_config(config.environment).fingerprint)
-    what = "pairs" if args.format == "dpo" else "traces"
+    what = counted(tally.total, "pair" if args.format == "dpo" else "trace")
     splits = ", ".join(f"{tally.written[s]} {s}" for s in SPLITS)
-    print(f"exported {tally.total} {what} as {args.format} to {args.output}"
+    print(f"exported {what} as {args.format} to {args.output}"
           + (f" ({splits})" if tally.written["test"] else ""), file=sys.stderr)
     print(tally.summary(), file=sys.stderr)
     return 0
@@ -493,7 +501,8 @@ def _query(args: argparse.Namespace, threshold: float) -> ExportQuery:
     if args.all:
         stages, min_reward = ALL_STAGES, None
     query = ExportQuery(args.format, args.compressed, min_reward, args.since, stages,
-                        dedup=args.dedup, label=args.label)
+                        dedup=args.dedup, label=args.label,
+                        without_bad=not (args.all or args.label == "bad"))
     if args.stage:
         query = replace(query, stages=tuple(args.stage))
     if args.min_reward is not None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
+import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -36,7 +38,8 @@ RETRIES_WHEN_BUSY = 20
 class Summary:
     stored: int = 0
     duplicates: int = 0
-    rejected: Counter[str] = field(default_factory=Counter)
+    rejected_traces: int = 0  # stored, at stage rejected
+    rejected: Counter[str] = field(default_factory=Counter)  # by filter (one trace: several)
     refused: list[tuple[str, str]] = field(default_factory=list)  # (location, error)
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (location, reason)
 
@@ -48,21 +51,43 @@ class Summary:
             self.duplicates += 1
         else:
             self.stored += 1
+            self.rejected_traces += bool(answer.get("reject_reasons"))
             for reason in answer.get("reject_reasons") or []:
                 self.rejected[reason["filter"]] += 1
 
+    @property
+    def read(self) -> int:
+        return self.stored + self.duplicates + len(self.refused) + len(self.unreadable)
+
     def lines(self) -> list[str]:
-        out = [
-            f"stored: {self.stored}",
-            f"duplicates: {self.duplicates}",
-            "rejected by filter: "
-            + (", ".join(f"{k} {v}" for k, v in sorted(self.rejected.items())) or "none"),
-            f"refused: {len(self.refused)}",
-            f"unreadable: {len(self.unreadable)}",
-        ]
+        """One line of counts, then what was rejected by filter, refused or unreadable,
+        the unreadable grouped by reason."""
+        out = [f"read {self.read}, stored {self.stored}, duplicates {self.duplicates}, "
+               f"rejected {self.rejected_traces}, refused {len(self.refused)}, "
+               f"unreadable {len(self.unreadable)}"]
+        if self.rejected:
+            out.append("  rejected by filter: " + ", ".join(
+                f"{name} {n}" for name, n in sorted(self.rejected.items())))
         out += [f"  refused {loc}: {why}" for loc, why in self.refused]
-        out += [f"  unreadable {loc}: {why}" for loc, why in self.unreadable]
+        by_reason: dict[str, list[str]] = {}
+        for loc, why in self.unreadable:
+            by_reason.setdefault(_kind(why), []).append(loc)
+        for why, locations in sorted(by_reason.items(), key=lambda item: -len(item[1])):
+            shown = ", ".join(locations[:_LOCATIONS_SHOWN])
+            more = len(locations) - _LOCATIONS_SHOWN
+            out.append(f"  unreadable {len(locations)}: {why} ({shown}"
+                       + (f" and {more} more)" if more > 0 else ")"))
         return out
+
+
+# Where an unreadable reason was met: the first few places, enough to look at one.
+_LOCATIONS_SHOWN = 3
+
+
+def _kind(reason: str) -> str:
+    """A reason without the particulars of one record (its numbers, what follows in
+    parentheses), so that the records one problem spoils are counted together."""
+    return re.sub(r"\d+", "N", reason.split(" (", 1)[0])
 
 
 def records(paths: Iterable[Path], fmt: str) -> Iterator[Record]:
@@ -131,7 +156,6 @@ def _split(chunk: list[Record], summary: Summary) -> list[Parsed]:
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
     imp = command(commands, "import", _import,
-                  help="store trajectory files through the pipeline",
                   example="atropos import --config config.json runs/tau-bench/ "
                           "--url http://127.0.0.1:8000")
     imp.add_argument("paths", nargs="+", type=Path, help="files or folders of trajectories")
@@ -170,7 +194,10 @@ async def _import(args: argparse.Namespace) -> int:
               "read. Importing the same paths again stores the rest (the stored ones come "
               "back as duplicates)")
         return 130
-    failed = summary.refused or (args.strict and summary.unreadable)
+    nothing_read = summary.read == len(summary.unreadable)
+    failed = nothing_read or summary.refused or (args.strict and summary.unreadable)
+    if nothing_read:
+        print("nothing could be read from " + ", ".join(map(str, args.paths)), file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -17,7 +17,7 @@ log = logging.getLogger("atropos")
 
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
-    key_commands = group(commands, "keys", help="API keys (auth.enabled)",
+    key_commands = group(commands, "keys",
                          example="atropos keys create --config config.json --scope ingest "
                                  "--name my-agent")
     create = command(key_commands, "create", _create,

@@ -33,6 +33,38 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(line).decode()
 
 
+# uvicorn's lines, under the hub's names: one log reads as one program.
+_RENAMED = {"uvicorn": "atropos.http", "uvicorn.error": "atropos.http",
+            "uvicorn.access": "atropos.http.access"}
+# What uvicorn says of every start and stop, beside the hub's own "listening" line.
+_UVICORN_CHATTER = ("Started server process", "Waiting for application", "Application startup",
+                    "Shutting down", "Waiting for connections to close",
+                    "Waiting for background tasks", "Application shutdown",
+                    "Finished server process", "Uvicorn running on")
+# Libraries whose DEBUG is every query or every frame: detail no reader of the hub's
+# DEBUG log is after.
+_DRIVERS = ("aiosqlite", "asyncpg", "httpcore", "hpack", "multipart", "python_multipart",
+            "asyncio", "watchfiles", "urllib3")
+
+
+class _HubNames(logging.Filter):
+    """uvicorn's records renamed to the hub's loggers; its start and stop narration
+    demoted to DEBUG (dropped unless the log is at DEBUG)."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        renamed = _RENAMED.get(record.name)
+        if renamed is None:
+            return True
+        record.name = renamed
+        if record.levelno == logging.INFO and record.getMessage().startswith(_UVICORN_CHATTER):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return record.levelno >= self.level
+
+
 def setup(level: str, log_format: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if log_format == "json":
@@ -44,6 +76,9 @@ def setup(level: str, log_format: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    handler.addFilter(_HubNames(root.level))
+    for name in _DRIVERS:
+        logging.getLogger(name).setLevel(max(logging.INFO, root.level))
     # Alembic narrates every migration step; our own line says which revision we reach.
     logging.getLogger("alembic").setLevel(max(logging.WARNING, root.level))
     # One line per HTTP call (the import client's, the targets'; httpx says them at

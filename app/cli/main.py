@@ -5,37 +5,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import importlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from app.cli import (
-    batches,
-    db,
-    doctor,
-    export,
-    importer,
-    keys,
-    logs,
-    prune,
-    rescore,
-    run,
-    serve,
-    train,
-)
-from app.config import load_config
-from app.errors import StartupError
+from app.cli import logs
+from app.cli.options import COMMANDS, find_config
 
-# Each module declares its commands; `atropos --help` lists them in this order.
-_COMMAND_GROUPS = (serve, importer, rescore, train, export, doctor, batches, prune, keys, run, db)
+# What `atropos --help` lists, in this order. Only the module of the command given is
+# imported: the others pull in the whole hub, seconds before `--help` could answer.
+_MODULES = ("serve", "importer", "rescore", "train", "export", "doctor", "batches", "prune",
+            "keys", "run", "db", "init")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser(sys.argv[1:] if argv is None else argv).parse_args(argv)
     debug = getattr(args, "debug", False) or os.environ.get("ATROPOS_DEBUG") == "1"
+    from app.errors import StartupError
+
     try:
+        _find_files(args)
         logs.setup(_log_level(args), getattr(args, "log_format", "text"))
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             code = runner.run(args.run(args))
@@ -45,8 +38,6 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exception(exc, file=sys.stderr)
         print(f"error: {exc}", file=sys.stderr)
         code = 2
-    except KeyboardInterrupt:
-        code = 130
     sys.exit(code)
 
 
@@ -60,24 +51,68 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of `atropos`; with `argv`, fully declared only for the command it
+    names (the others are listed by name and purpose), so that it is built at once."""
     parser = argparse.ArgumentParser(
         prog="atropos", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Each command's --help lists its options and ends with an example.\n\n"
                "example:\n  atropos serve --config config.json",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    for group in _COMMAND_GROUPS:
-        group.register(commands)
+    parser.add_argument("--version", action="version", version=f"atropos-hub {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = _chosen(argv) if argv is not None else None
+    for module in _MODULES:
+        names = [name for name, (home, _) in COMMANDS.items() if home == module]
+        if argv is None or chosen in names:
+            _imported(module).register(commands)
+        else:
+            for name in names:
+                commands.add_parser(name, help=COMMANDS[name][1])
     return parser
+
+
+def _imported(module: str) -> Any:
+    # Importing the hub allocates hundreds of thousands of objects and frees none: the
+    # collector's passes meanwhile are ~15% of the time to start (a restarted hub must
+    # answer within a second).
+    gc.disable()
+    try:
+        return importlib.import_module(f"app.cli.{module}")
+    finally:
+        gc.enable()
+
+
+def _chosen(argv: Sequence[str]) -> str | None:
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("atropos-hub")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _find_files(args: argparse.Namespace) -> None:
+    """The config files a command reads, where it was given none: see find_config."""
+    for option, name in (("config", getattr(args, "config_file", None)),
+                         ("compression", "compression.json"), ("tinker", "tinker.json")):
+        if name is not None and hasattr(args, option):
+            setattr(args, option, find_config(getattr(args, option), name))
 
 
 def _log_level(args: argparse.Namespace) -> str:
     """--log-level, else the config file's trace_server.log_level, else INFO. A config
     file that cannot be loaded is the command's to report, with its one line."""
+    from app.config import load_config
+    from app.errors import StartupError
+
     if getattr(args, "log_level", None):
         return str(args.log_level)
-    if getattr(args, "config", None):
+    if getattr(args, "config_file", None) == "config.json":
         try:
             return load_config(args.config).trace_server.log_level
         except StartupError:

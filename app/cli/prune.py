@@ -17,7 +17,6 @@ from app.stages import retention
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
     prune = command(commands, "prune", _prune,
-                    help="delete old traces (never one still on its way to training)",
                     example="atropos prune --config config.json --older-than 30d "
                             "--max-reward 0 --dry-run")
     prune.add_argument(

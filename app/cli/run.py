@@ -14,7 +14,6 @@ def register(commands: Commands[argparse.ArgumentParser]) -> None:
         "run",
         client.main,
         config=None,  # it talks to a hub over HTTP
-        help="start a training run on a hub and follow it",
         example='atropos run --url http://127.0.0.1:8000 --trainer "python train.py" '
                 '--env "python env.py"',
         description=client.__doc__,

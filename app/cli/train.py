@@ -14,7 +14,6 @@ from app.training.dataset import train_dataset
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:
     train = command(commands, "train", _train, config="tinker.json",
-                    help="one training job from a dataset file",
                     example="atropos train --config tinker.json --dataset train.jsonl "
                             "--output runs/first")
     train.add_argument("--dataset", required=True, type=Path, help="a JSONL training file")

@@ -137,7 +137,7 @@ def _read_file(file: Path, pick: Pick) -> Iterator[Record]:
         yield from _read_document(file, pick)
     else:
         text = file.read_text(encoding="utf-8", errors="replace")
-        yield from _records(text, str(file), pick)
+        yield from _records(text, str(file), pick, file)
 
 
 def _read_lines(file: Path, pick: Pick) -> Iterator[Record]:
@@ -151,7 +151,7 @@ def _read_lines(file: Path, pick: Pick) -> Iterator[Record]:
             except orjson.JSONDecodeError as exc:
                 yield Unreadable(location, f"invalid JSON: {exc}")
                 continue
-            yield from _records(obj, location, pick)
+            yield from _records(obj, location, pick, file)
 
 
 def _read_document(file: Path, pick: Pick) -> Iterator[Record]:
@@ -167,9 +167,9 @@ def _read_document(file: Path, pick: Pick) -> Iterator[Record]:
     adapter = pick(obj)
     if isinstance(obj, list) and (adapter is None or not adapter.looks_like(obj)):
         for index, item in enumerate(obj):
-            yield from _records(item, f"{file}#{index}", pick)
+            yield from _records(item, f"{file}#{index}", pick, file)
     else:
-        yield from _records(obj, str(file), pick)
+        yield from _records(obj, str(file), pick, file)
 
 
 def _first_line_is_json(file: Path) -> bool:
@@ -182,13 +182,20 @@ def _first_line_is_json(file: Path) -> bool:
     return True
 
 
-def _records(obj: Any, location: str, pick: Pick) -> Iterator[Record]:
+def _records(obj: Any, location: str, pick: Pick, file: Path) -> Iterator[Record]:
     """The traces in one record. A record with several gets `#n` locations; an error
     ends the record with one Unreadable at the trajectory where it happened."""
     adapter = pick(obj)
     if adapter is None:
         yield Unreadable(location, f"no adapter recognises this record ({_shape(obj)})")
         return
+    for record in _parsed(obj, location, adapter):
+        if isinstance(record, Parsed):
+            _fill_from_file_name(record.trace, adapter, file)
+        yield record
+
+
+def _parsed(obj: Any, location: str, adapter: Adapter) -> Iterator[Record]:
     count = 0
     held: Trace | None = None  # one trace of lookahead: does the record hold several?
     try:
@@ -206,6 +213,22 @@ def _records(obj: Any, location: str, pick: Pick) -> Iterator[Record]:
         yield Unreadable(location, f"{adapter.NAME}: the record holds no trajectory")
     else:
         yield Parsed(_identified(held), location if count == 1 else f"{location}#{count - 1}")
+
+
+def _fill_from_file_name(trace: Trace, adapter: Adapter, file: Path) -> None:
+    """env, agent and model where the record leaves them out and the file's name says
+    them (tau-bench's `gpt-4o-airline.json`). After the id: an id derived from the
+    content stays what earlier imports of the same file derived."""
+    named = getattr(adapter, "from_file_name", None)
+    if named is None:
+        return
+    facts: dict[str, str] = named(file.stem)
+    if trace.env is None and "env" in facts:
+        trace.env = facts["env"]
+    if trace.agent.model is None and "model" in facts:
+        trace.agent.model = facts["model"]
+    if trace.agent.name is None and "agent" in facts:
+        trace.agent.name = facts["agent"]
 
 
 def _identified(trace: Trace) -> Trace:

@@ -3,7 +3,8 @@
 
 `reward` is the environment's reward (tau-bench's pass^k counts 1.0 as solved); it is
 not a status, so the status is unknown. A tool result starting with `Error:` is a tool
-error; calls to the `think` tool are the agent's thoughts.
+error; calls to the `think` tool are the agent's thoughts. The records do not say
+the domain or the model: the file's name does (`gpt-4o-airline.json`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from app.import_sources._common import chat_steps, env_reward, take_task
 NAME = "tau_bench"
 
 _THOUGHT_TOOLS = frozenset({"think"})
+# tau-bench's domains; its historical trajectories are named `<model>-<domain>.json`.
+_DOMAINS = ("airline", "retail", "telecom")
 
 
 def looks_like(obj: Any) -> bool:
@@ -40,6 +43,14 @@ def parse(obj: dict[str, Any]) -> Iterator[Trace]:
         },
         source_format=NAME,
     )
+
+
+def from_file_name(stem: str) -> dict[str, str]:
+    """The environment (the domain) and the model a file's name says."""
+    model, _, domain = stem.rpartition("-")
+    if domain not in _DOMAINS:
+        return {}
+    return {"env": domain, **({"model": model} if model else {})}
 
 
 def _tool_error(content: str) -> str | None:

@@ -122,7 +122,7 @@ class Preparer:
             "reward_breakdown": evaluation.breakdown,
             "reject_reasons": evaluation.reject_reasons,
             "scored_with": self.environment.fingerprint,
-            "source_format": trace.source_format,
+            "source_format": _source_format(trace),
             "env": trace.env,
             "model": trace.agent.model,
             "agent_name": trace.agent.name,
@@ -426,3 +426,13 @@ def _trace_id(trace: Trace) -> str:
             field="trace_id",
         )
     return trace.trace_id
+
+
+def _source_format(trace: Trace) -> str:
+    """The format the trace was written in: for an import (which arrives as native),
+    the source's, which the importer notes in metadata.imported_from."""
+    imported = trace.metadata.get("imported_from")
+    source = imported.get("format") if isinstance(imported, dict) else None
+    if trace.source_format == "native" and isinstance(source, str):
+        return source
+    return trace.source_format

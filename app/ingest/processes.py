@@ -26,6 +26,7 @@ import asyncio
 import gc
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import pickle
 import signal
 import socket
@@ -212,6 +213,7 @@ class IngestProcesses:
         self._outage.works()
 
     async def _start(self) -> _Process:
+        _start_fork_server()
         ours, theirs = socket.socketpair()
         progress = _CONTEXT.RawArray("d", 3)
         process = _CONTEXT.Process(
@@ -445,6 +447,21 @@ def _rows(items: list[Any], fmt: str | None) -> Reply:
         _item_started(index)
         rows.append(_preparer.prepare(item, fmt))
     return rows
+
+
+def _start_fork_server() -> None:
+    """The fork server, started ignoring SIGINT from its first instruction (the
+    disposition is inherited through exec): a terminal's Ctrl-C reaches the whole
+    process group, and the server would otherwise die of it, with a traceback, while it
+    imports the hub. Only the main thread may change a disposition; elsewhere (a hub
+    in a test's thread) no terminal sends one. The window is a fork and an exec."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _serve(sock: socket.socket, preparer: Preparer, progress: Any) -> None:
