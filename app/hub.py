@@ -91,14 +91,17 @@ class Hub:
 
     def write_problem(self) -> str | None:
         """Why the hub is not taking writes now (for /readyz), or None: a writer's
-        transaction running past limits.max_write_wait_seconds, or the database failing
-        for any writer or stage. Then a probe write (at most one at a time) finds out
-        when it works again, without traffic to prove it."""
+        transaction running past limits.max_write_wait_seconds, a stage whose last pass
+        failed to write, or the database failing for any writer. Then a probe write (at
+        most one at a time) finds out when it works again, without traffic to prove it."""
         max_wait = self.config.limits.max_write_wait_seconds
         for commits in self.group_commits:
             if (waited := commits.write_wait()) > max_wait:
                 return (f"no write of {commits.kind.name} has finished for {waited:.1f} s "
                         f"(limits.max_write_wait_seconds is {max_wait:g})")
+        for stage, said in self.stages.failing_writes.items():
+            # Its own next pass tells when it writes again; a probe would not.
+            return f"the {stage} stage failed to write: {said}"
         failing = self.outages.database.failing
         if failing is None:
             return None
@@ -168,7 +171,8 @@ async def running_stages(
     stage wakes the runner when it moves traces on, so the next stage starts at once."""
     config = settings.config
     outages = outages or hub_outages(engine, settings)
-    runner = StageRunner(config.trace_server.flush_interval_seconds, outages.database)
+    runner = StageRunner(config.trace_server.flush_interval_seconds, outages.database,
+                         config.workers.lease_seconds)
     lease = Lease(config.workers.lease_seconds)
     async with httpx.AsyncClient() as http:
         policy = settings.compression.compression

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Protocol, runtime_checkable
 
 from app.errors import Unavailable
@@ -48,14 +49,33 @@ class Concurrent(Protocol):
 
 
 class StageRunner:
-    def __init__(self, flush_interval: float, outage: Outage) -> None:
-        """`outage`: where a stage that fails for the database's sake says so."""
+    def __init__(self, flush_interval: float, outage: Outage, lease_seconds: float = 30) -> None:
+        """`outage`: where a stage that fails for the database's sake says so;
+        `lease_seconds`: how long a claim the stages made lasts (a failed write's rows
+        stay leased that long)."""
         self.stages: list[PipelineStage] = []
         self._every: dict[str, float] = {}  # a stage's longest sleep, if below flush_interval
         self._flush_interval = flush_interval
         self._outage = outage
         self._wakes: list[asyncio.Event] = []
         self._tasks: list[asyncio.Task[None]] = []
+        # stage -> what the database said when its last pass failed to write. Kept apart
+        # from the outage: a write elsewhere working (ingest, the write probe) does not
+        # prove the stages can write (a disk with room for a small row, not for theirs).
+        self._failing: dict[str, tuple[str, float]] = {}
+        # A stage whose failed rows were taken by another worker never advances on them:
+        # its failure lapses once they would have been claimed again and failed anew
+        # (with a lease's margin, for a claim that comes late).
+        self._lapse = 2 * lease_seconds + flush_interval
+
+    @property
+    def failing_writes(self) -> dict[str, str]:
+        """stage -> what the database said, for each stage whose last pass failed to
+        write; a stage leaves it once a pass of its own advances (one with nothing to
+        claim proves nothing: the rows it failed on are still leased)."""
+        now = time.monotonic()
+        return {stage: said for stage, (said, at) in self._failing.items()
+                if now - at < self._lapse}
 
     def add(self, *stages: PipelineStage, every: float | None = None) -> None:
         """Stages in pipeline order; `every`: their loop also wakes every `every`
@@ -123,10 +143,14 @@ class StageRunner:
             # A stage failing on one item records that on the row itself; this is the
             # database failing (said once per kind), or a bug (with its traceback). The
             # loop tries again after the flush interval.
-            if not self._outage.failed(exc, f"running the {stage.name} stage"):
+            if self._outage.failed(exc, f"running the {stage.name} stage"):
+                self._failing[stage.name] = (self._outage.failing or type(exc).__name__,
+                                             time.monotonic())
+            else:
                 log.exception("stage %s failed; retrying after the flush interval", stage.name)
             return 0
         if advanced:  # it wrote: the database works (a pass with nothing to do proves nothing)
+            self._failing.pop(stage.name, None)
             self._outage.works()
         return advanced
 
