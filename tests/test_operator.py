@@ -281,7 +281,7 @@ def test_a_client_gone_mid_body_is_one_info_line(
     hub = start_hub_process({"db_path": str(tmp_path / "t.db")})
     host, port = hub.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: hub\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      "Content-Length: 100000\r\n\r\n".encode() + b'{"messages": [')
     hub.wait_for_log("the body stopped before its end")
     with hub.client() as client:  # the hub serves on; what it logged for the request is in

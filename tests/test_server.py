@@ -17,8 +17,8 @@ import pytest
 
 from app.api.server import _JOINED_BYTES, _OneWritePerTurn
 
-HEADERS_HALF_SENT = b"POST /v1/traces HTTP/1.1\r\nHost: hub\r\nContent-Le"
-BODY_HALF_SENT = (b"POST /v1/traces HTTP/1.1\r\nHost: hub\r\nContent-Type: application/json\r\n"
+HEADERS_HALF_SENT = b"POST /v1/traces HTTP/1.1\r\nHost: localhost\r\nContent-Le"
+BODY_HALF_SENT = (b"POST /v1/traces HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1000\r\n\r\n{\"task\": ")
 
 
@@ -95,7 +95,7 @@ def test_a_slow_but_steady_body_is_read_and_headers_past_the_bound_are_refused(
     host, port = hub.url.removeprefix("http://").split(":")
     body = b'{"trace_id": "slow", "task": "wait", "steps": []}'
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: hub\r\nContent-Type: application/json"
+        sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json"
                      b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
         # Each pause is under the bound, the whole is past it: the bound is on stalls.
         for piece in (body[:16], body[16:32], body[32:]):
@@ -111,7 +111,7 @@ def test_a_slow_but_steady_body_is_read_and_headers_past_the_bound_are_refused(
         answer = _read_to_eof(sock, time.monotonic() + 30)
     assert answer.startswith(b"HTTP/1.1 202 "), answer
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: hub\r\n" + b"X-Filler: " + b"a" * 70_000)
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n" + b"X-Filler: " + b"a" * 70_000)
         answer = _read_to_eof(sock, time.monotonic() + 30)
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
 
@@ -164,10 +164,10 @@ def test_pipelined_requests_are_answered_whole_and_in_order(
     body = b'{"trace_id": "piped", "task": "answer in order", "steps": []}'
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(
-            b"POST /v1/traces HTTP/1.1\r\nHost: hub\r\nContent-Type: application/json\r\n"
+            b"POST /v1/traces HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
-            + b"GET /v1/traces/piped HTTP/1.1\r\nHost: hub\r\n\r\n"
-            + b"GET /healthz HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n"
+            + b"GET /v1/traces/piped HTTP/1.1\r\nHost: localhost\r\n\r\n"
+            + b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
         )
         answer = _read_to_eof(sock, time.monotonic() + 30)
     stored, found, health = answer.split(b"HTTP/1.1 ")[1:]
