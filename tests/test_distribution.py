@@ -159,6 +159,7 @@ def _write_under_a_file_size_limit(out: str, limit: int) -> str:
     disk); returns the error it raised."""
     import resource
 
+    from app.errors import DeliveryError
     from app.formats import parse
     from app.targets.base import Batch, BatchItem
     from app.targets.jsonl import JsonlTarget
@@ -169,8 +170,8 @@ def _write_under_a_file_size_limit(out: str, limit: int) -> str:
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     try:
         asyncio.run(JsonlTarget(out, "openai").deliver(batch, lambda _: asyncio.sleep(0)))
-    except OSError as exc:
-        return type(exc).__name__
+    except DeliveryError as exc:  # the target's OSError, translated where it writes
+        return type(exc.__cause__).__name__
     return "written"
 
 
