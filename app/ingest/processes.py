@@ -224,7 +224,12 @@ class IngestProcesses:
         )
         # The first start also starts the fork server (an interpreter importing the
         # hub): off the event loop, in a thread that a stopping hub does not wait for.
-        await _in_daemon_thread(process.start)
+        try:
+            await _in_daemon_thread(process.start)
+        except BaseException:  # abandoned (a stopping hub) or failed: the process, if
+            ours.close()       # one is made yet, meets a closed socket and ends
+            theirs.close()
+            raise
         theirs.close()
         reader, writer = await asyncio.open_connection(sock=ours)
         proc = _Process(process, reader, writer, progress)
