@@ -129,6 +129,12 @@ async def open_database(config: HubConfig) -> AsyncEngine:
         engine = create_engine(config.trace_server)
         log.info("database %s", redacted(database_url(config.trace_server)))
         await migrate.upgrade(engine)
+    except asyncio.CancelledError:
+        # Ctrl-C mid-migration: the connection's thread may still be running a
+        # statement; disposing waits for it, so that it never answers a closed loop.
+        if engine is not None:
+            await engine.dispose()
+        raise
     except Exception as exc:
         if engine is not None:
             await engine.dispose()

@@ -17,6 +17,7 @@ import atropos_hub
 from atropos_hub import AsyncClient, Client
 from tests.support import ROOT
 from tests.support.builders import native_trace
+from tests.support.fakes.vllm_server import FakeVllm, serve
 from tests.support.hubs import write_config
 from tests.support.processes import HubProcess
 from tests.support.runs import free_port
@@ -126,17 +127,23 @@ def test_what_is_queued_is_sent_when_the_program_exits(tmp_path: Path) -> None:
 
 
 def test_finish_posts_the_reward_to_the_rollout(tmp_path: Path) -> None:
-    """`finish` calls the gateway's POST /v1/rollouts/{id}/finish; a hub without the
-    gateway answers 404, which the client raises as the hub's error."""
-    config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
-    hub = HubProcess(config, "--no-workers").start(timeout=120)
-    try:
-        with Client(hub.url) as client:
-            try:
+    """`finish` calls the gateway's POST /v1/rollouts/{id}/finish for a rollout whose
+    model call went through the hub; an unknown rollout is the hub's 404, raised."""
+    fake = FakeVllm()
+    with serve(fake) as upstream:
+        config = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")}, gateway={
+            "enabled": True, "upstream": {"base_url": upstream, "api_key_env": "UPSTREAM_KEY"}})
+        hub = HubProcess(config, "--no-workers", env={"UPSTREAM_KEY": fake.key}).start(
+            timeout=120)
+        try:
+            called = httpx.post(f"{hub.url}/v1/rollouts/rollout-1/chat/completions", json={
+                "model": "policy", "messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+            assert called.status_code == 200, called.text
+            with Client(hub.url) as client:
                 answer = client.finish("rollout-1", reward=1.0, status="success")
-            except atropos_hub.HubError as exc:
-                assert exc.status == 404
-                pytest.skip("this hub has no model gateway (POST /v1/rollouts/.../finish)")
-            assert answer
-    finally:
-        hub.stop()
+                assert answer["rollout_id"] == "rollout-1" and answer["calls"] == 1
+                with pytest.raises(atropos_hub.HubError) as unknown:
+                    client.finish("no-such-rollout", reward=1.0)
+                assert unknown.value.status == 404
+        finally:
+            hub.stop()
