@@ -3,16 +3,20 @@ tokenizer, loaded once there, is shared by every process forked from it instead 
 each loading its own (~0.3 s and ~60 MB apiece).
 
 Imported first, so that the fork server ignores SIGINT and SIGTERM from the start of
-its imports, as its processes do: systemd, Docker and a terminal signal the whole
-process group, and a fork server killed then (a traceback mid-import) was started again
-by the next process start (an interpreter importing the hub) while the serving process
-stopped. It ends when the serving process does (multiprocessing closes its pipe),
-kill -9 included."""
+its imports (they are blocked until then), as its processes do: systemd, Docker and a
+terminal signal the whole process group, and a fork server killed then (a traceback
+mid-import) was started again by the next process start (an interpreter importing the
+hub) while the serving process stopped. It ends when the serving process does
+(multiprocessing closes its pipe), kill -9 included."""
 
 import signal
 
-for _signal in (signal.SIGINT, signal.SIGTERM):
+_STOPS = (signal.SIGINT, signal.SIGTERM)
+for _signal in _STOPS:
     signal.signal(_signal, signal.SIG_IGN)
+# Started with them blocked (processes._start_fork_server): ignored now, so one that
+# waited is discarded.
+signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
 
 from app.tokens import encoding  # noqa: E402 (after the signals, on purpose)
 

@@ -62,6 +62,9 @@ _CONTEXT.set_forkserver_preload(
     # app.ingest.preload first: it sets the fork server's signals (see there).
     ["app.ingest.preload", "app.ingest.ingestor", "app.atropos.queue", "app.ingest.otlp.request"]
 )
+# The signals that stop a hub's process group; its fork server and ingest processes
+# outlive them until the serving process closes their pipes.
+_STOPS = {signal.SIGINT, signal.SIGTERM}
 
 
 # What a process is doing, in shared memory: the number of the frame it is on (frames
@@ -455,18 +458,17 @@ def _rows(items: list[Any], fmt: str | None) -> Reply:
 
 
 def _start_fork_server() -> None:
-    """The fork server, started ignoring SIGINT from its first instruction (the
-    disposition is inherited through exec): a terminal's Ctrl-C reaches the whole
-    process group, and the server would otherwise die of it, with a traceback, while it
-    imports the hub. Only the main thread may change a disposition; elsewhere (a hub
-    in a test's thread) no terminal sends one. The window is a fork and an exec."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """The fork server, started with SIGINT and SIGTERM blocked: a terminal's Ctrl-C
+    and systemd's stop reach the whole process group, and the server would otherwise
+    die of them, with a traceback, while it imports the hub. The mask is inherited
+    through fork and exec; app.ingest.preload ignores both signals, then unblocks them.
+    Blocked, not ignored, here: a signal that arrives meanwhile waits, then stops the
+    hub as it would have."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOPS)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _serve(sock: socket.socket, preparer: Preparer, progress: Any) -> None:
@@ -480,7 +482,7 @@ def _serve(sock: socket.socket, preparer: Preparer, progress: Any) -> None:
     # A terminal's Ctrl-C and systemd's stop signal every process of the job: the
     # serving process decides when its ingest processes stop (EOF), once it has answered
     # what it accepted.
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in _STOPS:
         signal.signal(sig, signal.SIG_IGN)
     encoding()  # loaded by the fork server already (app/ingest/preload.py); if not, now
     # What exists now lives as long as the process: kept out of the collector's full
