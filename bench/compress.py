@@ -83,6 +83,8 @@ def main() -> None:
 
 async def _quality(show: list[str]) -> None:
     traces = quality.corpus()
+    if not traces:
+        sys.exit(f"no real traces at {quality.REAL}: the figures need the corpus")
     figures = await quality.measure(traces)
     for what, value in figures.summary().items():
         print(f"{what:>22}: {value}")

@@ -61,11 +61,12 @@ def test_recompress_replaces_old_compressions_and_names_the_batches_that_hold_th
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:
     """Traces compressed the old way (calls removed) get the current compression; those
-    already batched keep their stage, and the summary names their batches."""
+    already batched, or held below the reward threshold, keep their stage, and the
+    summary names the batches that hold old versions."""
     [ctf] = [p for p in SWE_AGENT if p.name == "ctf_web_i_got_id_demo.traj"]
     hub = start_hub(trace_server, environment={"invalid_trace_filters": []},
                     distributor={"min_reward_threshold": -1e9, "batch_size": 100_000})
-    ids = ["sent", "waiting"]
+    ids = ["sent", "waiting", "below"]
     with hub.client() as client:
         for trace_id in ids:
             body = load(ctf).model_dump(mode="json", exclude_none=True,
@@ -92,19 +93,21 @@ def test_recompress_replaces_old_compressions_and_names_the_batches_that_hold_th
                                                        position=0))
     db_execute(trace_server, sa.update(TRACES).where(TRACES.c.trace_id == "sent")
                .values(stage="delivered"))
+    db_execute(trace_server, sa.update(TRACES).where(TRACES.c.trace_id == "below")
+               .values(stage="below_threshold"))
 
     config = write_config(tmp_path, trace_server)
     result = run_cli("recompress", "--config", str(config),
                      "--compression", str(ROOT / "compression.json.example"))
     assert result.returncode == 0, result.stderr
-    assert "recompressed: 3 traces read, 2 changed, 1 unchanged" in result.stdout
-    assert "compressed again: 2" in result.stdout
+    assert "recompressed: 4 traces read, 3 changed, 1 unchanged" in result.stdout
+    assert "compressed again: 3" in result.stdout
     assert "batches holding old versions of changed traces (1, traces in each): b-old (1)" \
         in result.stdout
     rows = db_execute(trace_server, sa.select(TRACES.c.trace_id, TRACES.c.stage,
                                               TRACES.c.compressed))
     stages = {r["trace_id"]: r["stage"] for r in rows}
-    assert stages == {"sent": "delivered", "waiting": "compressed",
+    assert stages == {"sent": "delivered", "waiting": "compressed", "below": "below_threshold",
                       "short": "compression_skipped"}
     original_calls = sum(1 for s in load(ctf).steps if s.type.value == "action")
     for r in rows:
@@ -113,5 +116,5 @@ def test_recompress_replaces_old_compressions_and_names_the_batches_that_hold_th
                        if s["type"] == "action") == original_calls
     again = run_cli("recompress", "--config", str(config),
                     "--compression", str(ROOT / "compression.json.example"))
-    assert "3 traces read, 0 changed, 3 unchanged" in again.stdout, again.stdout
+    assert "4 traces read, 0 changed, 4 unchanged" in again.stdout, again.stdout
     assert "batches holding old versions of changed traces: none" in again.stdout

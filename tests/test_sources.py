@@ -14,8 +14,7 @@ import pytest
 
 from app.domain import Status, StepType, Trace
 from app.import_sources import ADAPTERS, Parsed, Record, Unreadable, detect, formats, read_path
-
-REAL = Path(__file__).resolve().parents[1].parent / "shared/fixtures/real"
+from tests.support import REAL
 
 pytestmark = [
     pytest.mark.corpus,

@@ -266,8 +266,11 @@ async def _nothing_to_do(engine: AsyncEngine, environment: Environment,
 
 # --- recompress -----------------------------------------------------------------
 
-# Traces that went through compression; the sent ones keep their stage.
-_COMPRESSION_DONE = (Stage.COMPRESSED, Stage.COMPRESSION_SKIPPED, *SENT)
+# Traces past the compression stage keep their stage: the sent ones, and those the
+# threshold held back (which an export or a rescore may still reach).
+_PAST_COMPRESSION = {*SENT, Stage.BELOW_THRESHOLD}
+# Traces that went through compression.
+_COMPRESSION_DONE = (Stage.COMPRESSED, Stage.COMPRESSION_SKIPPED, *_PAST_COMPRESSION)
 
 
 @dataclass
@@ -290,8 +293,9 @@ async def recompress(
     """Compress every trace that went through compression again, with key_decision_extract
     under `policy`, oldest first, a transaction per batch of traces. A trace whose new
     compression differs from the stored one gets it (not batched yet: moving between
-    compressed and compression_skipped as the result says; batched or delivered: the
-    stage stays, and its batches are listed, since they hold the old version). Traces
+    compressed and compression_skipped as the result says; batched, delivered or below
+    the threshold: the stage stays, and the batches of the sent ones are listed, since
+    they hold the old version). Traces
     summarized by the model are left as they are: recompressing them would need a
     model call per trace."""
     extract = policy.model_copy(update={"strategy": "key_decision_extract"})
@@ -352,7 +356,8 @@ async def _store(conn: Any, trace_id: str, stage: Stage, done: bool,
     """Write a trace's new compression, if it is still in `stage`; a trace not yet
     batched moves to the stage its new result calls for (through accepted, the one
     way the stage machine allows between the two)."""
-    target = stage if stage in SENT else Stage.COMPRESSED if done else Stage.COMPRESSION_SKIPPED
+    target = (stage if stage in _PAST_COMPRESSION
+              else Stage.COMPRESSED if done else Stage.COMPRESSION_SKIPPED)
     where = TRACES.c.trace_id == trace_id
     if target == stage:
         update = sa.update(TRACES).where(where, TRACES.c.stage == stage.value)

@@ -7,5 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# Real agent trajectories, shared between checkouts (never copied into the repo).
-REAL = ROOT.parent / "shared" / "fixtures" / "real"
+# Real agent trajectories, shared between checkouts (never copied into the repo): in
+# ../shared beside the checkout, or beside a folder holding it (a worktree in
+# ../wt/<branch>).
+_CORPUS = Path("shared") / "fixtures" / "real"
+REAL = next((p / _CORPUS for p in ROOT.parents if (p / _CORPUS).is_dir()), ROOT.parent / _CORPUS)
