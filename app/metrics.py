@@ -253,25 +253,40 @@ def _skipped(now: dict[str, float], last: dict[str, float]) -> str:
     return f"{sum(done.values())} compression skipped ({reasons})"
 
 
+class Tally:
+    """What this process did since the tally was made or last said: the words of the
+    summary line ("12 traces in, 3 compressed, 9 compression skipped (small 9)")."""
+
+    def __init__(self) -> None:
+        self._last, self._last_skips = _summary_totals(), _skip_totals()
+
+    def said(self) -> str:
+        """What happened since the last call ("" for nothing), and start again."""
+        now, skips = _summary_totals(), _skip_totals()
+        done = {what: int(now[what] - self._last[what]) for what in now}
+        skipped = _skipped(skips, self._last_skips)
+        self._last, self._last_skips = now, skips
+        if not any(done.values()) and not skipped:
+            return ""
+        said = []
+        for what, n in done.items():
+            if n or what == "traces in":
+                said.append(f"{n} {what}")
+            if what == "compressed" and skipped:
+                said.append(skipped)
+        return ", ".join(said)
+
+
 async def log_summaries(every: float) -> None:
     """Every `every` seconds, one INFO line of what this process did meanwhile
     (trace_server.log_summary_seconds): the per-trace lines are DEBUG. Nothing is said
     for an interval in which nothing happened."""
-    last, last_skips = _summary_totals(), _skip_totals()
+    tally = Tally()
     while True:
         await asyncio.sleep(every)
-        now, skips = _summary_totals(), _skip_totals()
-        done = {what: int(now[what] - last[what]) for what in now}
-        skipped = _skipped(skips, last_skips)
-        last, last_skips = now, skips
-        if any(done.values()) or skipped:
-            said = []
-            for what, n in done.items():
-                if n or what == "traces in":
-                    said.append(f"{n} {what}")
-                if what == "compressed" and skipped:
-                    said.append(skipped)
-            _summary_log.info("in the last %g s: %s", every, ", ".join(said))
+        said = tally.said()
+        if said:
+            _summary_log.info("in the last %g s: %s", every, said)
         _refusal_lines(every)
 
 

@@ -375,3 +375,24 @@ def test_the_periodic_summary_says_compression_skipped_with_the_reasons(
                    for line in lines)
 
     wait_until(lambda: skipped() == 3, timeout=10, what="3 skips in the summary lines")
+
+
+@pytest.mark.process
+def test_a_burst_worker_says_what_it_compressed_and_skipped(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
+) -> None:
+    """`atropos worker --burst` ends before a periodic summary is due: its last line
+    says what compression did, skips with their reasons."""
+    [ctf] = [p for p in SWE_AGENT if p.name == "ctf_web_i_got_id_demo.traj"]
+    hub = start_hub(trace_server, "--no-workers", environment=ACCEPT_ALL,
+                    distributor=NO_BATCHES)
+    with hub.client() as client:
+        assert client.post("/v1/traces", json=as_native(ctf, "long")).status_code == 202
+        for n in range(2):
+            assert client.post("/v1/traces", json=native_trace(trace_id=f"s-{n}")).status_code == 202
+    burst = run_cli("worker", "--config", str(hub.config), "--compression",
+                    str(ROOT / "compression.json.example"), "--burst")
+    assert burst.returncode == 0, burst.stderr
+    [done] = [line for line in burst.stderr.splitlines() if "burst done: " in line]
+    assert " INFO " in done
+    assert "1 compressed, 2 compression skipped (small 2)" in done

@@ -20,7 +20,7 @@ from app.errors import StartupError
 from app.evaluation.environment import Environment
 from app.hub import Settings, add_assembly, database, open_database, running_stages
 from app.ingest.ingestor import running_ingest
-from app.metrics import start_at_zero, summarizing
+from app.metrics import Tally, start_at_zero, summarizing
 from app.tokens import encoding
 
 log = logging.getLogger("atropos")
@@ -117,8 +117,12 @@ async def _worker(args: argparse.Namespace) -> int:
     ):
         add_assembly(stages, engine, config, ingest.ingestor)
         if args.burst:
+            # The periodic summary would say nothing of a burst shorter than its interval.
+            tally = Tally()
             advanced = await stages.drain()
-            log.info("burst done: %s advanced", counted(advanced, "item"))
+            said = tally.said()
+            log.info("burst done: %s advanced%s", counted(advanced, "item"),
+                     f"; {said}" if said else "")
             return 0
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
