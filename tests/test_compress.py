@@ -306,6 +306,25 @@ def test_an_exact_repeat_of_a_call_collapses_into_the_first_with_the_count() -> 
     assert ledger.listed == {"repeated_calls": [5, 6, 8, 9], "repeat_counts": [3]}
 
 
+def test_the_count_of_a_collapsed_repeat_survives_a_cut_of_its_output() -> None:
+    same = "\n".join(f"curl: response line {k} without the flag" for k in range(200))
+    trace = _synthetic([same, same, "Right flag!"])
+    steps = list(trace.steps)
+    steps[5] = steps[5].model_copy(update={"arguments": steps[2].arguments})
+    trace = trace.model_copy(update={"steps": steps})
+    ledger = Ledger.of(trace)
+    found = shape(trace, CompressionConfig())
+    _collapse_repeats(ledger, found, 5, Budget(aim=0, floor=0, lower=0))
+    assert ledger.trim(3, TIGHT_KEEP, "redundant_tool_outputs", Budget(aim=0, floor=0, lower=0))
+    first = ledger.result().steps[3]
+    assert "tokens of output elided …]" in (first.content or "")
+    assert (first.content or "").endswith(
+        "\n[… the same call, with the same result, was made once more "
+        "(step 5 of the original trace) …]")
+    assert ledger.listed == {"repeated_calls": [5, 6], "repeat_counts": [3],
+                             "redundant_tool_outputs": [3]}
+
+
 async def test_reward_signal_kept_in_metadata() -> None:
     trace = load(OPENHANDS[1])
     result = await compressed(

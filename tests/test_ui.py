@@ -255,6 +255,34 @@ def test_a_compressed_trace_shows_both_sides(visit: Visit, store: dict[str, Any]
     visit.shot("phone-trace-compressed")
 
 
+def test_collapsed_repeats_and_referenced_outputs_say_what_they_are(
+    visit: Visit, store: dict[str, Any]
+) -> None:
+    page = visit.page
+    trace_id = one(store, "SELECT trace_id FROM traces WHERE compressed IS NOT NULL AND "
+                   "json_extract(compression, '$.removed.repeated_calls') > 0 "
+                   "ORDER BY total_tokens LIMIT 1")
+    page.goto(f"/ui/traces/{trace_id}#compression")
+    section = page.locator("#compression")
+    expect(section).to_contain_text(re.compile(r"repeated calls collapsed [1-9]"))
+    collapsed = section.locator(".row-removed .badge.kind-repeated_calls")
+    assert collapsed.count() > 0
+    expect(collapsed.first).to_have_text(re.compile(r"exact repeat of step \d+, collapsed into it"))
+    # The first call's result says how many more times it came, and may be elided too.
+    expect(section.locator(".compressed .badge.kind-repeat_counts").first).to_have_text(
+        re.compile("the first of a repeated call: says how many times it came"))
+    expect(section).to_contain_text("the same call, with the same result, was made")
+
+    trace_id = one(store, "SELECT trace_id FROM traces WHERE compressed IS NOT NULL AND "
+                   "json_extract(compression, '$.removed.repeated_observations') > 0 "
+                   "ORDER BY total_tokens LIMIT 1")
+    page.goto(f"/ui/traces/{trace_id}#compression")
+    section = page.locator("#compression")
+    expect(section.locator(".compressed .badge.kind-repeated_observations").first).to_have_text(
+        "the same output as an earlier step: a reference to it")
+    expect(section).to_contain_text("[output identical to the output of step ")
+
+
 def test_labelling_a_passing_trace_bad_keeps_it_out_of_the_next_batch(
     visit: Visit, hub: HubProcess, store: dict[str, Any]
 ) -> None:

@@ -205,7 +205,7 @@ def _collapse_repeats(ledger: Ledger, found: Shape, window: int, budget: Budget)
         at = ", ".join(str(k) for k in dropped)
         note = (f"\n[… the same call, with the same result, was made {times} "
                 f"(step{'s' if len(dropped) > 1 else ''} {at} of the original trace) …]")
-        ledger.annotate(result, (step.content or "") + note, COUNTED)
+        ledger.annotate(result, note, COUNTED)
 
 
 def _call_key(steps: list[Step], i: int, found: Shape) -> tuple[object, ...] | None:

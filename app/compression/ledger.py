@@ -169,6 +169,9 @@ class Ledger:
         self.listed: dict[str, list[int]] = {}
         self._touched: set[tuple[str, int]] = set()
         self._crossed: list[bool] | None = None  # per boundary, for can_replace
+        # What a step says of steps that went with it (`annotate`): it stays whole
+        # through any later cut of the step.
+        self.notes: dict[int, str] = {}
 
     @classmethod
     def of(cls, trace: Trace) -> Ledger:
@@ -309,8 +312,9 @@ class Ledger:
         return None if step is None else speaker(step)
 
     def replace_content(self, i: int, content: str, kind: str, budget: Budget) -> bool:
-        """Give step i new content (e.g. a 'same output as step k' marker)."""
-        return self._rewrite(i, content, kind, budget)
+        """Give step i new content (e.g. a 'same output as step k' marker), its note
+        kept."""
+        return self._rewrite(i, content + self.notes.get(i, ""), kind, budget)
 
     def trim(
         self, i: int, keep: int, kind: str, budget: Budget,
@@ -322,13 +326,16 @@ class Ledger:
         step = self.steps[i]
         if step is None or not step.content:
             return False
+        note = self.notes.get(i, "")
+        text = step.content.removesuffix(note)
         keep = max(keep, self.tokens[i] - self.excess(budget), 0)
         for _ in range(3):
             if keep >= self.tokens[i] * 0.9:
                 return False  # a cut this small saves less than it costs to read
-            content = elide(step.content, self.tokens[i], keep, needed)
+            content = elide(text, self.tokens[i], keep, needed)
             if content is None:
                 return False
+            content += note
             count = _tokens(step_parts(_with_content(step, content)))
             # Cuts land near `keep`, not on it: one under the floor keeps a little more.
             short = budget.floor - (self.total - self.tokens[i] + count)
@@ -337,11 +344,13 @@ class Ledger:
             keep += short + 8
         return False
 
-    def annotate(self, i: int, content: str, kind: str) -> None:
-        """Give step i new content that may be longer (a note of what went with it)."""
+    def annotate(self, i: int, note: str, kind: str) -> None:
+        """Add to step i's content a note of what went with it (it may grow); later
+        cuts of the step keep the note."""
         step = self.steps[i]
         assert step is not None
-        new = _with_content(step, content)
+        self.notes[i] = self.notes.get(i, "") + note
+        new = _with_content(step, (step.content or "") + note)
         self._set(i, new, _tokens(step_parts(new)))
         self._note(kind, i)
 

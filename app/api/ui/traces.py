@@ -114,13 +114,18 @@ def _compare(original: list[dict[str, Any]], compressed: dict[str, Any],
     kept: list[dict[str, Any]] = compressed.get("steps") or []
     pairs = align([Step.model_validate(s) for s in original],
                   [Step.model_validate(s) for s in kept])
-    kinds = {i: kind for kind, at in (record.get("removed_steps") or {}).items() for i in at}
+    # A step may be changed more than once (a repeated call's first result, counted,
+    # then elided): each change is said.
+    kinds: dict[int, list[str]] = {}
+    for kind, at in (record.get("removed_steps") or {}).items():
+        for i in at:
+            kinds.setdefault(i, []).append(kind)
     rows = []
     for pair in pairs:
         after = None if pair.compressed is None else kept[pair.compressed]
         rows.append({
             "change": pair.change,
-            "kind": kinds.get(pair.original) if pair.original is not None else None,
+            "kinds": kinds.get(pair.original, []) if pair.original is not None else [],
             "what": _what(pair.original, after, kinds, original),
             "original": None if pair.original is None else step_view(
                 pair.original, original[pair.original], COMPARE_LINES, COMPARE_CHARS),
@@ -129,10 +134,10 @@ def _compare(original: list[dict[str, Any]], compressed: dict[str, Any],
         })
     counts = {change: sum(1 for p in pairs if p.change == change)
               for change in ("kept", "rewritten", "removed", "added")}
-    how = Counter(kinds.values())
+    how = Counter(kind for changes in kinds.values() for kind in changes)
     said = {"elided": how["redundant_tool_outputs"] + how["long_preserved_outputs"],
             "referenced": how["repeated_observations"],
-            "collapsed": sum(1 for i, kind in kinds.items() if kind == "repeated_calls"
+            "collapsed": sum(1 for i, changes in kinds.items() if "repeated_calls" in changes
                              and original[i].get("type") == "action"),
             "thoughts_dropped": how["intermediate_thoughts"]}
     return {"rows": rows, "counts": counts, "how": said}
@@ -141,12 +146,18 @@ def _compare(original: list[dict[str, Any]], compressed: dict[str, Any],
 _ELIDED = re.compile(r"\[… ([\d,]+) tokens of output elided …\]")
 
 
-def _what(i: int | None, after: dict[str, Any] | None, kinds: dict[int, str],
+def _what(i: int | None, after: dict[str, Any] | None, kinds: dict[int, list[str]],
           original: list[dict[str, Any]]) -> str | None:
     """What compression did to original step i, in words (None: nothing to say)."""
-    kind = kinds.get(i) if i is not None else None
     if i is None:
         return "summary of the steps it replaces" if after is not None else None
+    said = [_change(i, kind, after, kinds, original) for kind in kinds.get(i, [])]
+    return "; ".join(s for s in said if s) or None
+
+
+def _change(i: int, kind: str, after: dict[str, Any] | None, kinds: dict[int, list[str]],
+            original: list[dict[str, Any]]) -> str | None:
+    """One change of original step i, in words."""
     if kind in ("redundant_tool_outputs", "long_preserved_outputs"):
         elided = sum(int(n.replace(",", "")) for n in _ELIDED.findall(
             (after or {}).get("content") or ""))
@@ -160,7 +171,7 @@ def _what(i: int | None, after: dict[str, Any] | None, kinds: dict[int, str],
         call = i if step.get("type") == "action" else next(
             (j for j in range(i - 1, -1, -1) if original[j].get("type") == "action"), i)
         first = next((j for j in range(call - 1, -1, -1)
-                      if kinds.get(j) != "repeated_calls"
+                      if "repeated_calls" not in kinds.get(j, [])
                       and original[j].get("type") == "action"
                       and original[j].get("tool") == original[call].get("tool")
                       and original[j].get("arguments") == original[call].get("arguments")), None)
