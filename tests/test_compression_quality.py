@@ -57,9 +57,10 @@ def test_what_is_compressed_saves_enough(figures: quality.Figures) -> None:
 
 
 @pytest.mark.corpus
-async def test_system_prompts_are_untouched_and_outputs_elided_visibly() -> None:
+async def test_system_prompts_and_the_last_thought_are_untouched_and_outputs_elided_visibly(
+) -> None:
     policy, max_trace_tokens = quality.example_policy()
-    marked = 0
+    marked = dropped = 0
     for location, trace in quality.corpus():
         total = count_parts(trace.text_parts())
         result = await compress(trace, total, policy, forced=total > max_trace_tokens)
@@ -68,13 +69,17 @@ async def test_system_prompts_are_untouched_and_outputs_elided_visibly() -> None
         out = result.trace
         assert [s for s in out.steps if is_system(s)] == [
             s for s in trace.steps if is_system(s)], location
+        # Thoughts may go, but for the reasoning that led to the answer.
+        thoughts = [s for s in trace.steps if s.type is StepType.THOUGHT]
+        assert not thoughts or thoughts[-1] in out.steps, location
+        dropped += len(thoughts) - sum(1 for s in out.steps if s.type is StepType.THOUGHT)
         for step in out.steps:
             if step.type is StepType.OBSERVATION and step not in trace.steps:
                 assert "tokens of output elided …]" in (step.content or "") or (
                     "[output identical to the output of step" in (step.content or "")
                 ) or "the same call, with the same result" in (step.content or ""), location
                 marked += 1
-    assert marked > 500
+    assert marked > 500 and dropped > 100
 
 
 async def test_the_long_ctf_run_still_compresses_threefold() -> None:
