@@ -28,7 +28,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 if not CHROMIUM.exists():  # .ci/run installs it; a developer without it skips these
     pytest.skip("no /usr/bin/chromium (apt-get install -y chromium)", allow_module_level=True)
 
-from playwright.sync_api import Browser, Page, ViewportSize, expect, sync_playwright  # noqa: E402
+from playwright.sync_api import Browser, Locator, Page, ViewportSize, expect, sync_playwright  # noqa: E402
 
 pytestmark = pytest.mark.process
 
@@ -230,13 +230,18 @@ def test_rejections_point_at_their_steps(visit: Visit, store: dict[str, Any]) ->
     visit.shot("trace-knowagent-repeated-thought")
 
 
-def test_a_compressed_trace_shows_both_sides(visit: Visit, store: dict[str, Any]) -> None:
-    page = visit.page
+def compression_of_the_smallest(page: Page, store: dict[str, Any], kind: str) -> Locator:
+    """The side-by-side view of the smallest trace whose compression did `kind`."""
     trace_id = one(store, "SELECT trace_id FROM traces WHERE compressed IS NOT NULL AND "
-                   "json_extract(compression, '$.removed.intermediate_thoughts') > 0 "
+                   f"json_extract(compression, '$.removed.{kind}') > 0 "
                    "ORDER BY total_tokens LIMIT 1")
     page.goto(f"/ui/traces/{trace_id}#compression")
-    section = page.locator("#compression")
+    return page.locator("#compression")
+
+
+def test_a_compressed_trace_shows_both_sides(visit: Visit, store: dict[str, Any]) -> None:
+    page = visit.page
+    section = compression_of_the_smallest(page, store, "intermediate_thoughts")
     expect(section.locator("[role=columnheader]")).to_have_text(["Original", "Compressed"])
     removed = section.locator(".row-removed")
     assert removed.count() > 0
@@ -258,12 +263,7 @@ def test_a_compressed_trace_shows_both_sides(visit: Visit, store: dict[str, Any]
 def test_collapsed_repeats_and_referenced_outputs_say_what_they_are(
     visit: Visit, store: dict[str, Any]
 ) -> None:
-    page = visit.page
-    trace_id = one(store, "SELECT trace_id FROM traces WHERE compressed IS NOT NULL AND "
-                   "json_extract(compression, '$.removed.repeated_calls') > 0 "
-                   "ORDER BY total_tokens LIMIT 1")
-    page.goto(f"/ui/traces/{trace_id}#compression")
-    section = page.locator("#compression")
+    section = compression_of_the_smallest(visit.page, store, "repeated_calls")
     expect(section).to_contain_text(re.compile(r"repeated calls collapsed [1-9]"))
     collapsed = section.locator(".row-removed .badge.kind-repeated_calls")
     assert collapsed.count() > 0
@@ -273,11 +273,7 @@ def test_collapsed_repeats_and_referenced_outputs_say_what_they_are(
         re.compile("the first of a repeated call: says how many times it came"))
     expect(section).to_contain_text("the same call, with the same result, was made")
 
-    trace_id = one(store, "SELECT trace_id FROM traces WHERE compressed IS NOT NULL AND "
-                   "json_extract(compression, '$.removed.repeated_observations') > 0 "
-                   "ORDER BY total_tokens LIMIT 1")
-    page.goto(f"/ui/traces/{trace_id}#compression")
-    section = page.locator("#compression")
+    section = compression_of_the_smallest(visit.page, store, "repeated_observations")
     expect(section.locator(".compressed .badge.kind-repeated_observations").first).to_have_text(
         "the same output as an earlier step: a reference to it")
     expect(section).to_contain_text("[output identical to the output of step ")
