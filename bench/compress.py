@@ -2,11 +2,14 @@
 
     python bench/compress.py [--rounds 5]
     python bench/compress.py --quality [--show tau-bench/gpt-4o-airline.json#3 ...]
+    python bench/compress.py --quality --db traces.db [--show TRACE_ID ...]
 
 --quality prints instead what compression keeps on the whole real corpus with the
 repo's example configs (tests/support/compression_quality.py): traces compressed and
 skipped (by reason), tool calls and user turns kept, backed facts still backed, the
-saving; --show prints the steps of the named traces before and after.
+saving; --show prints the steps of the named traces before and after. With --db, the
+same figures of what a hub (of any version) stored in that SQLite file: import the
+corpus with the example configs, `atropos worker --burst`, then measure its database.
 
 Corpus: the OpenHands multi_swe_bench runs and SWE-agent .traj files in
 ../shared/fixtures/real (loaded by tests/support/real_traces.py). Input tokens are each trace's
@@ -42,7 +45,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed passes over the corpus")
     parser.add_argument("--quality", action="store_true", help="what compression keeps")
     parser.add_argument("--show", nargs="*", default=[], help="traces to show, by location")
+    parser.add_argument("--db", type=Path, help="with --quality: a hub's SQLite file to measure")
     args = parser.parse_args()
+    if args.quality and args.db:
+        _stored_quality(args.db, args.show)
+        return
     if args.quality:
         asyncio.run(_quality(args.show))
         return
@@ -86,9 +93,7 @@ async def _quality(show: list[str]) -> None:
     if not traces:
         sys.exit(f"no real traces at {quality.REAL}: the figures need the corpus")
     figures = await quality.measure(traces)
-    for what, value in figures.summary().items():
-        print(f"{what:>22}: {value}")
-    print(f"{'skipped by reason':>22}: {dict(sorted(figures.skipped.items()))}")
+    _print(figures)
     worst = sorted(figures.checks, key=lambda c: c.facts_backed - c.facts)[:3]
     for c in worst:
         print(f"  least backed: {c.location}: {c.facts_backed}/{c.facts}")
@@ -103,6 +108,29 @@ async def _quality(show: list[str]) -> None:
         if isinstance(result, Compressed):
             print("after: ", _steps(result.trace))
             print("record:", {k: v for k, v in result.record().items() if k != "removed_steps"})
+
+
+def _stored_quality(db: Path, show: list[str]) -> None:
+    if not db.is_file():
+        sys.exit(f"no database at {db}")
+    figures, pairs = quality.stored(db)
+    print(f"{db}: what its compression stage stored")
+    _print(figures)
+    for trace_id, (before, after) in pairs.items():
+        if any(trace_id.startswith(prefix) for prefix in show):
+            [c] = [c for c in figures.checks if c.location == trace_id]
+            print(f"\n== {trace_id}: {c.tokens_before} -> {c.tokens_after} tokens; calls "
+                  f"{c.calls_before} -> {c.calls_after}, user turns kept {c.users_kept}/"
+                  f"{c.users}, backed facts {c.facts_backed}/{c.facts}")
+            print("before:", _steps(before))
+            print("after: ", _steps(after))
+    print("reproduce: python bench/compress.py --quality --db", db)
+
+
+def _print(figures: quality.Figures) -> None:
+    for what, value in figures.summary().items():
+        print(f"{what:>22}: {value}")
+    print(f"{'skipped by reason':>22}: {dict(sorted(figures.skipped.items()))}")
 
 
 def _steps(trace: Trace) -> str:

@@ -3,11 +3,13 @@ with the repo's example configs: for the corpus tests (tests/test_compression_qu
 and the figures of `python bench/compress.py --quality`.
 
     figures = await measure(corpus())    # Figures: per-trace checks and corpus totals
+    figures, traces = stored(Path("traces.db"))  # what a hub's compression stage stored
 """
 
 from __future__ import annotations
 
 import json
+import sqlite3
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -194,3 +196,29 @@ async def measure(
         else:
             figures.checks.append(check(location, trace, result))
     return figures
+
+
+def stored(db: Path) -> tuple[Figures, dict[str, tuple[Trace, Trace]]]:
+    """The figures of what a hub's compression stage stored in the SQLite file `db`
+    (any version's: the payloads are read as traces, the record's skip reason as
+    text), and each compressed trace as (original, compressed) by its trace id."""
+    figures, pairs = Figures(), {}
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        rows = conn.execute("SELECT trace_id, total_tokens, compressed_tokens, trace, "
+                            "compressed, compression FROM traces "
+                            "WHERE compression IS NOT NULL ORDER BY trace_id").fetchall()
+    for trace_id, before, after, trace, compressed, compression in rows:
+        record = json.loads(compression)
+        if compressed is None:
+            why = str(record.get("skipped", ""))
+            kind = ("min_saving" if why.startswith("compression saves")
+                    else "small" if why.startswith("ratio x") else why.split(" ")[0])
+            figures.skipped[kind] = figures.skipped.get(kind, 0) + 1
+            continue
+        original = Trace.model_validate_json(trace)
+        result = Compressed(trace=Trace.model_validate_json(compressed), tokens_before=before,
+                            tokens_after=after, target=record.get("target", 0),
+                            strategy=record.get("strategy", ""))
+        figures.checks.append(check(trace_id, original, result))
+        pairs[trace_id] = (original, result.trace)
+    return figures, pairs
