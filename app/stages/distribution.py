@@ -23,7 +23,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import DistributorConfig
-from app.db.dialect import dialect_of, skip_locked
+from app.db.dialect import dialect_of, skip_locked, writing
 from app.db.models import BATCHES, MEMBERS, TRACES
 from app.db.moves import BATCH_STATES, TRACE_STAGES
 from app.db.review_queries import not_labelled_bad
@@ -62,7 +62,7 @@ class DistributionStage:
         advanced = 0
         for _ in range(self._max_batches):
             try:
-                async with self._engine.begin() as conn:
+                async with writing(self._engine) as conn:
                     # First a write: on SQLite it takes the writer lock before the reads
                     # below, so no other writer can slip in between the pick and the move.
                     below = await mark_below_threshold(conn, self._config.min_reward_threshold)
