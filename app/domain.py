@@ -48,7 +48,9 @@ class Stage(StrEnum):
     """Where a trace is in the pipeline.
 
     received -> rejected | accepted -> compressed | compression_skipped -> batched
-    -> delivered. Failures are states of their own, with the error kept on the row.
+    -> delivered. Failures are states of their own, with the error kept on the row. A
+    trace the stages would pass through with nothing to do enters past them
+    (app/ingest/ingestor.py EntryStage).
     """
 
     RECEIVED = "received"
@@ -64,9 +66,13 @@ class Stage(StrEnum):
 
 # The moves a trace makes, and the only ones it may (app/db/moves.py refuses others).
 # `received` never persists: scoring decides before the row is inserted, so a new
-# trace enters as one of TRANSITIONS[RECEIVED].
+# trace enters as one of TRANSITIONS[RECEIVED]: rejected, accepted, or, when compression
+# keeps it whole before any work, where the stages would have moved it with nothing to
+# do (compression_skipped, or below_threshold under the distributor's threshold).
 TRANSITIONS: dict[Stage, frozenset[Stage]] = {
-    Stage.RECEIVED: frozenset({Stage.ACCEPTED, Stage.REJECTED}),
+    Stage.RECEIVED: frozenset(
+        {Stage.ACCEPTED, Stage.REJECTED, Stage.COMPRESSION_SKIPPED, Stage.BELOW_THRESHOLD}
+    ),
     # The compression stage; a rescore whose filters now match.
     Stage.ACCEPTED: frozenset(
         {Stage.COMPRESSED, Stage.COMPRESSION_SKIPPED, Stage.COMPRESSION_FAILED, Stage.REJECTED}
@@ -92,6 +98,13 @@ TRANSITIONS: dict[Stage, frozenset[Stage]] = {
 # Where a trace becomes eligible for a batch: every accepted trace passes through the
 # compression stage (which skips it when compression is off).
 ELIGIBLE: tuple[Stage, ...] = (Stage.COMPRESSED, Stage.COMPRESSION_SKIPPED)
+
+def below_threshold(reward: float | None, threshold: float) -> bool:
+    """A trace the distributor never batches for its reward: under the threshold
+    (inclusive: reward >= threshold passes), or without a reward. The distribution
+    stage's statement says the same in SQL (app/stages/distribution.py)."""
+    return reward is None or reward < threshold
+
 
 # Never deleted by retention (`atropos prune`, config `retention`): on its way to training.
 NEVER_PRUNED: frozenset[Stage] = frozenset({Stage.BATCHED})

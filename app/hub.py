@@ -30,7 +30,7 @@ from app.db.schedule import claim_if_due
 from app.evaluation.environment import Environment
 from app.gateway.service import Gateway
 from app.gateway.writer import CallWriter
-from app.ingest.ingestor import Ingestor, ingest_processes, running_ingest
+from app.ingest.ingestor import EntryStage, Ingestor, ingest_processes, running_ingest
 from app.ingest.inserter import TraceInserter
 from app.ingest.otlp.receiver import SpanReceiver
 from app.ingest.processes import ingest_outage
@@ -118,6 +118,14 @@ class Hub:
                 log.exception("the write probe failed")
         else:
             self.outages.database.works()
+
+
+def entry_stage(settings: Settings) -> EntryStage:
+    """Where accepted traces enter the pipeline, by the compression policy and the
+    distributor's threshold the stages go by."""
+    config = settings.config
+    return EntryStage(settings.compression.compression, config.trace_server.max_trace_tokens,
+                      config.distributor.min_reward_threshold)
 
 
 async def open_database(config: HubConfig) -> AsyncEngine:
@@ -271,7 +279,8 @@ async def running_hub(
     outages = hub_outages(engine, settings)
     # Started by _start_background.
     processes = ingest_processes(settings.config, environment, outages.ingest,
-                                 start_wait=settings.config.limits.max_write_wait_seconds)
+                                 start_wait=settings.config.limits.max_write_wait_seconds,
+                                 entry=entry_stage(settings))
     try:
         config = settings.config
         async with (

@@ -79,8 +79,8 @@ REJECTIONS = Counter(
 )
 COMPRESSIONS = Counter(
     "atropos_compressions",
-    "Traces the compression stage finished, by outcome: compressed, skipped (small "
-    "enough, or compression off), failed (gave up)",
+    "Traces compression finished (at ingest, or in the compression stage), by outcome: "
+    "compressed, skipped (small enough, or compression off), failed (gave up)",
     ["outcome"],
 )
 COMPRESSIONS_SKIPPED = Counter(
@@ -125,6 +125,12 @@ DB_COMMITS = Histogram(
     ["writer"],
     buckets=_COMMIT_BUCKETS,
 )
+
+
+def count_compression_skipped(kind: str) -> None:
+    """A trace compression kept whole (SKIP_KINDS), wherever that was decided."""
+    COMPRESSIONS.labels("skipped").inc()
+    COMPRESSIONS_SKIPPED.labels(kind).inc()
 
 
 # The values a label takes, where they are known before anything happens.

@@ -1,11 +1,14 @@
 """Ingest benchmark: N concurrent HTTP clients on 127.0.0.1 post native traces to a
-real `atropos serve` for a fixed time, then, in the same run and with the same clients,
+real `atropos serve` as users run it (its background stages on; `--no-workers`: the API
+alone) for a fixed time, then, in the same run and with the same clients,
 to the minimal endpoint of bench/minimal_ingest.py (pydantic validation, inline
 tiktoken count, group commit to SQLite WAL). It prints for each the acknowledged
 traces/s, p50/p99 latency and the CPU time per acknowledged trace of all its processes
 together (the hub's serving processes, fork server and ingest processes, from /proc),
 and the ratio hub / minimal, which is what to read on a noisy machine. Every
 acknowledged trace is then looked up in the hub's database: one missing fails the run.
+With the stages on, it also prints their backlog one second after the load: the traces
+still waiting for a stage (`stage_backlog`), as a share of those stored.
 A machine gauge (`machine_gauge`, a fixed piece of Python work timed before and after
 the load) says how fast the machine ran: absolute figures of runs whose gauges differ
 do not compare.
@@ -297,13 +300,18 @@ def _started(proc: subprocess.Popen[str], what: str) -> int:
     raise SystemExit(f"{what} did not start")
 
 
-def start_hub(config: dict[str, object], workdir: Path,
-              tree: Path = ROOT) -> tuple[subprocess.Popen[str], int]:
-    """`atropos serve` of the checkout `tree` (this one by default)."""
+def start_hub(config: dict[str, object], workdir: Path, tree: Path = ROOT, *,
+              workers: bool) -> tuple[subprocess.Popen[str], int]:
+    """`atropos serve` of the checkout `tree` (this one by default); `workers`: with its
+    background stages (the default of `atropos serve`), their batches written to
+    `workdir`."""
+    if workers:
+        config = {"distributor": {"output_dir": str(workdir / "batches")}, **config}
     path = workdir / "config.json"
     path.write_text(json.dumps(config))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--config", str(path), "--no-workers"],
+        [sys.executable, "-m", "app.cli", "serve", "--config", str(path),
+         *(() if workers else ("--no-workers",))],
         cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
         stderr=subprocess.PIPE, text=True,
     )
@@ -374,6 +382,18 @@ def load_arguments(doc: str | None) -> argparse.ArgumentParser:
     return parser
 
 
+def workers_argument(parser: argparse.ArgumentParser) -> None:
+    """--no-workers, for the benchmarks that measure `atropos serve`."""
+    parser.add_argument("--no-workers", action="store_true",
+                        help="the hub without its background stages (`atropos serve "
+                             "--no-workers`); by default they run, as `atropos serve` does")
+
+
+def hub_kind(args: argparse.Namespace) -> str:
+    return ("atropos serve --no-workers (no stages)" if args.no_workers
+            else "atropos serve (the default: stages on)")
+
+
 def trace_server(args: argparse.Namespace, workdir: Path) -> dict[str, object]:
     """config.json's trace_server section for --db (a SQLite file in `workdir`, or the
     PostgreSQL database --database-url names), with --set's keys."""
@@ -432,8 +452,67 @@ def missing(server: dict[str, object], ids: list[str]) -> int:
     return len(set(ids)) - int(found)  # type: ignore[call-overload]
 
 
+# Traces a background stage has yet to take: compression's (accepted); distribution's
+# (eligible and under the threshold, or enough eligible for full batches); delivery's
+# (in a batch not yet delivered). Eligible traces short of a full batch wait for more
+# traces, not for a stage.
+_BACKLOG = """
+SELECT
+  (SELECT count(*) FROM traces),
+  (SELECT count(*) FROM traces WHERE stage = 'accepted'),
+  (SELECT count(*) FROM traces WHERE stage IN ('compressed', 'compression_skipped')
+   AND (reward IS NULL OR reward < {threshold}))
+  + (SELECT count(*) FROM traces WHERE stage IN ('compressed', 'compression_skipped')
+     AND reward >= {threshold}) / {size} * {size},
+  (SELECT count(*) FROM batch_traces JOIN batches USING (batch_id)
+   WHERE batches.state = 'pending')
+"""
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """Traces stored, and those waiting for each stage."""
+
+    stored: int
+    compression: int
+    distribution: int
+    delivery: int
+
+    def line(self) -> str:
+        waiting = self.compression + self.distribution + self.delivery
+        return (f"  stages' backlog 1 s after the load: {waiting} of {self.stored} traces "
+                f"stored ({100 * waiting / max(self.stored, 1):.1f}%) still wait for a stage "
+                f"(compression {self.compression}, distribution {self.distribution}, "
+                f"delivery {self.delivery})")
+
+
+def stage_backlog(server: dict[str, object], threshold: float = 5,
+                  batch_size: int = 32) -> Backlog:
+    """The traces waiting for each stage, by the distributor's defaults."""
+    sql = _BACKLOG.format(threshold=float(threshold), size=int(batch_size))
+    if server["storage_backend"] == "sqlite":
+        import sqlite3
+
+        with sqlite3.connect(str(server["db_path"])) as db:
+            return Backlog(*(int(n) for n in db.execute(sql).fetchone()))
+    import asyncpg
+
+    async def run() -> Backlog:
+        url = str(server["database_url"]).replace("postgresql+asyncpg", "postgresql")
+        conn = await asyncpg.connect(url)
+        try:
+            row = await conn.fetchrow(sql)
+        finally:
+            await conn.close()
+        assert row is not None
+        return Backlog(*(int(n) for n in row))
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     parser = load_arguments(__doc__)
+    workers_argument(parser)
     parser.add_argument("--hubs", type=int, default=1, help="hub processes sharing the load")
     parser.add_argument("--no-minimal", action="store_true",
                         help="skip the minimal endpoint (no ratio)")
@@ -449,7 +528,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.against and args.hubs != 1:
         raise SystemExit("--against compares one hub with one hub")
-    print(f"ingest: {args.db}, {args.hubs} hub(s), {args.clients} clients, "
+    print(f"ingest: {hub_kind(args)}; {args.db}, {args.hubs} hub(s), {args.clients} clients, "
           f"{len(Body(args.trace_kb, 1).template) / 1000:.1f} KB traces, "
           f"{args.batch} per request, {args.seconds:.0f} s"
           + "".join(f", {s}" for s in args.set), flush=True)
@@ -462,11 +541,13 @@ def main() -> None:
             lost += lost_now
             continue
         with _database(args) as on, tempfile.TemporaryDirectory() as tmp:
-            results, lost_now = hub_round(on, Path(tmp))
+            results, lost_now, backlog = hub_round(on, Path(tmp))
             lost += lost_now
             total = sum(r.acked_per_s for r in results)
             for n, r in enumerate(results):
                 print(r.line(f"hub {n}"))
+            if backlog is not None:
+                print(backlog.line())
             if args.hubs > 1:
                 print(f"  hubs total: {total:.0f} acked traces/s")
             print(f"  acknowledged but not in the database: {lost_now}", flush=True)
@@ -490,9 +571,10 @@ def main() -> None:
 
 
 def hub_round(args: argparse.Namespace, workdir: Path,
-              tree: Path = ROOT) -> tuple[list[Figures], int]:
-    """--hubs hubs of the checkout `tree` on one database under load; their figures and
-    how many of the traces they acknowledged are not in the database."""
+              tree: Path = ROOT) -> tuple[list[Figures], int, Backlog | None]:
+    """--hubs hubs of the checkout `tree` on one database under load; their figures,
+    how many of the traces they acknowledged are not in the database, and with the
+    stages on their backlog one second after the load (`stage_backlog`)."""
     server = trace_server(args, workdir)
     hubs = []
     for n in range(args.hubs):
@@ -500,7 +582,7 @@ def hub_round(args: argparse.Namespace, workdir: Path,
         config: dict[str, object] = {"trace_server": server}
         if args.no_rules:
             config["environment"] = {"reward_rules": {}, "invalid_trace_filters": []}
-        hubs.append(start_hub(config, workdir / str(n), tree))
+        hubs.append(start_hub(config, workdir / str(n), tree, workers=not args.no_workers))
         if args.hub_cores:
             hold_to_cores(hubs[-1][0].pid, args.hub_cores)
     with running([proc for proc, _ in hubs]):
@@ -513,7 +595,11 @@ def hub_round(args: argparse.Namespace, workdir: Path,
                 for proc, port in hubs))
 
         results = asyncio.run(run_all())
-    return results, missing(server, [i for r in results for i in r.acked])
+        backlog = None
+        if not args.no_workers:
+            time.sleep(1)  # the second the backlog is measured after
+            backlog = stage_backlog(server)
+    return results, missing(server, [i for r in results for i in r.acked]), backlog
 
 
 def against_round(args: argparse.Namespace,
@@ -526,9 +612,11 @@ def against_round(args: argparse.Namespace,
     for tree in trees if this_first else trees[::-1]:
         # A database each: the other checkout's migrations may differ.
         with _database(args) as on, tempfile.TemporaryDirectory() as tmp:
-            (figures[tree],), lost_now = hub_round(on, Path(tmp), tree)
+            (figures[tree],), lost_now, backlog = hub_round(on, Path(tmp), tree)
         lost += lost_now
         print(figures[tree].line(f"hub of {tree}"))
+        if backlog is not None:
+            print("  " + backlog.line())
         print(f"    acknowledged but not in the database: {lost_now}", flush=True)
     this, other = (figures[tree] for tree in trees)
     ratio = (this.acked_per_s / other.acked_per_s,

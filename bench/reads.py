@@ -52,7 +52,8 @@ def main() -> None:
         server = {"host": "127.0.0.1", "port": 0, "storage_backend": "sqlite",
                   "db_path": str(workdir / "bench.db")}
         limits = {"max_traces_per_request": 100, "max_body_bytes": 100_000_000}
-        proc, port = start_hub({"trace_server": server, "limits": limits}, workdir)
+        proc, port = start_hub({"trace_server": server, "limits": limits}, workdir,
+                               workers=False)
         try:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
                 template = json.dumps(make_trace(args.trace_kb))

@@ -1,8 +1,10 @@
 """Ingest under wrk, as docs/ingest.md measures it: wrk (C, 2 threads, 32 connections) posts
-distinct native traces to a real `atropos serve` on 127.0.0.1 for a fixed time, after a
+distinct native traces to a real `atropos serve` on 127.0.0.1 (its stages on, as
+users run it; `--no-workers`: the API alone) for a fixed time, after a
 3 s warm-up. It prints the acknowledged traces/s, wrk's latency percentiles and the CPU
 time per acknowledged trace of all the hub's processes (bench/ingest.py's measure), then
-checks that every trace answered 202 is in the database.
+checks that every trace answered 202 is in the database. With the stages on it prints
+their backlog one second after the load (bench/ingest.py's `stage_backlog`).
 
     python bench/wrk_ingest.py                    # ~5 KB traces, SQLite
     python bench/wrk_ingest.py --db postgresql    # a fresh database on $ATROPOS_TEST_DATABASE_URL
@@ -37,16 +39,20 @@ from pathlib import Path
 
 from ingest import (
     ROOT,
+    Backlog,
     CpuTimes,
     _database,
     gauge_line,
+    hub_kind,
     load_arguments,
     machine_gauge,
     make_trace,
     missing,
     running,
+    stage_backlog,
     start_hub,
     trace_server,
+    workers_argument,
 )
 
 # Each request: the template with its __ID__ made unique (run, thread, counter). Each
@@ -132,6 +138,7 @@ def _figures(out: str, workdir: Path, prefix: str) -> tuple[dict[str, float], li
 
 def main() -> None:
     parser = load_arguments(__doc__)
+    workers_argument(parser)
     parser.add_argument("--tree", type=Path, default=ROOT,
                         help="the checkout whose hub is measured (default: this one)")
     parser.add_argument("--against", type=Path,
@@ -158,7 +165,8 @@ def main() -> None:
         for n, (tree, on) in enumerate(zip(trees, ons, strict=True)):
             (workdir / str(n)).mkdir()
             server = trace_server(on, workdir / str(n))
-            proc, port = start_hub({"trace_server": server}, workdir / str(n), tree)
+            proc, port = start_hub({"trace_server": server}, workdir / str(n), tree,
+                                   workers=not args.no_workers)
             hubs.append(Hub(tree, server, proc, port))
         with running([hub.proc for hub in hubs]):
             run = uuid.uuid4().hex[:8]
@@ -169,13 +177,17 @@ def main() -> None:
             results = wrk(hubs, args.seconds, connections, template, f"m-{run}-", script)
             elapsed = time.perf_counter() - started
             after = [CpuTimes.of(p) for p in pids]
+            backlogs: list[Backlog | None] = [None] * len(hubs)
+            if not args.no_workers:
+                time.sleep(1)  # the second the backlog is measured after
+                backlogs = [stage_backlog(hub.server) for hub in hubs]
             lost = [missing(hub.server, ids) for hub, (_, ids) in zip(hubs, results, strict=True)]
-    print(f"wrk ingest: {args.db}, {connections} connections per hub, "
+    print(f"wrk ingest: {hub_kind(args)}; {args.db}, {connections} connections per hub, "
           f"{trace_kb:.1f} KB traces, {args.batch} per request, {args.seconds:g} s"
           + "".join(f", {s}" for s in args.set))
     per_trace = []
-    for hub, (result, ids), cpu0, cpu1, gone in zip(
-            hubs, results, before, after, lost, strict=True):
+    for hub, (result, ids), cpu0, cpu1, gone, backlog in zip(
+            hubs, results, before, after, lost, backlogs, strict=True):
         acked = max(result["acked"], 1)
         cpu = cpu1 - cpu0
         per_trace.append(cpu.total * 1000 / acked)
@@ -185,6 +197,8 @@ def main() -> None:
               f"({cpu.total / elapsed:.2f} cores; serving {cpu.serving * 1000 / acked:.2f}, "
               f"its event loop {cpu.event_loop * 1000 / acked:.2f})  refused {result['refused']}")
         print(f"    acknowledged but not in the database: {gone} (of {len(ids)})")
+        if backlog is not None:
+            print("  " + backlog.line())
         if gone or len(ids) != result["acked"]:
             raise SystemExit(f"{gone} acknowledged traces are not in the database")
     print(gauge_line(gauge, machine_gauge()))

@@ -20,6 +20,7 @@ from tests.support.builders import long_trace, native_trace
 from tests.support.databases import db_execute
 from tests.support.fakes.model_server import FakeModel
 from tests.support.hubs import InProcessHub, write_config
+from tests.support.metrics import scrape, value
 from tests.support.processes import WorkerProcess, run_cli
 from tests.support.real_traces import OPENHANDS, SWE_AGENT, load
 from tests.support.waiting import wait_until
@@ -106,6 +107,49 @@ def test_long_real_traces_are_compressed_and_short_ones_skipped(
     assert "compression skipped: trace short" not in hub.log
 
 
+def test_a_trace_compression_keeps_whole_enters_past_the_stages_with_its_reasons(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
+) -> None:
+    """Written once, where the stages would have moved it with nothing to do: with no
+    stage running (--no-workers), a short trace is compression_skipped, or
+    below_threshold under the threshold, its reason recorded and counted as the
+    compression stage does; a long one is accepted, for the stage."""
+    hub = start_hub(trace_server, "--compression", compression_file(tmp_path), "--no-workers",
+                    environment=ACCEPT_ALL,
+                    distributor={"min_reward_threshold": 25, "batch_size": 100_000})
+    with hub.client() as client:
+        before = scrape(client)[1]
+        posts = {
+            "passing": native_trace(trace_id="passing"),  # task_success + code_runs_ok: 30
+            "under": native_trace(trace_id="under", outcome={"status": "failure"}),  # 10
+            "long": long_trace("long"),
+        }
+        answers = {name: client.post("/v1/traces", json=body).json()
+                   for name, body in posts.items()}
+        records = {name: client.get(f"/v1/traces/{name}").json() for name in posts}
+        stats = client.get("/v1/stats").json()
+        after = scrape(client)[1]
+    assert {name: a["stage"] for name, a in answers.items()} == {
+        "passing": "compression_skipped", "under": "below_threshold", "long": "accepted"}
+    assert {name: r["stage"] for name, r in records.items()} == {
+        name: a["stage"] for name, a in answers.items()}
+    assert records["under"]["reward"] < 25 <= records["passing"]["reward"]
+    for name in ("passing", "under"):
+        assert records[name]["compression"] == {"skipped": (
+            f"ratio x total_tokens = 0.3 x {records[name]['total_tokens']} = "
+            f"{0.3 * records[name]['total_tokens']:.0f} < min_tokens_after 500")}
+    assert records["long"]["compression"] is None
+    assert stats["by_stage"] == {"compression_skipped": 1, "below_threshold": 1, "accepted": 1}
+    assert stats["compression"]["skipped"] == 2
+
+    def counted(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert counted("atropos_compressions_total", outcome="skipped") == 2
+    assert counted("atropos_compressions_skipped_total", reason="small") == 2
+    assert counted("atropos_traces_ingested_total", outcome="accepted") == 3
+
+
 def test_traces_over_max_tokens_are_compressed_even_when_disabled(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:
@@ -177,10 +221,11 @@ def summarizing(tmp_path: Path, model_root: str, monkeypatch: Any, *, timeout: f
 
 
 def holding_long_traces(
-    start_hub: Any, trace_server: dict[str, Any], ids: list[str]
+    start_hub: Any, trace_server: dict[str, Any], ids: list[str], files: list[str]
 ) -> InProcessHub:
-    """An API without workers (the test runs its own) that has taken long traces `ids`."""
-    hub: InProcessHub = start_hub(trace_server, "--no-workers", environment=ACCEPT_ALL,
+    """An API without workers (the test runs its own) that has taken long traces `ids`,
+    by the config `files` its workers go by (which traces enter past compression)."""
+    hub: InProcessHub = start_hub(trace_server, "--no-workers", *files, environment=ACCEPT_ALL,
                                 distributor=NO_BATCHES)
     with hub.client() as client:
         for trace_id in ids:
@@ -292,7 +337,7 @@ def test_model_calls_run_concurrently_up_to_the_bound(
     fake_model.delay = 0.5
     files = summarizing(tmp_path, model_root, monkeypatch, max_concurrent_calls=3)
     ids = [f"c-{n}" for n in range(7)]
-    hub = holding_long_traces(start_hub, trace_server, ids)
+    hub = holding_long_traces(start_hub, trace_server, ids, files)
     with hub.client() as client:
         burst = run_cli("worker", "--config", str(hub.config), *files, "--burst")
         assert burst.returncode == 0, burst.stderr
@@ -313,7 +358,7 @@ def test_a_model_slower_than_the_lease_summarizes_each_trace_once(
     fake_model.delay = 6  # longer than the lease
     files = summarizing(tmp_path, model_root, monkeypatch, timeout=30, max_concurrent_calls=2)
     ids = [f"slow-{n}" for n in range(6)]
-    hub = holding_long_traces(start_hub, trace_server, ids)
+    hub = holding_long_traces(start_hub, trace_server, ids, files)
     config = write_config(tmp_path, {**trace_server, "flush_interval_seconds": 0.2},
                           workers={"lease_seconds": 5}, environment=ACCEPT_ALL,
                           distributor=NO_BATCHES)

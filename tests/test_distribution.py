@@ -100,7 +100,8 @@ async def test_concurrent_distributors_never_share_a_trace(
     ids = [f"c{i:03d}" for i in range(60)]
     with hub.client() as client:
         r = client.post("/v1/traces", json={"traces": [{"trace_id": t, "task": "t", "steps": [
-            {"type": "final", "content": "done"}]} for t in ids]})
+            {"type": "final", "content": "done"}], "outcome": {"status": "success"}}
+            for t in ids]})
         assert r.status_code == 207
     await set_rewards(trace_server, {t: 10.0 for t in ids})
     runs = await asyncio.gather(*(

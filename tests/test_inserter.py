@@ -91,6 +91,7 @@ async def test_rows_read_back_as_prepared_and_sqlite_keeps_the_seed_timestamp_te
         for trace_id, row in rows.items():
             stored = read[trace_id]
             assert texts[trace_id] == row.pop("search_text")  # written with the trace
+            assert row.pop("skip_kind") is None  # a preparer without an entry stage
             for column, value in row.items():
                 if isinstance(value, EncodedJSON):
                     value = orjson.loads(value.text)

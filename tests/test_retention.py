@@ -114,7 +114,7 @@ def test_prune_counts_then_deletes_in_batches(aged: InProcessHub, trace_server: 
 
         # --stage: only that stage; the protected ones stay whatever the criteria.
         staged = run_cli("prune", "--config", config, "--older-than", "30d",
-                         "--stage", "accepted", "--stage", "delivered", "--yes")
+                         "--stage", "compression_skipped", "--stage", "delivered", "--yes")
         assert "deleted: 1 in 1 batches" in staged.stdout, staged.stdout + staged.stderr
         assert present(client, *ALL) == kept - {"old-high"}
         refused = run_cli("prune", "--config", config, "--older-than", "1s")

@@ -3,7 +3,9 @@ until the stages write again, as a full disk does to the rows the stages move.""
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,12 +29,16 @@ _ROOM = "DROP TRIGGER stage_moves_fail ON traces"
 
 
 def test_readyz_is_503_while_only_the_stages_fail_to_write(
-    start_hub: Any, trace_server: dict[str, Any], dialect: str
+    start_hub: Any, trace_server: dict[str, Any], dialect: str, tmp_path: Path
 ) -> None:
     if dialect != "postgresql":
         pytest.skip("failing the stages' writes alone: a PostgreSQL trigger")
+    # A policy that compresses even a short trace: it enters `accepted`, for the stage.
+    policy = tmp_path / "compression.json"
+    policy.write_text(json.dumps({"compression": {"min_tokens_after": 0, "min_saving": 0}}))
     hub: InProcessHub = start_hub(
-        {**trace_server, "flush_interval_seconds": 0.2}, workers={"lease_seconds": 1})
+        {**trace_server, "flush_interval_seconds": 0.2}, "--compression", str(policy),
+        workers={"lease_seconds": 1})
     with hub.client() as client:
         assert client.get("/readyz").status_code == 200
         for statement in _FULL.strip().split(";\n"):

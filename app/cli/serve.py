@@ -18,7 +18,14 @@ from app.api.server import exposure, listening_socket, server_config
 from app.cli.options import Commands, add_hub_files, command, counted, load_settings
 from app.errors import StartupError
 from app.evaluation.environment import Environment
-from app.hub import Settings, add_assembly, database, open_database, running_stages
+from app.hub import (
+    Settings,
+    add_assembly,
+    database,
+    entry_stage,
+    open_database,
+    running_stages,
+)
 from app.ingest.ingestor import running_ingest
 from app.metrics import Tally, start_at_zero, summarizing
 from app.tokens import encoding
@@ -113,7 +120,8 @@ async def _worker(args: argparse.Namespace) -> int:
         database(config) as engine,
         running_stages(settings, engine) as stages,
         # OTLP assembly prepares its trajectories as ingest does.
-        running_ingest(engine, config, environment, admitted=False) as ingest,
+        running_ingest(engine, config, environment, admitted=False,
+                       entry=entry_stage(settings)) as ingest,
     ):
         add_assembly(stages, engine, config, ingest.ingestor)
         if args.burst:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import Any, Literal, TypeVar, assert_never
+from weakref import WeakKeyDictionary
 
 import orjson
 import sqlalchemy as sa
@@ -230,6 +232,34 @@ def _pg_array_of(kind: Any, as_text: bool) -> str:
     raise TypeError(f"BulkInsert does not know how to pass {kind!r} to PostgreSQL")
 
 
+# Each engine's turn at writing, on SQLite (with the event loop it belongs to).
+_TURNS: WeakKeyDictionary[sa.Engine, tuple[asyncio.AbstractEventLoop, asyncio.Lock]] = (
+    WeakKeyDictionary())
+
+
+def write_turn(engine: AsyncEngine) -> AbstractAsyncContextManager[Any]:
+    """The turn of this process's writers to one SQLite database: the group commits
+    (`OneHop`) and the background stages' transactions (`writing`) take it, so that they
+    wait for each other in the event loop, in order, instead of in SQLite's busy
+    handler, which sleeps by growing steps (up to 100 ms) while the other keeps the
+    lock. PostgreSQL locks rows, not the database: no turn there."""
+    if dialect_of(engine) != "sqlite":
+        return nullcontext()
+    loop = asyncio.get_running_loop()
+    held = _TURNS.get(engine.sync_engine)
+    if held is None or held[0] is not loop:
+        held = _TURNS[engine.sync_engine] = (loop, asyncio.Lock())
+    return held[1]
+
+
+@asynccontextmanager
+async def writing(engine: AsyncEngine) -> AsyncIterator[AsyncConnection]:
+    """`engine.begin()` in the write turn (`write_turn`): a write transaction of the
+    background stages."""
+    async with write_turn(engine), engine.begin() as conn:
+        yield conn
+
+
 class OneHop:
     """Write transactions run whole, with one wait on the event loop.
 
@@ -254,7 +284,8 @@ class OneHop:
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="sqlite-one-hop")
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._thread, self._in_thread, work)
+            async with write_turn(self._engine):
+                return await loop.run_in_executor(self._thread, self._in_thread, work)
         if self._dialect == "postgresql":
             async with self._engine.begin() as conn:
                 return await conn.run_sync(work)

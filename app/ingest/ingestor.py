@@ -25,12 +25,13 @@ import orjson
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import formats
-from app.config import HubConfig, LimitsConfig, PrivacyConfig
+from app.compression import Skipped, compression_target
+from app.config import CompressionConfig, HubConfig, LimitsConfig, PrivacyConfig
 from app.db.dialect import OneHop
 from app.db.moves import TRACE_STAGES
 from app.db.search import search_text
 from app.db.types import EncodedJSON, utcnow
-from app.domain import MAX_REWARD, Stage, Trace
+from app.domain import MAX_REWARD, Stage, Trace, below_threshold
 from app.errors import HubError, Invalid
 from app.evaluation.environment import Environment
 from app.evaluation.redaction import REDACTED, Redacted, Redactor
@@ -38,7 +39,7 @@ from app.ingest.admission import Admission
 from app.ingest.inserter import PreparedTrace, Stored, TraceInserter
 from app.ingest.limits import check_item, check_trace
 from app.ingest.processes import IngestProcesses
-from app.metrics import REJECTIONS, TRACES_INGESTED, Labeled
+from app.metrics import REJECTIONS, TRACES_INGESTED, Labeled, count_compression_skipped
 from app.outage import Outage
 from app.tokens import count_parts
 
@@ -54,14 +55,40 @@ CHUNK = 32
 
 
 @dataclass(frozen=True)
+class EntryStage:
+    """Where an accepted trace enters the pipeline: past the stages that would move it
+    with nothing to do. One that compression keeps whole before any work
+    (`compression_target` is Skipped: compression off, the trace small or within its
+    target) enters `compression_skipped`, its record `{"skipped": reason}` as the
+    compression stage writes it; if its reward is also under the distributor's
+    threshold, `below_threshold`. Any other enters `accepted`, for the stages."""
+
+    compression: CompressionConfig
+    max_trace_tokens: int
+    min_reward_threshold: float
+
+    def of(self, total_tokens: int, reward: float | None) -> tuple[Stage, Skipped | None]:
+        """The stage a new accepted trace enters, and why compression skipped it."""
+        forced = total_tokens > self.max_trace_tokens
+        skipped = compression_target(total_tokens, self.compression, forced)
+        if not isinstance(skipped, Skipped):
+            return Stage.ACCEPTED, None
+        if below_threshold(reward, self.min_reward_threshold):
+            return Stage.BELOW_THRESHOLD, skipped
+        return Stage.COMPRESSION_SKIPPED, skipped
+
+
+@dataclass(frozen=True)
 class Preparer:
-    """The row for one item: limits, redact, parse, score, filter and count its tokens.
-    Pure CPU work; pickled into each ingest process (the environment and the redactor
-    as their config)."""
+    """The row for one item: limits, redact, parse, score, filter and count its tokens,
+    and the stage it enters. Pure CPU work; pickled into each ingest process (the
+    environment and the redactor as their config). Without `entry`, every accepted
+    trace enters `accepted`."""
 
     environment: Environment
     limits: LimitsConfig
     redactor: Redactor = field(default_factory=lambda: Redactor(PrivacyConfig()))
+    entry: EntryStage | None = None
 
     def row(
         self, item: Any, fmt: str | None = None, redacted: Mapping[str, int] | None = None,
@@ -106,17 +133,21 @@ class Preparer:
         _fits_columns(trace)
         evaluation = self.environment.evaluate(trace)
         _bounded_reward(evaluation.reward, trace.outcome.reward)
+        total_tokens = count_parts(trace.text_parts())
+        stage, skipped = Stage.REJECTED, None
+        if not evaluation.reject_reasons:
+            stage, skipped = (Stage.ACCEPTED, None) if self.entry is None else (
+                self.entry.of(total_tokens, evaluation.reward))
         now = utcnow()
         return {
             "trace_id": trace.trace_id,
             "created_at": now,
             "updated_at": now,
             "status": trace.outcome.status.value,
-            "stage": TRACE_STAGES.enter(
-                Stage.REJECTED if evaluation.reject_reasons else Stage.ACCEPTED
-            ),
-            "total_tokens": count_parts(trace.text_parts()),
+            "stage": TRACE_STAGES.enter(stage),
+            "total_tokens": total_tokens,
             "compressed_tokens": None,
+            "compression": None if skipped is None else {"skipped": skipped.reason},
             "reward": evaluation.reward,
             "env_reward": trace.outcome.reward,
             "reward_breakdown": evaluation.breakdown,
@@ -134,8 +165,10 @@ class Preparer:
             # writer infers the type of each `Any` value as it goes).
             "trace": EncodedJSON(_json(trace.model_dump(exclude_none=True)).decode()),
             "attempts": 0,
-            # Not a column of traces: trace_search's (app/db/search.py).
+            # Not columns of traces: trace_search's (app/db/search.py), and what the
+            # metrics count a compression skipped at entry under.
             "search_text": search_text(trace),
+            "skip_kind": None if skipped is None else skipped.kind,
         }
 
     def prepare(self, item: Any, fmt: str | None) -> PreparedTrace | HubError:
@@ -176,11 +209,13 @@ def ingest_processes(
     outage: Outage | None = None,
     *,
     start_wait: float | None = None,
+    entry: EntryStage | None = None,
 ) -> IngestProcesses:
     """The ingest processes of one hub (default: one per CPU, at most 8), not started:
     every part that prepares work off the event loop shares them. `start_wait`: how
-    long a call waits for them to start (app/ingest/processes.py)."""
-    preparer = Preparer(environment, config.limits, Redactor(config.privacy))
+    long a call waits for them to start (app/ingest/processes.py); `entry`: where
+    accepted traces enter (without it, `accepted`)."""
+    preparer = Preparer(environment, config.limits, Redactor(config.privacy), entry)
     return IngestProcesses(preparer, config.trace_server.ingest_processes or min(_cpus(), 8),
                            outage=outage, start_wait=start_wait)
 
@@ -273,6 +308,7 @@ async def running_ingest(
     processes: IngestProcesses | None = None,
     writer: OneHop | None = None,
     outage: Outage | None = None,
+    entry: EntryStage | None = None,
 ) -> AsyncIterator[IngestPath]:
     """The ingest path of one process, running: the ingest processes that prepare rows
     and the inserter that commits them (`atropos serve` and `atropos import` alike).
@@ -281,8 +317,9 @@ async def running_ingest(
     get 503 (the HTTP API), as is a trace not committed within
     limits.max_write_wait_seconds; without it (`atropos import`) the callers wait for
     each chunk and are their own back-pressure. `processes`, `writer`, `outage`: the
-    hub's, which starts and ends them; without them the path has its own, started now.
-    On exit what is queued is committed first."""
+    hub's, which starts and ends them; without them the path has its own, started now
+    (`entry`: where its accepted traces enter). On exit what is queued is committed
+    first."""
     limits = config.limits
     inserter = TraceInserter(
         engine,
@@ -296,7 +333,7 @@ async def running_ingest(
     admission = Admission(limits, inserter.write_wait) if admitted else None
     own = processes is None
     if processes is None:
-        processes = ingest_processes(config, environment)
+        processes = ingest_processes(config, environment, entry=entry)
         processes.start()
     ingestor = Ingestor(inserter, processes, admission=admission)
     inserter.start()
@@ -320,8 +357,17 @@ def _counted(row: PreparedTrace | HubError, result: Stored | HubError, fmt: str 
     elif result.duplicate:
         count_outcome(source, "duplicate")
     else:
-        count_outcome(source, "rejected" if result.stage == Stage.REJECTED else "accepted",
-                      result.reject_reasons)
+        assert isinstance(row, PreparedTrace)
+        count_stored(row, source)
+
+
+def count_stored(row: PreparedTrace, source: str) -> None:
+    """A trace stored new, in the metrics: its outcome, and a compression it skipped
+    at entry as the compression stage counts its own."""
+    count_outcome(source, "rejected" if row.stage == Stage.REJECTED else "accepted",
+                  row.reject_reasons)
+    if row.skip_kind is not None:
+        count_compression_skipped(row.skip_kind)
 
 
 def count_outcome(

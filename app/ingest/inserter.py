@@ -82,7 +82,7 @@ INSERT = BulkInsert(
         "trace_id", "created_at", "updated_at", "status", "stage", "total_tokens",
         "compressed_tokens", "reward", "env_reward", "reward_breakdown", "reject_reasons",
         "scored_with", "source_format", "env", "model", "agent_name", "policy_version",
-        "content_hash", "original", "trace", "attempts",
+        "content_hash", "original", "trace", "attempts", "compression",
     ),
 )
 
@@ -94,20 +94,24 @@ _JSON_ANSWERS = ("reward_breakdown", "reject_reasons")
 @dataclass(frozen=True, slots=True)
 class PreparedTrace:
     """One trace, ready to insert: its `values` (INSERT.columns, in the form
-    BulkInsert takes) and its search text; its answer is read from its values."""
+    BulkInsert takes), its search text, and the kind of compression skip it entered
+    with (SKIP_KINDS; None: it entered before compression); its answer is read from its
+    values."""
 
     values: tuple[Any, ...]
     search_text: str
+    skip_kind: str | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Rows travel back from the ingest processes pickled; a slots dataclass's own
         # pickling walks dataclasses.fields() on every load.
-        return (PreparedTrace, (self.values, self.search_text))
+        return (PreparedTrace, (self.values, self.search_text, self.skip_kind))
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> PreparedTrace:
-        """From the row as column -> value, and its search_text (`Preparer.row`)."""
-        return cls(INSERT.values(row), row["search_text"])
+        """From the row as column -> value, its search_text and skip_kind
+        (`Preparer.row`)."""
+        return cls(INSERT.values(row), row["search_text"], row.get("skip_kind"))
 
     def __getitem__(self, column: str) -> Any:
         """A column's value as inserted (JSON as its text)."""
@@ -122,6 +126,16 @@ class PreparedTrace:
     def content_hash(self) -> str:
         content_hash: str = self["content_hash"]
         return content_hash
+
+    @property
+    def stage(self) -> str:
+        stage: str = self["stage"]
+        return stage
+
+    @property
+    def reject_reasons(self) -> list[dict[str, Any]] | None:
+        reasons = self["reject_reasons"]
+        return None if reasons is None else orjson.loads(reasons)  # inserted as its text
 
     @property
     def source_format(self) -> str:

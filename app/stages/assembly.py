@@ -32,6 +32,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import OtlpConfig
 from app.db import search
+from app.db.dialect import writing
 from app.db.errors import database_error, refuses_row
 from app.db.models import REVIEWS, TRACES
 from app.db.moves import TRACE_STAGES
@@ -40,7 +41,7 @@ from app.domain import Stage
 from app.errors import HubError
 from app.evaluation.redaction import Redacted
 from app.formats.otlp import NAME, wire
-from app.ingest.ingestor import count_outcome
+from app.ingest.ingestor import count_outcome, count_stored
 from app.ingest.inserter import PreparedTrace, insert_traces
 from app.ingest.otlp import store
 from app.ingest.otlp.store import FINAL_STAGES, Due, Settled, TraceState
@@ -222,7 +223,7 @@ class AssemblyStage:
     async def _write(self, current: _Pass, made: list[PreparedTrace | HubError]) -> None:
         due = current.due
         settled: list[Settled] = []
-        async with self._engine.begin() as conn:
+        async with writing(self._engine) as conn:
             written = await write_trajectories(conn, [d.trace_id for d in due], current.todo,
                                                made, current.stored, NAME)
             for d, (what, error) in zip(due, written.outcomes):
@@ -255,7 +256,7 @@ class AssemblyStage:
         every = min(FORGET_EVERY_SECONDS, FORGET_EVERY_QUIET_PERIODS * self._config.quiet_seconds)
         if time.monotonic() - self._forgot_at < every:
             return 0
-        async with self._engine.begin() as conn:
+        async with writing(self._engine) as conn:
             forgotten = await store.forget(conn, utcnow(), self._config.max_wait_seconds,
                                            limit=1000)
         if forgotten < 1000:
@@ -273,7 +274,7 @@ class Written:
 
     outcomes: list[tuple[str, str | None]]
     new: set[str]
-    rows: dict[str, dict[str, Any] | HubError]
+    rows: dict[str, PreparedTrace | HubError]
 
     def counted(self, fmt: str) -> Counter[str]:
         """The outcomes, counted; the traces made (received, as far as the metrics go,
@@ -281,8 +282,7 @@ class Written:
         for trace_id in self.new:
             row = self.rows[trace_id]
             assert not isinstance(row, HubError)
-            count_outcome(fmt, "rejected" if row["stage"] == Stage.REJECTED else "accepted",
-                          row["reject_reasons"])
+            count_stored(row, fmt)
         outcomes = Counter(what for what, _ in self.outcomes)
         for _ in range(outcomes["refused"]):
             count_outcome(fmt, "refused")
@@ -303,7 +303,7 @@ async def write_trajectories(
     new = await conn.run_sync(insert_traces, [r for r in made if not isinstance(r, HubError)])
     outcomes = [await outcome(conn, trace_id, rows.get(trace_id), texts.get(trace_id, ""),
                               stored.get(trace_id), new, fmt) for trace_id in due]
-    return Written(outcomes, new, rows)
+    return Written(outcomes, new, prepared)
 
 
 async def outcome(
@@ -334,7 +334,12 @@ async def outcome(
         return "unchanged", None  # assembled again from the same spans (after a restart)
     c = TRACES.c
     current, target = Stage(stored.stage), Stage(row["stage"])
-    content = {k: v for k, v in row.items() if k not in ("trace_id", "created_at", "stage")}
+    if target is not Stage.REJECTED:
+        # A trajectory made again starts its stages over from `accepted` (the moves the
+        # stage machine has from where it was), even one a new trace would enter past.
+        target = Stage.ACCEPTED
+    content = {k: v for k, v in row.items()
+               if k not in ("trace_id", "created_at", "stage", *_STARTED_OVER)}
     # A reviewer's reward override wins over the new score, as it did over the old one
     # (the review itself, label and note, is a row of its own and stays).
     override = sa.select(REVIEWS.c.reward).where(REVIEWS.c.trace_id == trace_id)

@@ -38,6 +38,7 @@ from app.compression import (
     smallest_compressed,
 )
 from app.config import CompressionConfig
+from app.db.dialect import writing
 from app.db.errors import outage_of
 from app.db.models import TRACES
 from app.db.moves import RELEASED, TRACE_STAGES
@@ -47,7 +48,7 @@ from app.metrics import (
     COMPRESSION_TOKENS_IN,
     COMPRESSION_TOKENS_OUT,
     COMPRESSIONS,
-    COMPRESSIONS_SKIPPED,
+    count_compression_skipped,
 )
 from app.outage import Outage
 from app.stages.leases import Heartbeat, Lease, claim, held_by, retry_later
@@ -141,7 +142,7 @@ class CompressionStage:
 
     async def _claim(self, limit: int, where: sa.ColumnElement[bool] | None = None) -> list[Any]:
         condition = TRACES.c.stage == Stage.ACCEPTED.value
-        async with self._engine.begin() as conn:
+        async with writing(self._engine) as conn:
             return await claim(
                 conn,
                 TRACES,
@@ -211,7 +212,7 @@ class CompressionStage:
             return
         finished: list[Compressed | Skipped] = []
         gave_up = 0
-        async with self._engine.begin() as conn:
+        async with writing(self._engine) as conn:
             for row, result in outcomes:
                 if isinstance(result, Exception):
                     gave_up += await self._failed(conn, row, result)
@@ -291,8 +292,7 @@ def _count(finished: list[Compressed | Skipped], gave_up: int) -> None:
         COMPRESSIONS.labels("failed").inc(gave_up)
     for result in finished:
         if isinstance(result, Skipped):
-            COMPRESSIONS.labels("skipped").inc()
-            COMPRESSIONS_SKIPPED.labels(result.kind).inc()
+            count_compression_skipped(result.kind)
         else:
             COMPRESSIONS.labels("compressed").inc()
             COMPRESSION_TOKENS_IN.labels(result.strategy).inc(result.tokens_before)

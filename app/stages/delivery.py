@@ -22,6 +22,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import DistributorConfig
+from app.db.dialect import writing
 from app.db.models import BATCHES, MEMBERS, TRACES
 from app.db.moves import BATCH_STATES, RELEASED, TRACE_STAGES
 from app.db.types import utcnow
@@ -46,6 +47,10 @@ def training_outage() -> Outage:
         ),
         logger="atropos.delivery",
     )
+
+
+# The most batches a delivery pass claims and acknowledges together.
+PER_PASS = 8
 
 
 class DeliveryStage:
@@ -75,14 +80,17 @@ class DeliveryStage:
         )
 
     async def run_once(self) -> int:
-        """Deliver one batch (attempt it, at least); 0 when none is due."""
-        async with self._engine.begin() as conn:
+        """Deliver the oldest due batches, in order, up to PER_PASS of them: one claim
+        and one acknowledgement (a commit each) for all, rather than two commits a
+        batch. A failed attempt ends the pass: the batches after it are released
+        untried. 0 when none is due."""
+        async with writing(self._engine) as conn:
             rows = await claim(
                 conn,
                 BATCHES,
                 where=BATCHES.c.state == BatchState.PENDING.value,
                 order_by=BATCHES.c.created_at,
-                limit=1,
+                limit=PER_PASS,
                 lease=self._lease,
                 returning=[BATCHES.c.batch_id, BATCHES.c.created_at, BATCHES.c.attempts,
                            BATCHES.c.receipt],
@@ -90,23 +98,35 @@ class DeliveryStage:
             )
         if not rows:
             return 0
-        row = rows[0]
+        delivered: list[tuple[Batch, dict[str, Any]]] = []
+        # Every batch of the pass stays leased until it is acknowledged or released.
+        with self._heartbeat.holding(row.batch_id for row in rows):
+            for n, row in enumerate(rows):
+                outcome = await self._attempt(row)
+                if isinstance(outcome, Exception):
+                    await self._failed(row.batch_id, row.attempts, outcome)
+                    await self._release([later.batch_id for later in rows[n + 1:]])
+                    break
+                delivered.append(outcome)
+            if await self._acknowledge(delivered) and self._on_advance is not None:
+                self._on_advance()
+        return len(rows)
+
+    async def _attempt(self, row: Any) -> tuple[Batch, dict[str, Any]] | Exception:
+        """Hand one claimed batch to the target: the batch and its receipt, or what
+        failed (any failure sinks this attempt only; it is recorded on the row)."""
         started = time.monotonic()
         try:
-            with self._heartbeat.holding([row.batch_id]):
-                batch = await self._load(row)
-                receipt = await self._target.deliver(
-                    batch, lambda r: self._save(batch.batch_id, r)
-                )
-        except Exception as exc:  # any failure sinks this attempt only; it is on the row
+            batch = await self._load(row)
+            receipt = await self._target.deliver(
+                batch, lambda r: self._save(batch.batch_id, r)
+            )
+        except Exception as exc:
             self._attempted("failed", started)
-            await self._failed(row.batch_id, row.attempts, exc)
-            return 1
+            return exc
         self._attempted("delivered", started)
         self._training.works()
-        if await self._acknowledge(batch, receipt) and self._on_advance is not None:
-            self._on_advance()
-        return 1
+        return batch, receipt
 
     def _attempted(self, result: str, started: float) -> None:
         DELIVERY_ATTEMPTS.labels(self._target.name, result).observe(time.monotonic() - started)
@@ -129,41 +149,63 @@ class DeliveryStage:
         return Batch(row.batch_id, row.created_at, row.attempts, items, row.receipt or {})
 
     async def _save(self, batch_id: str, receipt: dict[str, Any]) -> None:
-        async with self._engine.begin() as conn:
+        async with writing(self._engine) as conn:
             await conn.execute(
                 sa.update(BATCHES)
                 .where(BATCHES.c.batch_id == batch_id, held_by(BATCHES, self._lease))
                 .values(receipt=receipt, updated_at=utcnow())
             )
 
-    async def _acknowledge(self, batch: Batch, receipt: dict[str, Any]) -> bool:
+    async def _acknowledge(self, delivered: list[tuple[Batch, dict[str, Any]]]) -> bool:
+        """Acknowledge the delivered batches whose leases this worker still holds, in
+        one transaction; whether any was."""
+        if not delivered:
+            return False
         now = utcnow()
-        async with self._engine.begin() as conn:
-            acked = await conn.execute(
-                BATCH_STATES.move(BatchState.DELIVERED, expected=[BatchState.PENDING])
-                .where(BATCHES.c.batch_id == batch.batch_id, held_by(BATCHES, self._lease))
-                .values(delivered_at=now, updated_at=now, receipt=receipt,
-                        target=self._target.name, **RELEASED)
-            )
-            if acked.rowcount != 1:
-                log.warning("batch %s: delivered, but the lease was lost first; its new "
-                            "owner acknowledges it", batch.batch_id)
-                return False
-            members = sa.select(MEMBERS.c.trace_id).where(MEMBERS.c.batch_id == batch.batch_id)
+        acknowledged = []
+        async with writing(self._engine) as conn:
+            for batch, receipt in delivered:
+                acked = await conn.execute(
+                    BATCH_STATES.move(BatchState.DELIVERED, expected=[BatchState.PENDING])
+                    .where(BATCHES.c.batch_id == batch.batch_id, held_by(BATCHES, self._lease))
+                    .values(delivered_at=now, updated_at=now, receipt=receipt,
+                            target=self._target.name, **RELEASED)
+                )
+                if acked.rowcount != 1:
+                    log.warning("batch %s: delivered, but the lease was lost first; its new "
+                                "owner acknowledges it", batch.batch_id)
+                    continue
+                acknowledged.append(batch)
+            if acknowledged:
+                members = sa.select(MEMBERS.c.trace_id).where(
+                    MEMBERS.c.batch_id.in_([batch.batch_id for batch in acknowledged]))
+                await conn.execute(
+                    TRACE_STAGES.move(Stage.DELIVERED, expected=[Stage.BATCHED])
+                    .where(TRACES.c.trace_id.in_(members))
+                    .values(updated_at=now)
+                )
+        for batch in acknowledged:
+            log.info("batch %s delivered to %s (%d traces, attempt %d)", batch.batch_id,
+                     self._target.name, len(batch.items), batch.attempts,
+                     extra={"batch_id": batch.batch_id})
+        return bool(acknowledged)
+
+    async def _release(self, batch_ids: list[str]) -> None:
+        """Give back claimed batches that were not attempted: free now, their claim's
+        attempt not counted."""
+        if not batch_ids:
+            return
+        async with writing(self._engine) as conn:
             await conn.execute(
-                TRACE_STAGES.move(Stage.DELIVERED, expected=[Stage.BATCHED])
-                .where(TRACES.c.trace_id.in_(members))
-                .values(updated_at=now)
+                sa.update(BATCHES)
+                .where(BATCHES.c.batch_id.in_(batch_ids), held_by(BATCHES, self._lease))
+                .values(attempts=BATCHES.c.attempts - 1, **RELEASED)
             )
-        log.info("batch %s delivered to %s (%d traces, attempt %d)", batch.batch_id,
-                 self._target.name, len(batch.items), batch.attempts,
-                 extra={"batch_id": batch.batch_id})
-        return True
 
     async def _failed(self, batch_id: str, attempts: int, exc: Exception) -> None:
         error = f"{type(exc).__name__}: {exc}"
         policy = self._config.retry
-        async with self._engine.begin() as conn:
+        async with writing(self._engine) as conn:
             delay = await retry_later(
                 conn, BATCHES, batch_id, attempts, lease=self._lease, policy=policy,
                 give_up=BATCH_STATES.move(BatchState.FAILED, expected=[BatchState.PENDING]),

@@ -23,7 +23,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import DistributorConfig
-from app.db.dialect import dialect_of, skip_locked
+from app.db.dialect import dialect_of, skip_locked, writing
 from app.db.models import BATCHES, MEMBERS, TRACES
 from app.db.moves import BATCH_STATES, TRACE_STAGES
 from app.db.review_queries import not_labelled_bad
@@ -59,27 +59,37 @@ class DistributionStage:
         self._on_advance = on_advance
 
     async def run_once(self) -> int:
-        advanced = 0
-        for _ in range(self._max_batches):
+        """Up to max_batches batches, formed in one transaction (one write turn and one
+        commit for all of them); a race lost to another distributor is tried again."""
+        for _ in range(_RACES_TRIED):
             try:
-                async with self._engine.begin() as conn:
+                async with writing(self._engine) as conn:
                     # First a write: on SQLite it takes the writer lock before the reads
                     # below, so no other writer can slip in between the pick and the move.
                     below = await mark_below_threshold(conn, self._config.min_reward_threshold)
-                    batch = await form_batch(conn, self._config)
+                    formed: list[FormedBatch] = []
+                    while len(formed) < self._max_batches and (
+                            batch := await form_batch(conn, self._config)) is not None:
+                        formed.append(batch)
             except (IntegrityError, _Raced):
                 log.info("another distributor took some of these traces first; picking again")
                 continue
-            advanced += below
-            if batch is None:
-                break
-            advanced += len(batch.trace_ids)
+            break
+        else:
+            return 0
+        for batch in formed:
             log.info("batch %s formed: %d traces (%s .. %s)", batch.batch_id,
                      len(batch.trace_ids), batch.trace_ids[0], batch.trace_ids[-1],
                      extra={"batch_id": batch.batch_id})
+        advanced = below + sum(len(batch.trace_ids) for batch in formed)
         if advanced and self._on_advance is not None:
             self._on_advance()
         return advanced
+
+
+# How many times a pass forms its batches again after another distributor took some
+# of the traces it picked.
+_RACES_TRIED = 3
 
 
 async def mark_below_threshold(conn: AsyncConnection, threshold: float) -> int:

@@ -35,7 +35,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import RetryPolicy
-from app.db.dialect import dialect_of, picked_once
+from app.db.dialect import dialect_of, picked_once, writing
 from app.db.errors import outage_of
 from app.db.moves import RELEASED
 from app.db.types import utcnow
@@ -155,7 +155,7 @@ class Heartbeat:
                 continue  # all released (unless more was taken since): look again
             held = set(self._held)
             try:
-                async with self._engine.begin() as conn:
+                async with writing(self._engine) as conn:
                     renewed = await renew(conn, self._table, held, self._lease)
             except (SQLAlchemyError, OSError) as exc:
                 # The next beat tries again; the lease has two more thirds to run.

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import RetentionConfig
 from app.db import schedule
-from app.db.dialect import after_bulk_delete, dialect_of, skip_locked
+from app.db.dialect import after_bulk_delete, dialect_of, skip_locked, writing
 from app.db.models import TRACES
 from app.db.types import utcnow
 from app.domain import NEVER_PRUNED, BatchState, Stage
@@ -87,7 +87,7 @@ async def prune(
     if dry_run or result.matched == 0:
         return result
     while True:
-        async with engine.begin() as conn:
+        async with writing(engine) as conn:
             where = await _where(conn, criteria, cutoff)
             pick = sa.select(TRACES.c.trace_id).where(*where).limit(batch_size)
             pick = skip_locked(pick, dialect_of(conn))

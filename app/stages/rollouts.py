@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import GatewayConfig
+from app.db.dialect import writing
 from app.db.types import utcnow
 from app.errors import HubError
 from app.evaluation.redaction import Redacted
@@ -64,7 +65,7 @@ class RolloutStage:
             found = await store.rollouts(conn, todo)
         made = await self._prepare([_item(found[i]) for i in todo], NAME)
         settled: list[Settled] = []
-        async with self._engine.begin() as conn:
+        async with writing(self._engine) as conn:
             written = await write_trajectories(conn, ids, todo, made, stored, NAME)
             for d, (what, error) in zip(due, written.outcomes):
                 if what == "again":
