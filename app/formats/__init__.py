@@ -3,8 +3,7 @@ canonical trace.
 
     parse(item, fmt=None) -> Trace      any accepted format -> canonical
     detect(item) -> str                 which format an item is in
-    export(trace, fmt) -> dict          canonical -> native | openai | messages | sharegpt | ...
-                                        (hermes, atif)
+    export(trace, fmt) -> dict          canonical -> any of EXPORTS (openai, messages, ...)
 
 The format is chosen by, in order: the item's own top-level "format" key (so each
 item of a batch may name its own), the `fmt` argument (e.g. a request-wide choice),
