@@ -18,11 +18,11 @@ import pytest
 
 from app import formats
 from app.formats import dataset
-from tests.support import REAL
+from tests.support import REAL, chat_templates
 from tests.support.builders import native_trace
 from tests.support.hubs import write_config
 from tests.support.processes import HubProcess, run_cli
-from tests.test_export import check_hermes, check_openai, check_sharegpt
+from tests.test_export import check_hermes, check_messages, check_openai, check_sharegpt
 
 SFT_COLUMNS = ["messages", "tools", "reward", "env_reward", "status", "trace_id", "env",
                "model", "source_format"]
@@ -160,6 +160,66 @@ def test_parquet_loads_as_it_is_and_arguments_round_trip(
     # Again without an eval split: the old test file goes, the directory loads as one split.
     export(corpus_config, out, "--format", "parquet", "--all")
     assert set(load(out, tmp_path / "cache2")) == {"train"}
+
+
+@pytest.mark.process
+def test_messages_export_renders_with_real_chat_templates(
+    corpus_config: Path, tmp_path: Path
+) -> None:
+    """Every record of the real corpus, loaded from parquet as it is, renders with the
+    Qwen2.5, Qwen3.6, Llama 3.2 and gpt-oss templates; each call's arguments are written once, as
+    the object the model wrote (not its JSON text encoded again)."""
+    export(corpus_config, tmp_path / "messages.jsonl", "--format", "messages", "--all")
+    records = lines(tmp_path / "messages.jsonl")
+    said = export(corpus_config, tmp_path / "dataset", "--format", "messages", "--all")
+    assert "left out: none" in said
+    rows = list(load(tmp_path / "dataset", tmp_path / "cache")["train"])
+    assert len(rows) == len(records) > 850
+    for row, record in zip(rows, records):  # both oldest first
+        check_messages(record)
+        assert [_set_keys(m) for m in row["messages"]] == record["messages"]
+        assert row["tools"] == record.get("tools", [])
+
+    tokenizer = chat_templates.renderer()
+    rendered_calls = 0
+    for name, written in (("qwen2_5", _qwen2_5_call), ("qwen3_6", _qwen3_6_call),
+                          ("llama3_2", _llama3_2_call), ("gptoss", None)):
+        template = chat_templates.template(name)
+        for row in rows:
+            text = tokenizer.apply_chat_template(row["messages"], tools=row["tools"],
+                                                 tokenize=False, chat_template=template)
+            if written is None:
+                continue
+            calls = Counter(written(c["function"]) for m in row["messages"]
+                            for c in m["tool_calls"] or [])
+            for call, times in calls.items():
+                assert text.count(call) == times, (name, row["trace_id"], call)
+            rendered_calls += sum(calls.values())
+    assert rendered_calls > 3000
+
+
+def _set_keys(message: dict[str, Any]) -> dict[str, Any]:
+    """A parquet message as the JSONL record has it: Arrow gives every row every key."""
+    return {k: v for k, v in message.items() if v is not None}
+
+
+def _qwen2_5_call(function: dict[str, Any]) -> str:
+    arguments = json.dumps(function["arguments"], ensure_ascii=False)
+    return f'<tool_call>\n{{"name": "{function["name"]}", "arguments": {arguments}}}\n</tool_call>'
+
+
+def _llama3_2_call(function: dict[str, Any]) -> str:
+    arguments = json.dumps(function["arguments"], ensure_ascii=False)
+    return f'{{"name": "{function["name"]}", "parameters": {arguments}}}'
+
+
+def _qwen3_6_call(function: dict[str, Any]) -> str:
+    parameters = "".join(
+        f"<parameter={key}>\n"
+        f"{value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)}"
+        "\n</parameter>\n"
+        for key, value in function["arguments"].items())
+    return f"<function={function['name']}>\n{parameters}</function>"
 
 
 def _tau_traces() -> list[tuple[str, Any]]:

@@ -26,7 +26,7 @@ OPENAI_ROLES = {"system", "user", "assistant", "tool"}
 ASSISTANT_KEYS = {"role", "content", "tool_calls", "reasoning_content", "name", "weight"}
 
 
-def check_openai(record: dict[str, Any]) -> None:
+def check_openai(record: dict[str, Any], arguments: type = str) -> None:
     """OpenAI chat fine-tuning JSONL: messages (+ tools); one system message, first;
     every tool message answers a call of the assistant message before it; arguments
     are JSON text; the record ends on an assistant message. `reasoning_content` is
@@ -45,7 +45,7 @@ def check_openai(record: dict[str, Any]) -> None:
             for call in m.get("tool_calls", []):
                 assert call["type"] == "function" and isinstance(call["id"], str)
                 assert isinstance(call["function"]["name"], str)
-                assert isinstance(call["function"]["arguments"], str)
+                assert isinstance(call["function"]["arguments"], arguments)
                 calls.add(call["id"])
         elif m["role"] == "tool":
             assert before is not None and before["role"] in ("assistant", "tool")
@@ -53,6 +53,13 @@ def check_openai(record: dict[str, Any]) -> None:
         else:
             assert isinstance(m["content"], str)
             assert not (m["role"] == "user" and before is not None and before["role"] == "user")
+
+
+def check_messages(record: dict[str, Any]) -> None:
+    """The chat-template shape: the OpenAI record with arguments as objects and a
+    description on every tool."""
+    check_openai(record, arguments=dict)
+    assert all(isinstance(t["function"]["description"], str) for t in record.get("tools", []))
 
 
 def check_sharegpt(record: dict[str, Any]) -> None:
@@ -97,7 +104,7 @@ def check_atif(record: dict[str, Any]) -> None:
             assert "content" in result
 
 
-CHECKS = {"openai": check_openai, "sharegpt": check_sharegpt, "hermes": check_hermes,
+CHECKS = {"openai": check_openai, "messages": check_messages, "sharegpt": check_sharegpt, "hermes": check_hermes,
           "atif": check_atif}
 
 

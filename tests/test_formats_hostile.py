@@ -131,7 +131,9 @@ def _parse_fails_only_with_hub_errors(body: Any, fmt: str | None) -> None:
         try:
             exported = formats.export(trace, target)
         except Unexportable:
-            assert target == "openai"  # a training record needs an assistant turn
+            # A chat training record needs an assistant turn (and, for chat templates,
+            # arguments that are a JSON object).
+            assert target in ("openai", "messages")
             continue
         json.dumps(exported)
         try:

@@ -10,7 +10,7 @@ import pytest
 
 from app import formats
 from app.domain import Status
-from app.errors import Invalid
+from app.errors import Invalid, Unexportable
 from tests.support.format_examples import (
     EXAMPLES,
     NATIVE,
@@ -147,3 +147,36 @@ def test_exports_link_results_to_calls_without_ids() -> None:
     assert ids[0] == "call_1" and ids[1] not in ("call_1", "")
     again = formats.parse(record)
     assert again.steps[3].call_id == again.steps[2].call_id == ids[1]
+
+
+def test_messages_export_gives_arguments_as_objects_and_every_tool_a_description() -> None:
+    declared = {"type": "function", "function": {
+        "name": "bash", "description": "Run a command",
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}
+    trace = formats.parse({"messages": [
+        {"role": "user", "content": "list"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}},
+            {"id": "c2", "type": "function", "function": {"name": "grep", "arguments": '{"q": "x"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.py"},
+        {"role": "tool", "tool_call_id": "c2", "content": ""},
+        {"role": "assistant", "content": "a.py"}], "tools": [declared, "grep"]})
+    openai_record, record = formats.export(trace, "openai"), formats.export(trace, "messages")
+    calls = record["messages"][1]["tool_calls"]
+    assert [c["function"]["arguments"] for c in calls] == [{"cmd": "ls"}, {"q": "x"}]
+    assert [c["function"]["arguments"] for c in openai_record["messages"][1]["tool_calls"]] \
+        == ['{"cmd":"ls"}', '{"q":"x"}']
+    # The declared description as it was; the implied schema's an empty one, never made up.
+    assert [t["function"]["description"] for t in record["tools"]] == ["Run a command", ""]
+    assert record["tools"][1]["function"]["parameters"]["properties"] == {"q": {"type": "string"}}
+
+    raw = formats.parse({"messages": [
+        {"role": "user", "content": "run"},
+        {"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "bash", "arguments": "ls -la"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.py"},
+        {"role": "assistant", "content": "done"}]})
+    with pytest.raises(Unexportable, match="not a JSON object: bash was called with"):
+        formats.export(raw, "messages")
+    assert formats.export(raw, "openai")["messages"][1]["tool_calls"][0]["function"][
+        "arguments"] == "ls -la"

@@ -323,6 +323,21 @@ def test_one_trajectory_is_one_trace() -> None:
         formats.parse(document(spans))
 
 
+def test_a_bare_clients_calls_read_as_one_run_only_when_each_continues_the_last() -> None:
+    """Each call its own trace, no agent span: the second call's messages begin with the
+    first's and its answer, so the two are one run, under the first call's trace."""
+    first, second = trace_id(), trace_id()
+    calls = [chat(first, 100, [USER], [CALLS]), chat(second, 200, [USER, CALLS, TOOL], [SAYS])]
+    trace = parsed(calls)
+    assert trace["trace_id"] == first
+    assert trace["task"] == TASK and trace["steps"][-1] == {"type": "final", "content": ANSWER}
+    assert [s["type"] for s in trace["steps"]] == ["action", "observation", "final"]
+    # A call that does not continue the conversation is another run.
+    other = {"role": "user", "parts": [{"content": "And in Rome?", "type": "text"}]}
+    with pytest.raises(Invalid, match="2 traces"):
+        formats.parse(document([calls[0], chat(second, 200, [other], [SAYS])]))
+
+
 def test_a_bad_span_id_is_named_by_its_path() -> None:
     spans = weather_run(trace_id())
     spans[2]["spanId"] = "xyz"

@@ -50,11 +50,13 @@ def test_each_run_is_the_trajectory_the_model_had(otlp_hub: InProcessHub, setup:
 _NOT_IN_THE_SPANS = {("pydantic-ai/tool_error", "call_fake004"): "no such city: Atlantis"}
 
 
-def matches(trace: dict[str, Any], real: Truth, where: str) -> None:
+def matches(trace: dict[str, Any], real: Truth, where: str,
+            agent: str | None = "weather_agent") -> None:
     """A stored trajectory against what its run really sent the model and got back."""
     steps = trace["steps"]
     assert trace["task"] == real.task, where
-    assert trace["agent"] == {"name": "weather_agent", "model": real.model}, where
+    named = {"name": agent} if agent is not None else {}
+    assert trace["agent"] == {**named, "model": real.model}, where
     # The model's own calls, each once, in order; none it did not make.
     actions = [(s.get("tool"), s.get("arguments"), s.get("call_id")) for s in steps if s["type"] == "action"]
     assert actions == real.calls, where
@@ -86,6 +88,35 @@ def matches(trace: dict[str, Any], real: Truth, where: str) -> None:
         assert failed or told, where
     assert trace["metadata"]["usage"] == {"input_tokens": real.usage[0],
                                           "output_tokens": real.usage[1]}, where
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("together", [True, False], ids=["one-request", "call-by-call"])
+def test_a_bare_clients_calls_of_one_conversation_are_one_trajectory(
+    otlp_hub: InProcessHub, together: bool
+) -> None:
+    """openai-v2 with no agent span: each model call is a trace of its own, the second
+    one's messages extending the first's. They make one trajectory, under the first
+    call's trace id, whether they come in one request or the second after the first
+    was assembled."""
+    captured = spans("openai-v2", "bare")
+    first, second = captured[0]["trace_id"], captured[1]["trace_id"]
+    assert first != second
+    with otlp_hub.client() as client:
+        if together:
+            assert client.post("/v1/traces", json=document(captured)).status_code == 200
+        else:
+            assert client.post("/v1/traces", json=document(captured[:1])).status_code == 200
+            alone = trajectory(client, first)["trace"]  # the first call: the model's call
+            assert [s["type"] for s in alone["steps"]][-1:] == ["action"]
+            assert client.post("/v1/traces", json=document(captured[1:])).status_code == 200
+        wait_until(lambda: otlp_stats(client)["open_traces"] == 0
+                   and otlp_stats(client)["assembled_traces"] == 2, what="both calls assembled")
+        stored = trajectory(client, first)["trace"]
+        matches(stored, truth(model_log("openai-v2", "bare")), "openai-v2/bare", agent=None)
+        assert client.get(f"/v1/traces/{second}").status_code == 404
+        listed = client.get("/v1/traces").json()
+        assert [t["trace_id"] for t in listed["traces"]] == [first]
 
 
 _CONTENT = ("gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.system_instructions")

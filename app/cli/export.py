@@ -1,6 +1,7 @@
 """`atropos export`: stored traces to a training file or dataset.
 
     --format openai|sharegpt|hermes|atif|native -o FILE   one record per line (JSONL)
+    --format messages -o FILE.jsonl | -o DIR               records chat templates take
     --format parquet -o DIR                                a Hugging Face dataset
     --format dpo -o FILE.jsonl | -o DIR                    TRL preference pairs
 
@@ -60,6 +61,8 @@ PAGE = 500
 DEFAULT_STAGES = tuple(s.value for s in Stage if s not in (Stage.RECEIVED, Stage.REJECTED))
 ALL_STAGES = tuple(s.value for s in Stage)
 DATASETS = ("parquet", "dpo")
+# Formats that write JSONL to FILE.jsonl or stdout, else a dataset directory.
+EITHER = ("messages", "dpo")
 FORMATS = (*formats.EXPORTS, *DATASETS)
 SPLITS = ("train", "test")  # test: the eval split, as `datasets` names it
 
@@ -220,18 +223,21 @@ async def export_parquet(
     progress: Progress | None = None,
 ) -> Tally:
     """A `datasets`-ready directory: `train-*.parquet` (and, with an eval fraction,
-    `test-*.parquet`), split by task so that runs of one task never sit in both."""
+    `test-*.parquet`), split by task so that runs of one task never sit in both.
+    `parquet` holds OpenAI records with JSON text; `messages` its own records, whose
+    arguments and tool schemas `datasets` decodes into objects."""
     tally = Tally()
-    with _ParquetSplits(directory, dataset.sft_schema()) as splits:
+    sft = dataset.SFT[query.fmt]
+    with _ParquetSplits(directory, sft.schema()) as splits:
         rows: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
         async for row in _selected(engine, query, tally, progress):
             try:
-                record = formats.export(row.trace, "openai")
+                record = formats.export(row.trace, sft.record)
             except Unexportable as exc:
                 tally.left_out[exc.message.split(":")[0]] += 1
                 continue
             split = dataset.split_of(dataset.task_key(row.trace), eval_fraction)
-            rows[split].append(dataset.sft_row(record, row.scores))
+            rows[split].append(sft.row(record, row.scores))
             tally.written[split] += 1
             if len(rows[split]) >= PAGE:
                 splits.write(split, rows[split])
@@ -324,6 +330,9 @@ class _ParquetSplits:
         self._pq = pq
         self._dir = directory
         self._schema = schema
+        # Rows are built on the schema's storage types (JSON columns as text), then
+        # cast: pyarrow builds no extension type from Python values.
+        self._storage = dataset.storage_schema(schema)
         self._writers: dict[str, tuple[Any, contextlib.ExitStack]] = {}
 
     def __enter__(self) -> _ParquetSplits:
@@ -339,7 +348,8 @@ class _ParquetSplits:
             self._writers[split] = (self._pq.ParquetWriter(f, self._schema), stack)
         import pyarrow as pa
 
-        self._writers[split][0].write_table(pa.Table.from_pylist(rows, schema=self._schema))
+        table = pa.Table.from_pylist(rows, schema=self._storage).cast(self._schema)
+        self._writers[split][0].write_table(table)
 
     def __exit__(
         self,
@@ -359,6 +369,15 @@ class _ParquetSplits:
 
 def _split_file(split: str) -> str:
     return f"{split}-00000-of-00001.parquet"
+
+
+_COLUMNS = {
+    "parquet": "Tool calls (`tool_calls` of a message) and tool schemas (`tools`) are JSON "
+               "text: `json.loads` restores them.",
+    "messages": "Each tool call's `arguments` and each tool schema (`tools`) are JSON "
+                "columns (`datasets.Json`): they load as objects, ready for "
+                "`tokenizer.apply_chat_template(row[\"messages\"], tools=row[\"tools\"])`.",
+}
 
 
 def _card(directory: Path, args: argparse.Namespace, query: ExportQuery, tally: Tally,
@@ -392,10 +411,8 @@ def _card(directory: Path, args: argparse.Namespace, query: ExportQuery, tally: 
         "", "## Scoring", "",
         f"Reward rules fingerprint: `{fingerprint}` (the `environment` section of "
         "config.json; `atropos rescore` re-scores stored traces when it changes).", "",
-        "## Columns", "",
-        "Tool calls (`tool_calls` of a message) and tool schemas (`tools`) are JSON text: "
-        "`json.loads` restores them. `env_reward` is the environment's own reward (null "
-        "when it sent none).", "",
+        "## Columns", "", _COLUMNS.get(query.fmt, _COLUMNS["parquet"]) + " `env_reward` is "
+        "the environment's own reward (null when it sent none).", "",
     ]
     with files.replaced(directory / "README.md") as f:
         f.write("\n".join(lines).encode())
@@ -443,7 +460,7 @@ async def run(args: argparse.Namespace) -> int:
         raise ConfigError("--format parquet writes a dataset directory: -o DIR, not -")
     if args.eval_fraction and not _to_directory(args):
         raise ConfigError("--eval-fraction needs a dataset directory: --format parquet, "
-                          "or --format dpo with -o DIR")
+                          "or --format messages or dpo with -o DIR")
     if args.max_pairs_per_run < 1:
         raise ConfigError("--max-pairs-per-run must be at least 1")
     if not _to_directory(args) and args.output != "-" \
@@ -482,7 +499,7 @@ async def _write(engine: AsyncEngine, query: ExportQuery, args: argparse.Namespa
 
 async def _write_format(engine: AsyncEngine, query: ExportQuery, args: argparse.Namespace,
                         progress: Progress) -> Tally:
-    if args.format == "parquet":
+    if args.format == "parquet" or (args.format == "messages" and _to_directory(args)):
         return await export_parquet(engine, query, Path(args.output), args.eval_fraction, progress)
     if args.format == "dpo":
         return await export_dpo(engine, query, args.output, margin=args.margin,
@@ -525,7 +542,7 @@ def _contamination(path: Path) -> dataset.Contamination:
 
 def _to_directory(args: argparse.Namespace) -> bool:
     return args.format == "parquet" or (
-        args.format == "dpo" and args.output != "-" and not args.output.endswith(".jsonl")
+        args.format in EITHER and args.output != "-" and not args.output.endswith(".jsonl")
     )
 
 

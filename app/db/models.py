@@ -435,7 +435,11 @@ class OtlpTraceRow(Base):
     under the same trace_id in `traces`, holds them) -> sent (it was batched or deleted;
     its spans are deleted here, and spans arriving later are kept and counted in
     late_spans) | refused (the spans make no trajectory; `error` says why) -> dropped
-    (their spans deleted, otlp.max_wait_seconds after the last). A new span reopens it."""
+    (their spans deleted, otlp.max_wait_seconds after the last). A new span reopens it.
+    A bare client's model call (a trace that is one model-call span) has `continues`:
+    the digest of its messages and answer, which the next call of its conversation
+    begins with (app/formats/stitching.py); a call that continues another's is
+    `joined` to the trace whose trajectory holds them all, and makes none of its own."""
 
     __tablename__ = "otlp_traces"
 
@@ -448,6 +452,8 @@ class OtlpTraceRow(Base):
     first_span_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
     last_span_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
     error: Mapped[str | None] = mapped_column(sa.Text)
+    continues: Mapped[str | None] = mapped_column(sa.String(64), index=True)
+    joined: Mapped[str | None] = mapped_column(sa.String(32), index=True)
 
 
 class GatewayCallRow(Base):

@@ -3,7 +3,7 @@ canonical trace.
 
     parse(item, fmt=None) -> Trace      any accepted format -> canonical
     detect(item) -> str                 which format an item is in
-    export(trace, fmt) -> dict          canonical -> native | openai | sharegpt | hermes | atif
+    export(trace, fmt) -> dict          canonical -> any of EXPORTS (openai, messages, ...)
 
 The format is chosen by, in order: the item's own top-level "format" key (so each
 item of a batch may name its own), the `fmt` argument (e.g. a request-wide choice),
@@ -122,7 +122,7 @@ def load(raw: bytes, fmt: str | None) -> Any:
 
 
 def export(trace: Trace, fmt: str) -> dict[str, Any]:
-    """`trace` in the export format `fmt` (native, openai, sharegpt, hermes, atif)."""
+    """`trace` in the export format `fmt` (native, openai, messages, sharegpt, hermes, atif)."""
     return EXPORTS[_resolve(fmt, EXPORTS, {})].write(trace)
 
 

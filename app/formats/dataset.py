@@ -8,13 +8,18 @@ tool schema list as a JSON string: Arrow gives a list of structs one schema for 
 rows, so nested schemas that differ between rows (tool parameters, arguments) would
 come back with nulls inserted; as text they come back byte for byte.
 `json.loads(row["tools"])` and `json.loads(message["tool_calls"])` restore them.
+
+Rows of the `messages` export (`openai.export_messages`) keep the tool calls as a
+list of structs and store what varies between rows, each call's `arguments` and each
+tool schema, as Arrow's JSON type: `datasets` (4.8 and later) loads those as objects
+(its `Json` feature), byte for byte, so a row goes to `apply_chat_template` as it is.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,19 +34,58 @@ def sft_schema() -> Any:
     """The parquet export's columns (pyarrow is imported only by what writes them)."""
     import pyarrow as pa
 
-    return pa.schema(
-        [
-            ("messages", _conversation()),
-            ("tools", pa.string()),
-            ("reward", pa.float64()),
-            ("env_reward", pa.float64()),
-            ("status", pa.string()),
-            ("trace_id", pa.string()),
-            ("env", pa.string()),
-            ("model", pa.string()),
-            ("source_format", pa.string()),
-        ]
-    )
+    return pa.schema([("messages", _conversation()), ("tools", pa.string()), *_score_columns()])
+
+
+def messages_schema() -> Any:
+    """The `messages` export's columns: tool calls as structs, arguments and tool
+    schemas as JSON."""
+    import pyarrow as pa
+
+    call = pa.struct([
+        ("id", pa.string()),
+        ("type", pa.string()),
+        ("function", pa.struct([("name", pa.string()), ("arguments", pa.json_())])),
+    ])
+    message = pa.struct([
+        ("role", pa.string()),
+        ("content", pa.string()),
+        ("reasoning_content", pa.string()),
+        ("tool_calls", pa.list_(call)),
+        ("tool_call_id", pa.string()),
+    ])
+    return pa.schema([("messages", pa.list_(message)), ("tools", pa.list_(pa.json_())),
+                      *_score_columns()])
+
+
+def storage_schema(schema: Any) -> Any:
+    """`schema` with each extension type (JSON) replaced by the type it is stored as."""
+    import pyarrow as pa
+
+    def stored(kind: Any) -> Any:
+        if isinstance(kind, pa.BaseExtensionType):
+            return kind.storage_type
+        if pa.types.is_list(kind):
+            return pa.list_(kind.value_field.with_type(stored(kind.value_type)))
+        if pa.types.is_struct(kind):
+            return pa.struct([f.with_type(stored(f.type)) for f in kind])
+        return kind
+
+    return pa.schema([f.with_type(stored(f.type)) for f in schema])
+
+
+def _score_columns() -> list[tuple[str, Any]]:
+    import pyarrow as pa
+
+    return [
+        ("reward", pa.float64()),
+        ("env_reward", pa.float64()),
+        ("status", pa.string()),
+        ("trace_id", pa.string()),
+        ("env", pa.string()),
+        ("model", pa.string()),
+        ("source_format", pa.string()),
+    ]
 
 
 def dpo_schema() -> Any:
@@ -101,6 +145,22 @@ def sft_row(record: dict[str, Any], scores: Scores) -> dict[str, Any]:
     return {
         "messages": [_message(m) for m in record["messages"]],
         "tools": _json_text(record.get("tools", [])),
+        **_scores(scores),
+    }
+
+
+def messages_row(record: dict[str, Any], scores: Scores) -> dict[str, Any]:
+    """One row of the `messages` dataset (a record of `openai.export_messages`), on
+    `storage_schema(messages_schema())`: the JSON columns as their text."""
+    return {
+        "messages": [_message(m, _stored_calls) for m in record["messages"]],
+        "tools": [_json_text(tool) for tool in record.get("tools", [])],
+        **_scores(scores),
+    }
+
+
+def _scores(scores: Scores) -> dict[str, Any]:
+    return {
         "reward": scores.reward,
         "env_reward": scores.env_reward,
         "status": scores.status,
@@ -111,15 +171,41 @@ def sft_row(record: dict[str, Any], scores: Scores) -> dict[str, Any]:
     }
 
 
-def _message(message: dict[str, Any]) -> dict[str, Any]:
+def _message(message: dict[str, Any],
+             calls_as: Callable[[list[Any]], Any] | None = None) -> dict[str, Any]:
     calls = message.get("tool_calls")
     return {
         "role": message["role"],
         "content": message.get("content"),
         "reasoning_content": message.get("reasoning_content"),
-        "tool_calls": None if calls is None else _json_text(calls),
+        "tool_calls": None if calls is None else (calls_as or _json_text)(calls),
         "tool_call_id": message.get("tool_call_id"),
     }
+
+
+def _stored_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {**call, "function": {**call["function"],
+                              "arguments": _json_text(call["function"]["arguments"])}}
+        for call in calls
+    ]
+
+
+@dataclass(frozen=True)
+class SftDataset:
+    """What a supervised fine-tuning dataset's rows hold: the records of the export
+    `record`, as rows of `schema`."""
+
+    record: str
+    schema: Callable[[], Any]
+    row: Callable[[dict[str, Any], Scores], dict[str, Any]]
+
+
+# By `atropos export --format`.
+SFT = {
+    "parquet": SftDataset("openai", sft_schema, sft_row),
+    "messages": SftDataset("messages", messages_schema, messages_row),
+}
 
 
 def _json_text(value: Any) -> str:

@@ -27,10 +27,19 @@ is trimmed; a trace with no assistant turn at all cannot be a training record
 (`_common.openai_tools`). Reasoning goes in `reasoning_content` (the key vLLM,
 DeepSeek and Atropos' Hermes environments use) so that thoughts survive the trip; a
 validator that allows only OpenAI's own message keys needs that key dropped.
+
+The `messages` export is the same record in the shape Hugging Face chat templates
+(`transformers`' `apply_chat_template`, TRL) take: each call's `arguments` is the JSON
+object itself, not its text (the templates write it with `tojson`, or walk its items,
+so text would be encoded twice or fail), and every tool schema has a `description`
+(some templates print it unguarded); where the trace recorded none it is empty, as a
+description the agent never showed its model would be invented. A call whose
+arguments are not a JSON object has no such shape: the trace is `Unexportable`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from app.domain import Step, Trace
@@ -64,12 +73,28 @@ def parse(item: dict[str, Any]) -> Trace:
 
 
 def export(trace: Trace) -> dict[str, Any]:
+    return _record(trace, _arguments_text)
+
+
+def export_messages(trace: Trace) -> dict[str, Any]:
+    """The record as chat templates take it (see the module's doc)."""
+    record = _record(trace, _arguments_object)
+    if "tools" in record:
+        record["tools"] = [
+            {**tool, "function": {**tool["function"],
+                                  "description": tool["function"].get("description") or ""}}
+            for tool in record["tools"]
+        ]
+    return record
+
+
+def _record(trace: Trace, arguments: Callable[[Step], Any]) -> dict[str, Any]:
     messages: list[dict[str, Any]] = []
     for turn in c.chat(trace):
         if turn.role != "assistant":
             messages.append({"role": turn.role, "content": turn.text or ""})
             continue
-        messages.append(_assistant(turn))
+        messages.append(_assistant(turn, arguments))
         messages += [
             {"role": "tool", "tool_call_id": call_id, "content": c.result_text(obs)}
             for obs, call_id in zip(turn.observations, turn.result_ids)
@@ -156,7 +181,7 @@ def _tool_calls(obj: dict[str, Any], where: str) -> list[c.StepDict]:
     return actions
 
 
-def _assistant(turn: c.Turn) -> dict[str, Any]:
+def _assistant(turn: c.Turn, arguments: Callable[[Step], Any]) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": "assistant"}
     if turn.text is not None or not turn.actions:
         msg["content"] = turn.text or ""
@@ -167,7 +192,7 @@ def _assistant(turn: c.Turn) -> dict[str, Any]:
             {
                 "id": call_id,
                 "type": "function",
-                "function": {"name": action.tool or "", "arguments": _arguments_text(action)},
+                "function": {"name": action.tool or "", "arguments": arguments(action)},
             }
             for action, call_id in zip(turn.actions, turn.call_ids)
         ]
@@ -180,11 +205,21 @@ def _arguments_text(action: Step) -> str:
     return c.dumps({} if action.arguments is None else action.arguments)
 
 
+def _arguments_object(action: Step) -> dict[str, Any]:
+    if action.arguments is None:
+        return {}
+    if not isinstance(action.arguments, dict):
+        kind = c.type_name(action.arguments)
+        raise Unexportable("a tool call whose arguments are not a JSON object: "
+                           f"{action.tool or 'a tool'} was called with {kind}")
+    return action.arguments
+
+
 FORMAT = Format(
     NAME,
     parse,
     looks_like,
     detected_by="'messages'",
     step_lists=("messages",),
-    exports=(Export(NAME, export),),
+    exports=(Export(NAME, export), Export("messages", export_messages)),
 )

@@ -14,6 +14,12 @@ was batched already; then the new spans are kept and counted as late.
 Once a trajectory is batched (or deleted), the spans it was made of are deleted from
 otlp_spans: its original holds them. Those of refused traces go otlp.max_wait_seconds
 after their last span.
+
+A bare instrumented client sends each model call as a trace of its own. A call whose
+messages continue the conversation of a call before it (app/formats/stitching.py, as
+the gateway stitches calls) joins that call's run: the run's trajectory is made again
+from the spans of all its calls, and the joining trace makes none of its own. A run
+whose trajectory was batched is not joined any more: the next call starts a new one.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from app.db.types import utcnow
 from app.domain import Stage
 from app.errors import HubError
 from app.evaluation.redaction import Redacted
+from app.formats import otlp
 from app.formats.otlp import NAME, wire
 from app.ingest.ingestor import count_outcome, count_stored
 from app.ingest.inserter import PreparedTrace, insert_traces
@@ -74,6 +81,8 @@ class _Pass:
     stored: dict[str, Any]  # their trajectories already stored
     todo: list[str]  # those to make (again)
     made: asyncio.Future[list[PreparedTrace | HubError]]
+    joins: dict[str, str]  # a due bare call -> the run it joined
+    calls: dict[str, tuple[str | None, str | None]]  # bare calls: (continues, joined)
 
 
 class AssemblyStage:
@@ -198,15 +207,31 @@ class AssemblyStage:
             spans = await store.spans_of(
                 conn, todo, max_spans=config.max_spans_per_trace,
                 max_bytes=config.max_bytes_per_trace, budget=config.max_bytes_per_trace)
-        # Those the pass has no room for are left open, and due: the next pass reads them.
-        due = [d for d in due if d.trace_id in spans or d.trace_id not in todo]
-        todo = [trace_id for trace_id in todo if trace_id in spans]
+            # Those the pass has no room for are left open, and due: the next pass
+            # reads them.
+            due = [d for d in due if d.trace_id in spans or d.trace_id not in todo]
+            todo = [trace_id for trace_id in todo if trace_id in spans]
+            joins, calls = await _bare_calls(conn, todo, stored, spans)
+            runs = [t for t in todo if t not in joins]
+            others = [r for r in dict.fromkeys(joins.values()) if r not in todo]
+            stored.update(await stored_trajectories(conn, others))
+            members = await store.joined_to(conn, runs + others)
+            unread = others + [m for ms in members.values() for m in ms if m not in spans]
+            spans.update(await store.spans_of(
+                conn, unread, max_spans=config.max_spans_per_trace,
+                max_bytes=config.max_bytes_per_trace,
+                budget=config.max_bytes_per_trace * max(1, len(unread))))
+        runs += others
+        for trace_id, run in joins.items():
+            members.setdefault(run, []).append(trace_id)
+        whole = {run: _together([spans[run], *(spans[m] for m in members.get(run, [])
+                                               if m in spans)]) for run in runs}
         # The spans' secrets went before they were stored: their counts go with them.
-        items = [Redacted(wire.join(_groups(spans[trace_id].spans)),
-                          dict(spans[trace_id].redactions), self._truncated(spans[trace_id]))
-                 for trace_id in todo]
+        items = [Redacted(wire.join(_groups(whole[run].spans)),
+                          dict(whole[run].redactions), self._truncated(whole[run]))
+                 for run in runs]
         made = asyncio.ensure_future(self._prepare(items, NAME))
-        return _Pass(due, stored, todo, made)
+        return _Pass(due, stored, runs, made, joins, calls)
 
     def _truncated(self, spans: store.TraceSpans) -> dict[str, Any]:
         """The trajectory's mark when spans of its trace were left out of it."""
@@ -223,10 +248,14 @@ class AssemblyStage:
     async def _write(self, current: _Pass, made: list[PreparedTrace | HubError]) -> None:
         due = current.due
         settled: list[Settled] = []
+        runs = [d.trace_id for d in due if d.trace_id not in current.joins]
+        runs += [r for r in current.todo if r not in runs]
         async with writing(self._engine) as conn:
-            written = await write_trajectories(conn, [d.trace_id for d in due], current.todo,
-                                               made, current.stored, NAME)
-            for d, (what, error) in zip(due, written.outcomes):
+            written = await write_trajectories(conn, runs, current.todo, made,
+                                               current.stored, NAME)
+            of_run = dict(zip(runs, written.outcomes))
+            for d in due:
+                what, error = of_run[current.joins.get(d.trace_id, d.trace_id)]
                 if what == "again":
                     continue  # left open, and due: the next round takes it
                 if error is not None:
@@ -236,6 +265,8 @@ class AssemblyStage:
                 settled.append(Settled(d.trace_id, d.spans, state, late=what == "late",
                                        error=error))
             await store.settle(conn, settled)
+            await store.note_calls(conn, {s.trace_id: current.calls[s.trace_id]
+                                          for s in settled if s.trace_id in current.calls})
         outcomes = written.counted(NAME)
         log.info("OTLP: %d traces assembled (%s)", len(due),
                  ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())))
@@ -367,6 +398,53 @@ async def stored_trajectories(conn: AsyncConnection, trace_ids: list[str]) -> di
         .where(c.trace_id.in_(trace_ids))
     )
     return {row.trace_id: row for row in rows}
+
+
+async def _bare_calls(
+    conn: AsyncConnection, todo: list[str], stored: dict[str, Any],
+    spans: dict[str, store.TraceSpans],
+) -> tuple[dict[str, str], dict[str, tuple[str | None, str | None]]]:
+    """Which of `todo` are bare clients' model calls, and the run each one joins: a
+    call of this pass before it, else an assembled one, whose conversation it
+    continues. Returns (trace -> the run it joins, trace -> (continues, joined))."""
+    joins: dict[str, str] = {}
+    calls: dict[str, tuple[str | None, str | None]] = {}
+    in_pass: dict[str, str] = {}  # continuation digest -> run, of this pass's calls
+    for trace_id in todo:
+        if trace_id in stored or len(spans[trace_id].spans) != 1:
+            continue
+        call = otlp.bare_call(otlp.load(wire.join(_groups(spans[trace_id].spans))))
+        if call is None:
+            continue
+        run = next((in_pass[p] for p in call.prefixes if p in in_pass), None)
+        if run is None:
+            run = await store.run_continued(conn, call.prefixes)
+            if run is not None and not await _open_run(conn, run):
+                run = None
+        if run is not None and run != trace_id:
+            joins[trace_id] = run
+        if call.continues is not None:
+            in_pass[call.continues] = joins.get(trace_id, trace_id)
+        calls[trace_id] = (call.continues, joins.get(trace_id))
+    return joins, calls
+
+
+async def _open_run(conn: AsyncConnection, run: str) -> bool:
+    """Whether a run's trajectory may still take calls: an OTLP one, not batched."""
+    found = (await stored_trajectories(conn, [run])).get(run)
+    return found is not None and found.source_format == NAME \
+        and found.stage not in FINAL_STAGES
+
+
+def _together(parts: list[store.TraceSpans]) -> store.TraceSpans:
+    """The spans of a run's traces (each in start order) as one trace's."""
+    whole = store.TraceSpans()
+    for part in parts:
+        whole.spans += part.spans
+        whole.redactions.update(part.redactions)
+        whole.size += part.size
+        whole.left_out += part.left_out
+    return whole
 
 
 def _groups(spans: list[tuple[bytes, bytes, bytes]]) -> list[tuple[bytes, bytes, list[bytes]]]:

@@ -166,10 +166,12 @@ class TinkerSDK:
                     f"tokenizer of {self._tinker.model_id}"
                 )
             try:
-                from transformers import AutoTokenizer  # type: ignore[import-not-found]
+                from transformers import AutoTokenizer
             except ImportError:
                 raise TrainingFailed(f"tinker.tokenizer needs transformers: {EXTRA_HINT}") from None
-            self._tokenizer = AutoTokenizer.from_pretrained(name)
+            # Any tokenizer class AutoTokenizer picks has what the Tokenizer protocol asks.
+            loaded: Any = AutoTokenizer.from_pretrained(name)
+            self._tokenizer = loaded
         return self._tokenizer
 
 

@@ -22,15 +22,23 @@ mapping with an example per convention; in short:
   format reads.
 - A trace without its root span (assembled after otlp.max_wait_seconds) is marked
   `metadata.incomplete`.
+- A bare instrumented client (no agent span around its model calls) sends each call
+  as a trace of its own, one model-call span. Such calls join into one run when each
+  call's messages begin with the last one's messages and answer (the conversation
+  digests of app/formats/stitching.py, which the gateway stitches calls by): the
+  assembly stage finds the run a call continues (`bare_call`), and an item holding
+  the spans of several traces is read as one run only when they chain so; its id is
+  the first trace's.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from app.domain import Step, StepType, Trace
 from app.formats import _common as c
-from app.formats import openai
+from app.formats import openai, stitching
 from app.formats.otlp import genai, langfuse, openinference, wire
 from app.formats.otlp.conversation import (
     Exchange,
@@ -70,22 +78,68 @@ def load(raw: bytes) -> dict[str, Any]:
     return wire.to_json(wire.from_protobuf(raw))
 
 
+@dataclass(frozen=True, slots=True)
+class BareCall:
+    """A trace that is one model call and nothing else: the digests of the conversations
+    it continues (`prefixes`) and of the one a call continuing it begins with."""
+
+    prefixes: list[str]
+    continues: str | None
+
+
+def bare_call(item: dict[str, Any]) -> BareCall | None:
+    """The trace's conversation digests when it is a bare client's model call."""
+    return _bare(read(item))
+
+
+def _bare(spans: list[Span]) -> BareCall | None:
+    if len(spans) != 1:
+        return None
+    said = _exchange(spans[0])
+    if said is None or not said.model:
+        return None
+    messages = openai_messages(one_conversation([said], []))
+    answered = bool(said.outputs) and bool(messages) and messages[-1]["role"] == "assistant"
+    sent = messages[:-1] if answered else messages
+    return BareCall(stitching.prefixes(sent),
+                    stitching.continuation(sent, messages[-1] if answered else None))
+
+
+def _exchange(span: Span) -> Exchange | None:
+    return genai.exchange(span) or openinference.exchange(span) or langfuse.exchange(span)
+
+
+def _run_id(spans: list[Span]) -> str:
+    """The id of the run the spans are: their trace's; for a bare client's calls
+    joined, the first call's trace's, when each later call continues an earlier one."""
+    traces: dict[str, list[Span]] = {}
+    for span in sorted(spans, key=lambda s: s.start):
+        traces.setdefault(span.trace_id, []).append(span)
+    if len(traces) == 1:
+        return spans[0].trace_id
+    continued: set[str | None] = set()
+    for i, members in enumerate(traces.values()):
+        call = _bare(members)
+        if call is None or (i and not continued.intersection(call.prefixes)):
+            c.fail("resourceSpans", f"holds the spans of {len(traces)} traces; a trajectory "
+                   "is the spans of one trace, or the model calls of a bare client, each "
+                   "continuing the conversation of one before it")
+        continued.add(call.continues)
+    return next(iter(traces))
+
+
 def parse(item: dict[str, Any]) -> Trace:
     spans = read(item)
     if not spans:
         c.fail("resourceSpans", "holds no spans")
-    trace_ids = sorted({span.trace_id for span in spans})
-    if len(trace_ids) > 1:
-        c.fail("resourceSpans", f"holds the spans of {len(trace_ids)} traces; a trajectory "
-               "is the spans of one trace")
-    trace_id = trace_ids[0]
+    trace_id = _run_id(spans)
     sender = _service(spans)
     exchanges: list[Exchange] = []
     runs: list[ToolRun] = []
     offered: list[Any] = []
     model_calls = 0
     for span in spans:
-        said = genai.exchange(span) or openinference.exchange(span) or langfuse.exchange(span)
+        said = _exchange(span)
         if said is not None:
             exchanges.append(said)
         model_calls += _model_call(span)

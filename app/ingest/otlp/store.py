@@ -200,6 +200,49 @@ async def spans_of(
     return out
 
 
+async def run_continued(conn: AsyncConnection, prefixes: list[str]) -> str | None:
+    """The run (the trace whose trajectory holds it) of the assembled bare call whose
+    conversation a call with these prefix digests continues: the longest prefix's."""
+    if not prefixes:
+        return None
+    t = OTLP_TRACES.c
+    rows = await conn.execute(
+        sa.select(t.continues, sa.func.coalesce(t.joined, t.trace_id).label("run"))
+        .where(t.continues.in_(prefixes), t.state == TraceState.ASSEMBLED.value)
+    )
+    found = {row.continues: row.run for row in rows}
+    return next((found[p] for p in prefixes if p in found), None)
+
+
+async def joined_to(conn: AsyncConnection, runs: list[str]) -> dict[str, list[str]]:
+    """The traces joined to each of `runs`, by their first span."""
+    if not runs:
+        return {}
+    t = OTLP_TRACES.c
+    rows = await conn.execute(sa.select(t.joined, t.trace_id).where(t.joined.in_(runs))
+                              .order_by(t.first_span_at, t.trace_id))
+    out: dict[str, list[str]] = {}
+    for row in rows:
+        out.setdefault(row.joined, []).append(row.trace_id)
+    return out
+
+
+async def note_calls(conn: AsyncConnection, calls: dict[str, tuple[str | None, str | None]]
+                     ) -> None:
+    """Each bare call's continuation digest and the run it joined (trace_id ->
+    (continues, joined))."""
+    if not calls:
+        return
+    t = OTLP_TRACES.c
+    await conn.execute(
+        sa.update(OTLP_TRACES).where(t.trace_id == sa.bindparam("b_trace_id", type_=sa.String))
+        .values(continues=sa.bindparam("b_continues", type_=sa.String),
+                joined=sa.bindparam("b_joined", type_=sa.String)),
+        [{"b_trace_id": trace_id, "b_continues": continues, "b_joined": joined}
+         for trace_id, (continues, joined) in calls.items()],
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Settled:
     """What the assembly made of a trace's first `seen` spans."""
@@ -244,9 +287,10 @@ async def forget(conn: AsyncConnection, now: datetime, max_wait: float, limit: i
     after their last span (-> dropped). Returns how many traces. The state moves first:
     a span arriving meanwhile reopens its trace after this commits, and stays."""
     t, traces = OTLP_TRACES.c, TRACES.c
+    # A joined bare call's spans are its run's trajectory's.
     final = (
         sa.select(t.trace_id)
-        .outerjoin(TRACES, traces.trace_id == t.trace_id)
+        .outerjoin(TRACES, traces.trace_id == sa.func.coalesce(t.joined, t.trace_id))
         .where(t.state == TraceState.ASSEMBLED.value,
                sa.or_(traces.trace_id.is_(None), traces.stage.in_(FINAL_STAGES)))
         .limit(limit)
