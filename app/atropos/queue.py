@@ -222,10 +222,7 @@ class GroupWriter:
             )
 
     def _fits(self, groups: int, nbytes: int) -> bool:
-        limit_bytes = self._config.queue_max_bytes
-        return groups <= self._config.queue_max_groups and (
-            limit_bytes is None or nbytes <= limit_bytes
-        )
+        return fits(self._config, groups, nbytes)
 
     def _full(self, groups: int, nbytes: int) -> Unavailable:
         limits = f"atropos.queue_max_groups is {self._config.queue_max_groups}"
@@ -342,6 +339,24 @@ def _row(
         "segment_id": segment_id,
         "created_at": now,
     }
+
+
+def fits(config: AtroposConfig, groups: int, nbytes: int) -> bool:
+    """Whether `groups` of `nbytes` waiting are within the queue's bound."""
+    limit_bytes = config.queue_max_bytes
+    return groups <= config.queue_max_groups and (limit_bytes is None or nbytes <= limit_bytes)
+
+
+def has_room(conn: sa.Connection, config: AtroposConfig, group: NewGroup) -> bool:
+    """Whether `group` fits the queue's bound beside what waits now."""
+    groups, nbytes = _waiting(conn)
+    return fits(config, groups + 1, nbytes + group.nbytes)
+
+
+def enqueue(conn: sa.Connection, dialect: Dialect, group: NewGroup) -> None:
+    """Put a group straight in the queue, whatever its size: the hub's own groups
+    (app/atropos/hub_env.py), which a buffer would hold back rather than release."""
+    _Placer(conn, dialect, {})._insert([group], AtroposGroupState.QUEUED)
 
 
 async def latest_group(db: AtroposDb) -> Segment | None:

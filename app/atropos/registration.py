@@ -55,10 +55,13 @@ async def register(db: AtroposDb, registration: Registration) -> dict[str, Any]:
 
 
 async def register_env(db: AtroposDb, env: RegisterEnv) -> dict[str, Any]:
-    return await db.write(lambda conn: _register_env(conn, env))
+    return await db.write(lambda conn: register_env_in(conn, env))
 
 
-def _register_env(conn: sa.Connection, env: RegisterEnv) -> dict[str, Any]:
+def register_env_in(conn: sa.Connection, env: RegisterEnv, *,
+                    hub_owned: bool = False) -> dict[str, Any]:
+    """Register `env` in the caller's transaction; `hub_owned`: the hub's own env
+    (app/atropos/hub_env.py)."""
     # The run lock also serialises env ids across hubs sharing the database.
     run = run_state(conn, lock=True)
     if not run.started:
@@ -77,6 +80,7 @@ def _register_env(conn: sa.Connection, env: RegisterEnv) -> dict[str, Any]:
             group_size=env.group_size,
             min_batch_allocation=env.min_batch_allocation,
             connected=True,
+            hub_owned=hub_owned,
             registered_at=now,
             last_seen_at=now,
         )

@@ -274,6 +274,9 @@ class AtroposEnvRow(Base):
     # When the env was last heard from (registration, /scored_data, /scored_data_list,
     # /status-env): an env silent for atropos.env_timeout_seconds stops counting.
     last_seen_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    # The env the hub registers for the groups it forms from trajectories
+    # (distributor.target atropos): at most one.
+    hub_owned: Mapped[bool] = mapped_column(sa.Boolean, server_default=sa.false())
 
 
 class AtroposSegmentRow(Base):
@@ -345,6 +348,40 @@ class AtroposBatchRow(Base):
     __table_args__ = (sa.Index("ix_atropos_batches_state_seq", "state", "seq"),)
 
 
+class AtroposRolloutRow(Base):
+    """A trajectory delivered to the `atropos` target, as a sequence of a group of the
+    hub's own env (app/atropos/hub_env.py).
+
+    state: pending (waiting for its group to fill) -> grouped (in a group that entered
+    the queue) or dropped (`reason` says why: unusable, too_long, stale, same_scores,
+    timed_out). A trajectory has one row (trace_id is the key), so it is in at most
+    one group.
+    """
+
+    __tablename__ = "atropos_rollouts"
+
+    trace_id: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
+    group_key: Mapped[str] = mapped_column(sa.Text)
+    state: Mapped[str] = mapped_column(sa.String(16))
+    reason: Mapped[str | None] = mapped_column(sa.String(32))
+    detail: Mapped[str | None] = mapped_column(sa.Text)
+    score: Mapped[float | None] = mapped_column(sa.Float)
+    tokens: Mapped[int] = mapped_column(sa.Integer)  # the sequence's length
+    # The policy_version when it is a step number (the gateway stamps the trainer's).
+    policy_step: Mapped[int | None] = mapped_column(sa.BigInteger)
+    # {"tokens", "masks", "logprobs", "messages", "exact"}: what the group holds.
+    rollout: Mapped[dict[str, Any]] = mapped_column(JSON_)
+    group_id: Mapped[str | None] = mapped_column(sa.String(64))
+    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    grouped_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+
+    __table_args__ = (
+        sa.Index("ix_atropos_rollouts_state_group_key", "state", "group_key"),
+        sa.Index("ix_atropos_rollouts_group_id", "group_id"),
+    )
+
+
+ATROPOS_ROLLOUTS: sa.Table = AtroposRolloutRow.__table__  # type: ignore[assignment]
 ATROPOS_STATE: sa.Table = AtroposStateRow.__table__  # type: ignore[assignment]
 ATROPOS_ENVS: sa.Table = AtroposEnvRow.__table__  # type: ignore[assignment]
 ATROPOS_GROUPS: sa.Table = AtroposGroupRow.__table__  # type: ignore[assignment]

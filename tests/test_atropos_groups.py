@@ -1,0 +1,189 @@
+"""Trajectories become the hub's own Atropos groups (distributor.target `atropos`),
+which GET /batch serves to a trainer: from POSTed OpenAI chats rendered with a chat
+template the test builds offline, and from gateway captures with their exact ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import StartHub
+from tests.support.chat_tokenizer import chat_tokenizer
+from tests.support.fakes.vllm_server import FakeVllm, serve
+from tests.support.hubs import InProcessHub
+from tests.support.waiting import wait_until
+from tests.test_gateway import KEY_ENV, TRAINING_ROUTE, tool_loop
+
+TRAINER = {"wandb_group": "g", "wandb_project": "p", "batch_size": 4, "max_token_len": 2048,
+           "checkpoint_dir": "/tmp/ckpt", "save_checkpoint_interval": 10, "starting_step": 0,
+           "num_steps": 100}
+SYSTEM = {"role": "system", "content": "You are a careful agent."}
+
+
+def start_trainer(client: httpx.Client, **overrides: Any) -> None:
+    """What a trainer does first (atroposlib's register_trainer, then get_batch)."""
+    r = client.post("/register", json={**TRAINER, **overrides})
+    assert r.status_code == 200, r.text
+    assert client.get("/batch").json() == {"batch": None}
+
+
+def next_batch(client: httpx.Client) -> list[dict[str, Any]]:
+    def served() -> list[dict[str, Any]] | None:
+        batch: list[dict[str, Any]] | None = client.get("/batch").json()["batch"]
+        return batch
+    return wait_until(served, 30, what="a batch of the hub's groups")
+
+
+def hub_figures(client: httpx.Client) -> dict[str, Any]:
+    figures: dict[str, Any] = client.get("/v1/stats").json()["atropos"]["hub_env"]
+    return figures
+
+
+def chat(task: str, answer: str) -> list[dict[str, Any]]:
+    return [SYSTEM, {"role": "user", "content": task}, {"role": "assistant", "content": answer},
+            {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}]
+
+
+def assistant_text(tokenizer: Any, tokens: list[int], masks: list[int]) -> str:
+    return str(tokenizer.decode([t for t, m in zip(tokens, masks) if m != -100]))
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path: Path) -> Path:
+    return chat_tokenizer(tmp_path / "tokenizer")
+
+
+def test_posted_chats_become_groups_rendered_with_the_chat_template(
+    start_hub: StartHub, trace_server: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    tinker = tmp_path / "tinker.json"
+    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
+    hub = start_hub(trace_server, "--tinker", str(tinker),
+                    distributor={"target": "atropos", "group_size": 4},
+                    environment={"invalid_trace_filters": []})
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    with hub.client() as client:
+        start_trainer(client)
+        sent: dict[str, tuple[list[dict[str, Any]], float]] = {}
+        # Four rollouts of one task (its whitespace aside), rewards that differ; four of
+        # another, all scored alike: no advantage, dropped as atroposlib drops it.
+        for i, (task, env_reward) in enumerate(
+            [("What is two plus two?", r) for r in (0.0, 0.05, 0.1, 0.05)]
+            + [("What  is the capital of France? ", 0.1)] * 4
+        ):
+            messages = chat(task if i % 2 else f" {task}", f"Answer {i}: it is {i}.")
+            r = client.post("/v1/traces", json={"format": "openai", "trace_id": f"t{i}",
+                                                "messages": messages, "reward": env_reward})
+            assert r.status_code == 202, r.text
+            sent[f"t{i}"] = (messages, r.json()["reward"])
+
+        (group,) = next_batch(client)
+        trace_ids = group["group_overrides"]["trace_ids"]
+        assert sorted(trace_ids) == ["t0", "t1", "t2", "t3"]
+        # Scores are the trajectories' rewards; they differ.
+        assert group["scores"] == [sent[t][1] for t in trace_ids]
+        assert len(set(group["scores"])) > 1
+        # None invented: no logprobs were captured for rendered chats.
+        assert group["inference_logprobs"] is None
+        for tokens, masks, trace_id in zip(group["tokens"], group["masks"], trace_ids):
+            messages = sent[trace_id][0]
+            assert tokenizer.decode(tokens) == tokenizer.apply_chat_template(
+                messages, tokenize=False)
+            assert assistant_text(tokenizer, tokens, masks) == "".join(
+                f"{m['content']}<|im_end|>\n" for m in messages if m["role"] == "assistant")
+            assert all(m in (-100, t) for t, m in zip(tokens, masks))
+        assert group["messages"] == [sent[t][0] for t in trace_ids]
+
+        figures = wait_until(lambda: (f := hub_figures(client))["dropped"] and f,
+                             what="the dropped group counted")
+        assert figures["dropped"] == {"same_scores": 4}
+        assert figures["grouped"] == 4 and figures["groups"] == 1
+        # Each trajectory once: the trainer gets nothing more.
+        assert client.get("/batch").json() == {"batch": None}
+
+
+def test_a_group_short_of_group_size_is_released_at_its_timeout(
+    start_hub: StartHub, trace_server: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    tinker = tmp_path / "tinker.json"
+    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
+    hub = start_hub(trace_server, "--tinker", str(tinker),
+                    distributor={"target": "atropos", "group_size": 8,
+                                 "group_timeout_seconds": 0.5},
+                    environment={"invalid_trace_filters": []})
+    with hub.client() as client:
+        start_trainer(client, batch_size=2)
+        for i, env_reward in enumerate((0.0, 0.1)):
+            r = client.post("/v1/traces", json={
+                "format": "openai", "trace_id": f"r{i}", "reward": env_reward,
+                "metadata": {"group": "prompt-7"},
+                "messages": chat(f"Task {i}", f"Answer {i}.")})
+            assert r.status_code == 202, r.text
+        (group,) = next_batch(client)
+        # One group by the `group` id, though the tasks differ.
+        assert sorted(group["group_overrides"]["trace_ids"]) == ["r0", "r1"]
+
+
+def test_a_trajectory_without_token_ids_or_tokenizer_is_left_out_and_counted(
+    start_hub: StartHub, trace_server: dict[str, Any]
+) -> None:
+    hub = start_hub(trace_server, distributor={"target": "atropos", "group_size": 2},
+                    environment={"invalid_trace_filters": []})
+    with hub.client() as client:
+        start_trainer(client)
+        r = client.post("/v1/traces", json={"format": "openai", "trace_id": "u1",
+                                            "messages": chat("Q", "A"), "reward": 0.1})
+        assert r.status_code == 202, r.text
+        figures = wait_until(lambda: (f := hub_figures(client))["dropped"] and f,
+                             what="the unusable trajectory counted")
+        assert figures["dropped"] == {"unusable": 1} and figures["pending"] == 0
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Any:
+    fake = FakeVllm()
+    with serve(fake) as url:
+        yield fake, url
+
+
+def test_gateway_rollouts_become_groups_with_their_exact_ids_and_logprobs(
+    start_hub: StartHub, trace_server: dict[str, Any], upstream: tuple[FakeVllm, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake, url = upstream
+    fake.reset()
+    monkeypatch.setenv(KEY_ENV, fake.key)
+    gateway = {"enabled": True, "upstream": {"base_url": url, "api_key_env": KEY_ENV},
+               "routes": [TRAINING_ROUTE], "quiet_seconds": 30}
+    hub: InProcessHub = start_hub(
+        trace_server, listen=True, gateway=gateway,
+        distributor={"target": "atropos", "group_size": 3, "score": "env_reward"},
+        environment={"invalid_trace_filters": []})
+    with hub.client() as client:
+        start_trainer(client, batch_size=3)
+        rewards = {"run-a": 1.0, "run-b": 0.0, "run-c": 0.5}
+        for rollout, reward in rewards.items():
+            agent = openai.OpenAI(base_url=f"{hub.url}/v1/rollouts/{rollout}",
+                                  api_key="agent-key", max_retries=0)
+            tool_loop(agent)
+            r = client.post(f"/v1/rollouts/{rollout}/finish",
+                            json={"reward": reward, "group": "readme"})
+            assert r.status_code == 200, r.text
+
+        (group,) = next_batch(client)
+        trace_ids = group["group_overrides"]["trace_ids"]
+        assert sorted(trace_ids) == sorted(rewards)
+        assert group["scores"] == [rewards[t] for t in trace_ids]
+        for i, trace_id in enumerate(trace_ids):
+            view = client.get(f"/v1/traces/{trace_id}", params={"view": "tokens"}).json()
+            assert view["exact"] is True
+            # The ids the model saw and produced, its logprobs, as captured.
+            assert group["tokens"][i] == view["tokens"]
+            assert group["masks"][i] == view["masks"]
+            assert group["inference_logprobs"][i] == view["logprobs"]
