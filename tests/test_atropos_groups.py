@@ -187,3 +187,27 @@ def test_gateway_rollouts_become_groups_with_their_exact_ids_and_logprobs(
             assert group["tokens"][i] == view["tokens"]
             assert group["masks"][i] == view["masks"]
             assert group["inference_logprobs"][i] == view["logprobs"]
+
+
+def test_too_long_and_stale_trajectories_are_left_out_and_counted(
+    start_hub: StartHub, trace_server: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    tinker = tmp_path / "tinker.json"
+    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
+    hub = start_hub(trace_server, "--tinker", str(tinker),
+                    distributor={"target": "atropos", "group_size": 2, "max_policy_lag": 2},
+                    environment={"invalid_trace_filters": []})
+    with hub.client() as client:
+        # The trainer is at step 10 and takes sequences of at most 80 tokens.
+        start_trainer(client, batch_size=2, max_token_len=80, starting_step=10)
+        sent = [("fresh-0", "8", "Yes."), ("stale", "7", "Yes."),
+                ("long", "9", "Four, I think. " * 20), ("fresh-1", "10", "No.")]
+        for i, (trace_id, version, answer) in enumerate(sent):
+            r = client.post("/v1/traces", json={
+                "format": "openai", "trace_id": trace_id, "policy_version": version,
+                "reward": 0.05 * i, "messages": chat("What is two plus two?", answer)[:3]})
+            assert r.status_code == 202, r.text
+        (group,) = next_batch(client)
+        assert sorted(group["group_overrides"]["trace_ids"]) == ["fresh-0", "fresh-1"]
+        assert max(len(t) for t in group["tokens"]) <= 80
+        assert hub_figures(client)["dropped"] == {"stale": 1, "too_long": 1}
