@@ -43,6 +43,7 @@ from app.stages.assembly import AssemblyStage
 from app.stages.compression import CompressionStage, model_outage
 from app.stages.delivery import DeliveryStage, training_outage
 from app.stages.distribution import DistributionStage
+from app.stages.env_groups import EnvGroupStage
 from app.stages.grouping import GroupingStage
 from app.stages.leases import Lease
 from app.stages.retention import RetentionStage
@@ -229,13 +230,18 @@ async def running_stages(
                 await hub_env.close()
 
 
-def add_assembly(stages: StageRunner, engine: AsyncEngine, config: HubConfig,
+def add_assembly(stages: StageRunner, engine: AsyncEngine, settings: Settings,
                  ingestor: Ingestor) -> None:
-    """The OTLP assembly stage, which prepares its trajectories in `ingestor`'s
-    processes; its loop also wakes every poll_seconds, since its traces come due with
-    time rather than with a commit."""
+    """The stages that make trajectories and prepare them in `ingestor`'s processes:
+    OTLP assembly, the gateway's rollouts, the groups envs send; their loops also wake
+    every poll_seconds, since their traces come due with time rather than with a
+    commit."""
+    config = settings.config
     stage = AssemblyStage(engine, config.otlp, ingestor.prepare, on_advance=stages.wake)
     stages.add(stage, every=stage.poll_seconds)
+    groups = EnvGroupStage(engine, ingestor.prepare, settings.tinker.tinker.tokenizer,
+                           on_advance=stages.wake)
+    stages.add(groups, every=groups.poll_seconds)
     if config.gateway.enabled:
         rollouts = RolloutStage(engine, config.gateway, ingestor.prepare, on_advance=stages.wake)
         stages.add(rollouts, every=rollouts.poll_seconds)
@@ -315,7 +321,7 @@ async def running_hub(
                       stages, access, atropos, spans, gateway=gateway)
             if gateway is not None:
                 gateway.write_problem = hub.write_problem
-            add_assembly(stages, engine, config, ingest.ingestor)
+            add_assembly(stages, engine, settings, ingest.ingestor)
             atropos.start()
             spans.start()
             background = asyncio.create_task(

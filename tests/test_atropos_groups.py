@@ -114,7 +114,8 @@ def test_a_group_short_of_group_size_is_released_at_its_timeout(
     tinker = tmp_path / "tinker.json"
     tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
     hub = start_hub(trace_server, "--tinker", str(tinker),
-                    distributor={"target": "atropos", "group_size": 8,
+                    # Both delivered at once: neither times out alone.
+                    distributor={"target": "atropos", "group_size": 8, "batch_size": 2,
                                  "group_timeout_seconds": 0.5},
                     environment={"invalid_trace_filters": []})
     with hub.client() as client:
@@ -211,3 +212,58 @@ def test_too_long_and_stale_trajectories_are_left_out_and_counted(
         assert sorted(group["group_overrides"]["trace_ids"]) == ["fresh-0", "fresh-1"]
         assert max(len(t) for t in group["tokens"]) <= 80
         assert hub_figures(client)["dropped"] == {"stale": 1, "too_long": 1}
+
+
+def test_groups_an_env_sends_become_trajectories_listed_by_env_and_group(
+    start_hub: StartHub, trace_server: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    tinker = tmp_path / "tinker.json"
+    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
+    hub = start_hub(trace_server, "--tinker", str(tinker),
+                    environment={"invalid_trace_filters": []})
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    prompt = tokenizer.encode("What is two plus two?")
+    answers = [tokenizer.encode(" Four."), tokenizer.encode(" Five.")]
+    with hub.client() as client:
+        start_trainer(client, batch_size=4)
+        r = client.post("/register-env", json={"max_token_length": 512, "desired_name": "math",
+                                               "weight": 1.0, "group_size": 2})
+        env_id = r.json()["env_id"]
+        chats = [[{"role": "user", "content": "What is 2+2?"},
+                  {"role": "assistant", "content": a}] for a in ("4", "5")]
+        with_messages = {"tokens": [[1, 2, 3], [1, 2, 4]], "masks": [[-100, -100, 3],
+                         [-100, -100, 4]], "scores": [1.0, -1.0], "messages": chats,
+                         "env_id": env_id}
+        tokens_only = {"tokens": [prompt + a for a in answers],
+                       "masks": [[-100] * len(prompt) + a for a in answers],
+                       "scores": [0.5, 0.0], "env_id": env_id}
+        r = client.post("/scored_data_list", json=[with_messages, tokens_only])
+        assert r.status_code == 200, r.text
+
+        def listed() -> list[dict[str, Any]] | None:
+            page = client.get("/v1/traces", params={"env": "math_0"}).json()["traces"]
+            return page if len(page) == 4 else None
+        traces = wait_until(listed, 30, what="the env's rollouts as trajectories")
+        groups = {t["trace_id"].rsplit("-", 1)[0] for t in traces}
+        assert len(groups) == 2
+        by_group = {g: client.get("/v1/traces", params={"group": g}).json()["traces"]
+                    for g in groups}
+        assert sorted(sorted(t["env_reward"] for t in ts) for ts in by_group.values()) == [
+            [-1.0, 1.0], [0.0, 0.5]]
+        for trace in traces:
+            stored = client.get(f"/v1/traces/{trace['trace_id']}").json()["trace"]
+            atropos = stored["metadata"]["atropos"]
+            assert atropos["env"] == "math_0" and atropos["step"] == 0
+            steps = stored["steps"]
+            if trace["env_reward"] in (1.0, -1.0):  # sent with messages
+                assert stored["task"] == "What is 2+2?"
+                assert steps[-1]["content"] == ("4" if trace["env_reward"] == 1.0 else "5")
+                assert atropos["advantage"] == trace["env_reward"]
+            else:  # decoded with the tokenizer
+                assert atropos["decoded"] is True
+                assert stored["task"] == "What is two plus two?"
+                assert steps[-1]["content"] == (
+                    " Four." if trace["env_reward"] == 0.5 else " Five.")
+        # The trainer still gets the groups as they were sent.
+        batch = next_batch(client)
+        assert sorted(g["scores"] for g in batch) == [[0.5, 0.0], [1.0, -1.0]]

@@ -20,6 +20,7 @@ from app.atropos.tables import (
     AtroposDb,
     AtroposGroupState,
     count_dropped,
+    not_awaiting_trajectories,
     run_state,
 )
 from app.db.types import utcnow
@@ -150,7 +151,8 @@ def _reset(conn: sa.Connection) -> None:
     ).first()
     dropped = conn.execute(sa.delete(GROUPS).where(GROUPS.c.id != (latest.id if latest else -1)))
     count_dropped(conn, dropped.rowcount)
-    conn.execute(sa.delete(SEGMENTS).where(SEGMENTS.c.id != (latest.segment_id if latest else -1)))
+    conn.execute(sa.delete(SEGMENTS).where(
+        SEGMENTS.c.id != (latest.segment_id if latest else -1), not_awaiting_trajectories()))
     if latest is not None:
         # A wipe, not a step of the pipeline: the group kept is only an example now.
         conn.execute(

@@ -115,7 +115,7 @@ async def _worker(args: argparse.Namespace) -> int:
         # OTLP assembly prepares its trajectories as ingest does.
         running_ingest(engine, config, environment, admitted=False) as ingest,
     ):
-        add_assembly(stages, engine, config, ingest.ingestor)
+        add_assembly(stages, engine, settings, ingest.ingestor)
         if args.burst:
             advanced = await stages.drain()
             log.info("burst done: %s advanced", counted(advanced, "item"))

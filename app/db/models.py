@@ -57,6 +57,9 @@ class TraceRow(Base):
     model: Mapped[str | None] = mapped_column(sa.String(200))
     agent_name: Mapped[str | None] = mapped_column(sa.String(200))
     policy_version: Mapped[str | None] = mapped_column(sa.String(200))
+    # The group of rollouts it belongs to (metadata.group): an Atropos group an env
+    # sent, or one a trainer's rollouts were given.
+    group_id: Mapped[str | None] = mapped_column(sa.String(200))
     # sha256 of the item as received: a resent trace_id is a duplicate only if it matches.
     content_hash: Mapped[str] = mapped_column(sa.String(64))
     # Payloads: the item as received, the canonical trace, and (never in place of
@@ -80,6 +83,7 @@ class TraceRow(Base):
         sa.Index("ix_traces_model_created_at", "model", "created_at"),
         sa.Index("ix_traces_reward_trace_id", "reward", "trace_id"),
         sa.Index("ix_traces_total_tokens_trace_id", "total_tokens", "trace_id"),
+        sa.Index("ix_traces_group_id_created_at", "group_id", "created_at"),
     )
 
 
@@ -381,6 +385,21 @@ class AtroposRolloutRow(Base):
     )
 
 
+class AtroposEnvGroupRow(Base):
+    """A group an env sent (/scored_data, /scored_data_list), waiting to become
+    trajectories (app/stages/env_groups.py). Its segment is kept until then, even once
+    the group is served."""
+
+    __tablename__ = "atropos_env_groups"
+
+    segment_id: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True,
+                                            autoincrement=False)
+    env_id: Mapped[int | None] = mapped_column(sa.Integer)
+    step: Mapped[int] = mapped_column(sa.BigInteger)  # the trainer's, when it arrived
+    received_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+
+
+ATROPOS_ENV_GROUPS: sa.Table = AtroposEnvGroupRow.__table__  # type: ignore[assignment]
 ATROPOS_ROLLOUTS: sa.Table = AtroposRolloutRow.__table__  # type: ignore[assignment]
 ATROPOS_STATE: sa.Table = AtroposStateRow.__table__  # type: ignore[assignment]
 ATROPOS_ENVS: sa.Table = AtroposEnvRow.__table__  # type: ignore[assignment]

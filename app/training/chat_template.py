@@ -26,6 +26,8 @@ class ChatTokenizer(Protocol):
 
     def __call__(self, text: str, **kwargs: Any) -> Any: ...
 
+    def decode(self, token_ids: list[int], **kwargs: Any) -> str: ...
+
 
 @dataclass(frozen=True)
 class Rendered:

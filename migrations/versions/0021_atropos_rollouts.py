@@ -1,5 +1,6 @@
 """atropos_rollouts: trajectories formed into the hub's own Atropos groups; the hub's
-env marked in atropos_envs
+env marked in atropos_envs; atropos_env_groups: groups envs sent, waiting to become
+trajectories; traces.group_id
 
 Revision ID: 0021
 Revises: 0020
@@ -42,9 +43,24 @@ def upgrade() -> None:
     with op.batch_alter_table("atropos_envs") as batch:
         batch.add_column(sa.Column("hub_owned", sa.Boolean, nullable=False,
                                    server_default=sa.false()))
+    op.create_table(
+        "atropos_env_groups",
+        sa.Column("segment_id", sa.BigInteger, nullable=False),
+        sa.Column("env_id", sa.Integer, nullable=True),
+        sa.Column("step", sa.BigInteger, nullable=False),
+        sa.Column("received_at", TIMESTAMP, nullable=False),
+        sa.PrimaryKeyConstraint("segment_id", name="pk_atropos_env_groups"),
+    )
+    with op.batch_alter_table("traces") as batch:
+        batch.add_column(sa.Column("group_id", sa.String(200), nullable=True))
+    op.create_index("ix_traces_group_id_created_at", "traces", ["group_id", "created_at"])
 
 
 def downgrade() -> None:
+    op.drop_index("ix_traces_group_id_created_at", table_name="traces")
+    with op.batch_alter_table("traces") as batch:
+        batch.drop_column("group_id")
+    op.drop_table("atropos_env_groups")
     with op.batch_alter_table("atropos_envs") as batch:
         batch.drop_column("hub_owned")
     op.drop_index("ix_atropos_rollouts_group_id", table_name="atropos_rollouts")
