@@ -17,6 +17,7 @@ from tests.conftest import StartHub
 from tests.support.chat_tokenizer import chat_tokenizer
 from tests.support.fakes.vllm_server import FakeVllm, serve
 from tests.support.hubs import InProcessHub
+from tests.support.processes import run_cli
 from tests.support.waiting import wait_until
 from tests.test_gateway import KEY_ENV, TRAINING_ROUTE, tool_loop
 
@@ -99,6 +100,18 @@ def test_posted_chats_become_groups_rendered_with_the_chat_template(
                 f"{m['content']}<|im_end|>\n" for m in messages if m["role"] == "assistant")
             assert all(m in (-100, t) for t, m in zip(tokens, masks))
         assert group["messages"] == [sent[t][0] for t in trace_ids]
+
+        # The dashboard shows the group: the rollouts side by side, score and advantage
+        # (score minus the group's mean), reached from each of its trajectories.
+        hub_group = group["group_overrides"]["hub_group"]
+        page = client.get(f"/ui/groups/{hub_group}")
+        assert page.status_code == 200, page.text
+        mean = sum(group["scores"]) / 4
+        for trace_id, score in zip(trace_ids, group["scores"]):
+            assert trace_id in page.text
+            assert f"advantage <strong class=\"advantage\">{score - mean:g}</strong>" in page.text
+            assert f"/ui/groups/{hub_group}" in client.get(f"/ui/traces/{trace_id}").text
+        assert hub_group in client.get("/ui/groups").text
 
         figures = wait_until(lambda: (f := hub_figures(client))["dropped"] and f,
                              what="the dropped group counted")
@@ -267,3 +280,30 @@ def test_groups_an_env_sends_become_trajectories_listed_by_env_and_group(
         # The trainer still gets the groups as they were sent.
         batch = next_batch(client)
         assert sorted(g["scores"] for g in batch) == [[0.5, 0.0], [1.0, -1.0]]
+
+
+@pytest.mark.process
+def test_export_writes_the_groups_the_hub_formed_as_it_served_them(
+    start_hub: StartHub, trace_server: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    tinker = tmp_path / "tinker.json"
+    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
+    hub = start_hub(trace_server, "--tinker", str(tinker),
+                    distributor={"target": "atropos", "group_size": 2},
+                    environment={"invalid_trace_filters": []})
+    with hub.client() as client:
+        start_trainer(client, batch_size=2)
+        for i in range(4):
+            r = client.post("/v1/traces", json={
+                "format": "openai", "trace_id": f"x{i}", "reward": 0.05 * i,
+                "messages": chat(f"Task {i // 2}", f"Answer {i}.")})
+            assert r.status_code == 202, r.text
+        served = [next_batch(client)[0], next_batch(client)[0]]
+    out = tmp_path / "groups.jsonl"
+    done = run_cli("export", "--config", str(hub.config), "--format", "atropos", "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "exported 2 groups" in done.stderr
+    exported = [json.loads(line) for line in out.read_text().splitlines()]
+    key = lambda g: g["group_overrides"]["hub_group"]  # noqa: E731
+    assert sorted(exported, key=key) == sorted(
+        [{**g, "env_id": None} for g in served], key=key)

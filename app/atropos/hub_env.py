@@ -215,9 +215,19 @@ class HubEnv:
 
 def _new_group(env_id: int, group_id: str, trace_ids: list[str], scores: list[float],
                rollouts: list[dict[str, Any]]) -> queue.NewGroup:
+    data = scored_data(env_id, group_id, trace_ids, scores, rollouts)
+    return queue.NewGroup(env_id=env_id, size=len(trace_ids),
+                          json=deflate(orjson.dumps(data.__dict__)),
+                          fill_logprobs=data.inference_logprobs is None)
+
+
+def scored_data(env_id: int | None, group_id: str, trace_ids: list[str],
+                scores: list[float], rollouts: list[dict[str, Any]]) -> ScoredData:
+    """The group as the queue serves it (and `atropos export --format atropos` writes
+    it), its sequences in `trace_ids`' order."""
     logprobs = [r["logprobs"] for r in rollouts]
     messages = [r["messages"] for r in rollouts]
-    data = ScoredData(
+    return ScoredData(
         tokens=[r["tokens"] for r in rollouts],
         masks=[r["masks"] for r in rollouts],
         scores=scores,
@@ -227,9 +237,30 @@ def _new_group(env_id: int, group_id: str, trace_ids: list[str], scores: list[fl
         group_overrides={"hub_group": group_id, "trace_ids": trace_ids},
         env_id=env_id,
     )
-    return queue.NewGroup(env_id=env_id, size=len(trace_ids),
-                          json=deflate(orjson.dumps(data.__dict__)),
-                          fill_logprobs=data.inference_logprobs is None)
+
+
+def formed_groups(conn: sa.Connection, after: str | None, limit: int) -> list[dict[str, Any]]:
+    """The groups the hub formed (those that entered the queue), oldest first, `limit`
+    of them after the group id `after`: each as the queue served it, but for its
+    env_id (which a /reset_data may have given another env since), null here."""
+    c = ROLLOUTS.c
+    ids = sa.select(c.group_id).where(c.state == GROUPED).distinct()
+    if after is not None:
+        ids = ids.where(c.group_id > after)
+    page = list(conn.execute(ids.order_by(c.group_id).limit(limit)).scalars())
+    if not page:
+        return []
+    rows = conn.execute(
+        sa.select(c.group_id, c.trace_id, c.score, c.rollout)
+        .where(c.group_id.in_(page), c.state == GROUPED)
+        .order_by(c.group_id, c.created_at, c.trace_id)
+    ).all()
+    groups: dict[str, list[Any]] = {}
+    for row in rows:
+        groups.setdefault(row.group_id, []).append(row)
+    return [scored_data(None, gid, [r.trace_id for r in members],
+                        [float(r.score) for r in members], [r.rollout for r in members]).__dict__
+            for gid, members in groups.items()]
 
 
 def _chat(messages: Any) -> bool:
