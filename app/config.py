@@ -317,8 +317,8 @@ class AtroposTargetConfig(DistributorConfig):
     group_timeout: Literal["release", "drop"] = "release"
     # A rollout's score: the hub's `reward`, or the environment's own `env_reward`.
     score: Literal["reward", "env_reward"] = "reward"
-    # A trajectory whose policy_version is older than the trainer's step by more than
-    # this is left out of its group; null: never.
+    # A trajectory whose policy_version (a step: `7`, or ending in one: `step-7`) is
+    # more than this many steps behind the trainer's is left out; null: never.
     max_policy_lag: int | None = Field(None, ge=0)
 
 

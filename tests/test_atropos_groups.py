@@ -214,7 +214,7 @@ def test_too_long_and_stale_trajectories_are_left_out_and_counted(
     with hub.client() as client:
         # The trainer is at step 10 and takes sequences of at most 80 tokens.
         start_trainer(client, batch_size=2, max_token_len=80, starting_step=10)
-        sent = [("fresh-0", "8", "Yes."), ("stale", "7", "Yes."),
+        sent = [("fresh-0", "8", "Yes."), ("stale", "step-7", "Yes."),
                 ("long", "9", "Four, I think. " * 20), ("fresh-1", "10", "No.")]
         for i, (trace_id, version, answer) in enumerate(sent):
             r = client.post("/v1/traces", json={
@@ -307,3 +307,60 @@ def test_export_writes_the_groups_the_hub_formed_as_it_served_them(
     key = lambda g: g["group_overrides"]["hub_group"]  # noqa: E731
     assert sorted(exported, key=key) == sorted(
         [{**g, "env_id": None} for g in served], key=key)
+
+
+@pytest.mark.process
+def test_kill_9_between_forming_a_group_and_get_batch_loses_nothing_and_sends_once(
+    start_hub_process: Any, trace_server: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    tinker = tmp_path / "tinker.json"
+    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
+    hub = start_hub_process(trace_server, "--tinker", str(tinker),
+                            distributor={"target": "atropos", "group_size": 2},
+                            environment={"invalid_trace_filters": []})
+    client = hub.client()
+    start_trainer(client, batch_size=2)
+    for i in range(2):
+        r = client.post("/v1/traces", json={"format": "openai", "trace_id": f"k{i}",
+                                            "reward": 0.1 * i, "messages": chat("Q", f"A{i}")})
+        assert r.status_code == 202, r.text
+    wait_until(lambda: hub_figures(client)["groups"] == 1, 30, what="the group formed")
+    client.close()
+    hub.kill()
+    hub.start()
+    with hub.client() as client:
+        (group,) = next_batch(client)
+        assert sorted(group["group_overrides"]["trace_ids"]) == ["k0", "k1"]
+        assert client.get("/batch").json() == {"batch": None}
+        figures = hub_figures(client)
+        assert figures["groups"] == 1 and figures["grouped"] == 2 and figures["pending"] == 0
+
+
+def test_the_hubs_env_and_a_real_env_share_one_trainers_batches(
+    start_hub: StartHub, trace_server: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    tinker = tmp_path / "tinker.json"
+    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
+    hub = start_hub(trace_server, "--tinker", str(tinker),
+                    distributor={"target": "atropos", "group_size": 2,
+                                 "atropos_env": "collected", "atropos_env_weight": 2.0},
+                    environment={"invalid_trace_filters": []})
+    with hub.client() as client:
+        start_trainer(client, batch_size=4)
+        r = client.post("/register-env", json={"max_token_length": 512, "desired_name": "math",
+                                               "weight": 1.0, "group_size": 2})
+        math_id = r.json()["env_id"]
+        for i in range(2):
+            r = client.post("/v1/traces", json={"format": "openai", "trace_id": f"s{i}",
+                                                "reward": 0.1 * i, "messages": chat("Q", "A")})
+            assert r.status_code == 202, r.text
+        wait_until(lambda: hub_figures(client)["groups"] == 1, 30, what="the hub's group")
+        r = client.post("/scored_data", json={"tokens": [[1, 2], [1, 3]], "masks": [[-100, 2],
+                        [-100, 3]], "scores": [1.0, 0.0], "env_id": math_id})
+        assert r.status_code == 200, r.text
+        batch = next_batch(client)
+        envs = {e["env_id"]: e for e in client.get("/v1/stats").json()["atropos"]["envs"]}
+        hub_id = next(i for i, e in envs.items() if e["name"] == "collected_0")
+        # One batch of both envs' groups, each group once.
+        assert sorted(g["env_id"] for g in batch) == sorted([math_id, hub_id])
+        assert client.get("/batch").json() == {"batch": None}

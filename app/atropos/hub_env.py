@@ -27,6 +27,7 @@ enters the queue as it is).
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -40,7 +41,7 @@ from app.atropos.models import RegisterEnv, ScoredData
 from app.atropos.presence import record
 from app.atropos.registration import register_env_in
 from app.atropos.segments import deflate
-from app.atropos.tables import ENVS, AtroposDb, AtroposRunState, run_state
+from app.atropos.tables import ENVS, STATE, AtroposDb, AtroposRunState, run_state
 from app.config import AtroposConfig, AtroposTargetConfig
 from app.db.dialect import insert_ignoring_conflicts
 from app.db.models import ATROPOS_ROLLOUTS
@@ -51,6 +52,7 @@ log = logging.getLogger("atropos.groups")
 
 ROLLOUTS = ATROPOS_ROLLOUTS
 PENDING, GROUPED, DROPPED = "pending", "grouped", "dropped"
+_TRAILING_NUMBER = re.compile(r"(\d{1,18})$")
 
 
 class Raced(Exception):
@@ -269,7 +271,6 @@ def _chat(messages: Any) -> bool:
 
 
 def _row(rollout: Rollout, now: datetime) -> dict[str, Any]:
-    version = rollout.policy_version
     return {
         "trace_id": rollout.trace_id,
         "group_key": rollout.group_key,
@@ -278,7 +279,7 @@ def _row(rollout: Rollout, now: datetime) -> dict[str, Any]:
         "detail": rollout.unusable,
         "score": rollout.score,
         "tokens": len(rollout.tokens),
-        "policy_step": int(version) if version is not None and version.isdigit() else None,
+        "policy_step": policy_step(rollout.policy_version),
         "rollout": {"tokens": rollout.tokens, "masks": rollout.masks,
                     "logprobs": rollout.logprobs, "messages": rollout.messages,
                     "exact": rollout.exact},
@@ -305,9 +306,19 @@ def _move(conn: sa.Connection, ids: list[str], state: str, now: datetime,
 
 
 def _any_pending(conn: sa.Connection) -> bool:
+    """Whether a pass has anything to do: rollouts wait, and the trainer has started."""
+    if not conn.execute(sa.select(STATE.c.started).where(STATE.c.id == 1)).scalar():
+        return False
     return conn.execute(
         sa.select(ROLLOUTS.c.trace_id).where(ROLLOUTS.c.state == PENDING).limit(1)
     ).first() is not None
+
+
+def policy_step(version: str | None) -> int | None:
+    """The trainer's step a policy_version names: the number it is or ends with
+    (`7`, `step-7`); None when it names none."""
+    found = _TRAILING_NUMBER.search(version or "")
+    return int(found.group(1)) if found else None
 
 
 def figures(conn: sa.Connection) -> dict[str, Any]:
