@@ -25,6 +25,7 @@ TRAINER = {"wandb_group": "g", "wandb_project": "p", "batch_size": 4, "max_token
            "checkpoint_dir": "/tmp/ckpt", "save_checkpoint_interval": 10, "starting_step": 0,
            "num_steps": 100}
 SYSTEM = {"role": "system", "content": "You are a careful agent."}
+EVERY_TRACE_PASSES: dict[str, Any] = {"invalid_trace_filters": []}
 
 
 def start_trainer(client: httpx.Client, **overrides: Any) -> None:
@@ -60,14 +61,20 @@ def tokenizer_dir(tmp_path: Path) -> Path:
     return chat_tokenizer(tmp_path / "tokenizer")
 
 
-def test_posted_chats_become_groups_rendered_with_the_chat_template(
-    start_hub: StartHub, trace_server: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
-) -> None:
+@pytest.fixture
+def tinker_args(tmp_path: Path, tokenizer_dir: Path) -> list[str]:
+    """`serve` arguments for a tinker.json whose tinker.tokenizer is the test's."""
     tinker = tmp_path / "tinker.json"
     tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
-    hub = start_hub(trace_server, "--tinker", str(tinker),
+    return ["--tinker", str(tinker)]
+
+
+def test_posted_chats_become_groups_rendered_with_the_chat_template(
+    start_hub: StartHub, trace_server: dict[str, Any], tokenizer_dir: Path, tinker_args: list[str]
+) -> None:
+    hub = start_hub(trace_server, *tinker_args,
                     distributor={"target": "atropos", "group_size": 4},
-                    environment={"invalid_trace_filters": []})
+                    environment=EVERY_TRACE_PASSES)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     with hub.client() as client:
         start_trainer(client)
@@ -122,15 +129,13 @@ def test_posted_chats_become_groups_rendered_with_the_chat_template(
 
 
 def test_a_group_short_of_group_size_is_released_at_its_timeout(
-    start_hub: StartHub, trace_server: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
+    start_hub: StartHub, trace_server: dict[str, Any], tinker_args: list[str]
 ) -> None:
-    tinker = tmp_path / "tinker.json"
-    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
-    hub = start_hub(trace_server, "--tinker", str(tinker),
+    hub = start_hub(trace_server, *tinker_args,
                     # Both delivered at once: neither times out alone.
                     distributor={"target": "atropos", "group_size": 8, "batch_size": 2,
                                  "group_timeout_seconds": 0.5},
-                    environment={"invalid_trace_filters": []})
+                    environment=EVERY_TRACE_PASSES)
     with hub.client() as client:
         start_trainer(client, batch_size=2)
         for i, env_reward in enumerate((0.0, 0.1)):
@@ -148,7 +153,7 @@ def test_a_trajectory_without_token_ids_or_tokenizer_is_left_out_and_counted(
     start_hub: StartHub, trace_server: dict[str, Any]
 ) -> None:
     hub = start_hub(trace_server, distributor={"target": "atropos", "group_size": 2},
-                    environment={"invalid_trace_filters": []})
+                    environment=EVERY_TRACE_PASSES)
     with hub.client() as client:
         start_trainer(client)
         r = client.post("/v1/traces", json={"format": "openai", "trace_id": "u1",
@@ -178,7 +183,7 @@ def test_gateway_rollouts_become_groups_with_their_exact_ids_and_logprobs(
     hub: InProcessHub = start_hub(
         trace_server, listen=True, gateway=gateway,
         distributor={"target": "atropos", "group_size": 3, "score": "env_reward"},
-        environment={"invalid_trace_filters": []})
+        environment=EVERY_TRACE_PASSES)
     with hub.client() as client:
         start_trainer(client, batch_size=3)
         rewards = {"run-a": 1.0, "run-b": 0.0, "run-c": 0.5}
@@ -204,13 +209,11 @@ def test_gateway_rollouts_become_groups_with_their_exact_ids_and_logprobs(
 
 
 def test_too_long_and_stale_trajectories_are_left_out_and_counted(
-    start_hub: StartHub, trace_server: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
+    start_hub: StartHub, trace_server: dict[str, Any], tinker_args: list[str]
 ) -> None:
-    tinker = tmp_path / "tinker.json"
-    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
-    hub = start_hub(trace_server, "--tinker", str(tinker),
+    hub = start_hub(trace_server, *tinker_args,
                     distributor={"target": "atropos", "group_size": 2, "max_policy_lag": 2},
-                    environment={"invalid_trace_filters": []})
+                    environment=EVERY_TRACE_PASSES)
     with hub.client() as client:
         # The trainer is at step 10 and takes sequences of at most 80 tokens.
         start_trainer(client, batch_size=2, max_token_len=80, starting_step=10)
@@ -228,12 +231,10 @@ def test_too_long_and_stale_trajectories_are_left_out_and_counted(
 
 
 def test_groups_an_env_sends_become_trajectories_listed_by_env_and_group(
-    start_hub: StartHub, trace_server: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
+    start_hub: StartHub, trace_server: dict[str, Any], tokenizer_dir: Path, tinker_args: list[str]
 ) -> None:
-    tinker = tmp_path / "tinker.json"
-    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
-    hub = start_hub(trace_server, "--tinker", str(tinker),
-                    environment={"invalid_trace_filters": []})
+    hub = start_hub(trace_server, *tinker_args,
+                    environment=EVERY_TRACE_PASSES)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     prompt = tokenizer.encode("What is two plus two?")
     answers = [tokenizer.encode(" Four."), tokenizer.encode(" Five.")]
@@ -284,13 +285,11 @@ def test_groups_an_env_sends_become_trajectories_listed_by_env_and_group(
 
 @pytest.mark.process
 def test_export_writes_the_groups_the_hub_formed_as_it_served_them(
-    start_hub: StartHub, trace_server: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
+    start_hub: StartHub, trace_server: dict[str, Any], tmp_path: Path, tinker_args: list[str]
 ) -> None:
-    tinker = tmp_path / "tinker.json"
-    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
-    hub = start_hub(trace_server, "--tinker", str(tinker),
+    hub = start_hub(trace_server, *tinker_args,
                     distributor={"target": "atropos", "group_size": 2},
-                    environment={"invalid_trace_filters": []})
+                    environment=EVERY_TRACE_PASSES)
     with hub.client() as client:
         start_trainer(client, batch_size=2)
         for i in range(4):
@@ -311,13 +310,11 @@ def test_export_writes_the_groups_the_hub_formed_as_it_served_them(
 
 @pytest.mark.process
 def test_kill_9_between_forming_a_group_and_get_batch_loses_nothing_and_sends_once(
-    start_hub_process: Any, trace_server: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
+    start_hub_process: Any, trace_server: dict[str, Any], tinker_args: list[str]
 ) -> None:
-    tinker = tmp_path / "tinker.json"
-    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
-    hub = start_hub_process(trace_server, "--tinker", str(tinker),
+    hub = start_hub_process(trace_server, *tinker_args,
                             distributor={"target": "atropos", "group_size": 2},
-                            environment={"invalid_trace_filters": []})
+                            environment=EVERY_TRACE_PASSES)
     client = hub.client()
     start_trainer(client, batch_size=2)
     for i in range(2):
@@ -337,14 +334,12 @@ def test_kill_9_between_forming_a_group_and_get_batch_loses_nothing_and_sends_on
 
 
 def test_the_hubs_env_and_a_real_env_share_one_trainers_batches(
-    start_hub: StartHub, trace_server: dict[str, Any], tmp_path: Path, tokenizer_dir: Path
+    start_hub: StartHub, trace_server: dict[str, Any], tinker_args: list[str]
 ) -> None:
-    tinker = tmp_path / "tinker.json"
-    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
-    hub = start_hub(trace_server, "--tinker", str(tinker),
+    hub = start_hub(trace_server, *tinker_args,
                     distributor={"target": "atropos", "group_size": 2,
                                  "atropos_env": "collected", "atropos_env_weight": 2.0},
-                    environment={"invalid_trace_filters": []})
+                    environment=EVERY_TRACE_PASSES)
     with hub.client() as client:
         start_trainer(client, batch_size=4)
         r = client.post("/register-env", json={"max_token_length": 512, "desired_name": "math",
