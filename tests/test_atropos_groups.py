@@ -124,6 +124,8 @@ def test_posted_chats_become_groups_rendered_with_the_chat_template(
                              what="the dropped group counted")
         assert figures["dropped"] == {"same_scores": 4}
         assert figures["grouped"] == 4 and figures["groups"] == 1
+        overview = client.get("/ui/atropos").text
+        assert "hub_0" in overview and "left out: same_scores" in overview
         # Each trajectory once: the trainer gets nothing more.
         assert client.get("/batch").json() == {"batch": None}
 

@@ -12,11 +12,15 @@ read it, even once the group is served. A rollout becomes:
 - otherwise a token-only trajectory (`metadata.atropos.token_only`).
 Its score is the env_reward; `metadata.group` is the group's id (the traces list's
 `group=`), `metadata.atropos` names the env, the trainer's step when the group arrived,
-the rollout's index and its advantage (its score minus the group's mean), and
-`metadata.tokens` / `metadata.masks` keep the ids as sent (what the tinker target
-trains on). The trace ids follow from the group's, so a pass repeated after a crash
-stores nothing twice; the mark and the segment go in the transaction that stores the
-trajectories.
+the rollout's index, its length in tokens and its advantage (its score minus the
+group's mean); a token-only one keeps its ids as sent in `metadata.tokens` /
+`metadata.masks` (what the tinker target trains on).
+
+It makes at most `batch` groups' trajectories per poll_seconds: the envs' groups can
+arrive faster than eight trajectories each are made, and /scored_data keeps the CPU
+and the writer; a backlog waits, its segments kept. The trace ids follow from the
+group's, so a pass repeated after a crash stores nothing twice; the mark and the
+segment go in the transaction that stores the trajectories.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class EnvGroupStage:
     poll_seconds = 1.0
 
     def __init__(self, engine: AsyncEngine, prepare: Prepare, tokenizer: str | None, *,
-                 batch: int = 32, on_advance: Callable[[], None] | None = None) -> None:
+                 batch: int = 8, on_advance: Callable[[], None] | None = None) -> None:
         """`tokenizer`: tinker.tokenizer, for rollouts sent without messages."""
         self._engine = engine
         self._prepare = prepare  # Ingestor.prepare: the ingest pipeline but the insert
@@ -99,7 +103,10 @@ class EnvGroupStage:
         log.info("%d env groups became %d trajectories", len(marks), len(written.new))
         if written.new and self._on_advance is not None:
             self._on_advance()
-        return len(marks)
+        # One pass per poll_seconds, whatever is left: at full load the envs' groups
+        # arrive faster than eight trajectories each can be made, and making them may
+        # not take the CPU and the writer /scored_data answers with. A backlog waits.
+        return 0
 
     def _items(self, mark: Any) -> list[dict[str, Any]]:
         group = orjson.loads(inflate(Segment(mark.deflated, 0, 0)))
@@ -115,12 +122,12 @@ class EnvGroupStage:
                 "group_size": len(group["tokens"]),
                 "advantage": None if score is None else score - mean,
             }
+            atropos["tokens"] = len(tokens)
             item: dict[str, Any] = {
                 "trace_id": f"{gid}-{i}",
                 "env": mark.env,
                 "reward": score,
-                "metadata": {"group": gid, "atropos": atropos, "tokens": tokens,
-                             "masks": masks},
+                "metadata": {"group": gid, "atropos": atropos},
             }
             chat = messages[i] if i < len(messages) else None
             if not chat:
@@ -129,7 +136,9 @@ class EnvGroupStage:
             if chat:
                 items.append({"format": "openai", "messages": chat, **item})
             else:
+                # Nothing else holds what the policy did: the ids, as sent.
                 atropos["token_only"] = True
+                item["metadata"] |= {"tokens": tokens, "masks": masks}
                 items.append({"format": "native", "task": TOKEN_ONLY_TASK, "steps": [], **item})
         return items
 

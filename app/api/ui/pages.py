@@ -380,6 +380,7 @@ async def atropos(request: Request, hub: HubDep, visitor: VisitorDep, _: Reader)
     state = await hub.atropos.overview()
     return render(request, visitor, "atropos.html", {
         "atropos": state, "config": hub.config.atropos,
+        "hub_env": await hub.atropos.hub_env_figures(),
     }, nav="atropos", title="Atropos API")
 
 
