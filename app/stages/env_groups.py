@@ -16,9 +16,10 @@ the rollout's index, its length in tokens and its advantage (its score minus the
 group's mean); a token-only one keeps its ids as sent in `metadata.tokens` /
 `metadata.masks` (what the tinker target trains on).
 
-It makes at most `batch` groups' trajectories per poll_seconds: the envs' groups can
-arrive faster than eight trajectories each are made, and /scored_data keeps the CPU
-and the writer; a backlog waits, its segments kept. The trace ids follow from the
+It makes at most `batch` groups' trajectories per poll_seconds, and none while more
+than `batch` groups arrived in the last poll_seconds: the envs' groups can arrive
+faster than eight trajectories each are made, and /scored_data keeps the CPU and the
+writer; a backlog waits for a quieter moment, its segments kept. The trace ids follow from the
 group's, so a pass repeated after a crash stores nothing twice; the mark and the
 segment go in the transaction that stores the trajectories.
 """
@@ -28,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import orjson
@@ -37,6 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.atropos.segments import Segment, inflate
 from app.atropos.tables import ENV_GROUPS, ENVS, GROUPS, SEGMENTS
+from app.db.types import utcnow
 from app.errors import HubError
 from app.ingest.inserter import PreparedTrace
 from app.stages.assembly import stored_trajectories, write_trajectories
@@ -71,6 +73,14 @@ class EnvGroupStage:
     async def run_once(self) -> int:
         e = ENV_GROUPS.c
         async with self._engine.connect() as conn:
+            # Envs sending faster than this stage makes trajectories: /scored_data comes
+            # first, and the backlog is made once they slow down.
+            recent = (await conn.execute(
+                sa.select(sa.func.count()).where(
+                    e.received_at >= utcnow() - timedelta(seconds=self.poll_seconds))
+            )).scalar_one()
+            if recent > self._batch:
+                return 0
             marks = (await conn.execute(
                 sa.select(e.segment_id, e.env_id, e.step, e.received_at, SEGMENTS.c.deflated,
                           sa.func.coalesce(ENVS.c.real_name, ENVS.c.desired_name).label("env"))
