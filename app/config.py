@@ -284,12 +284,51 @@ class HttpTargetConfig(DistributorConfig):
     http_timeout_seconds: float = Field(60, gt=0)
 
 
+class AtroposTargetConfig(DistributorConfig):
+    """distributor.target `atropos`: passing traces become scored groups in the hub's
+    own Atropos queue, served by GET /batch beside the groups envs send
+    (docs/distribution.md). Its defaults differ on three shared keys: batch_size 1,
+    min_reward_threshold -inf (low rewards are what a group learns from),
+    use_compressed false (the trajectory as the model saw it)."""
+
+    target: Literal["atropos"] = "atropos"
+    # A trajectory is delivered into its group as soon as it passes.
+    batch_size: int = Field(1, gt=0)
+    # An RL trainer learns from low rewards too: nothing is held back by reward.
+    min_reward_threshold: float = float("-inf")
+    # The whole trajectory, as the model saw it: a compressed view is not what it was
+    # trained on.
+    use_compressed: bool = False
+    # The env the hub registers for its own groups once the trainer has started (its
+    # desired_name in /status and the dashboard).
+    atropos_env: str = Field("hub", min_length=1, max_length=200)
+    # Its weight against the other envs' in the batches GET /batch forms.
+    atropos_env_weight: float = Field(1.0, gt=0)
+    # The least share (0.0-1.0) of every batch its groups should fill; null: none.
+    atropos_env_min_batch_allocation: float | None = Field(None, ge=0, le=1)
+    # Trajectories of one task (its normalised text, or the `group` given in its
+    # metadata or at /v1/rollouts/{id}/finish) that make one group.
+    group_size: int = Field(8, ge=1)
+    # A group still short of group_size this long after its first trajectory passed is
+    # `release`d as it is, or `drop`ped.
+    group_timeout_seconds: float = Field(600, gt=0)
+    # What becomes of such a group: it enters the queue smaller, or its rollouts are
+    # left out (counted as timed_out).
+    group_timeout: Literal["release", "drop"] = "release"
+    # A rollout's score: the hub's `reward`, or the environment's own `env_reward`.
+    score: Literal["reward", "env_reward"] = "reward"
+    # A trajectory whose policy_version (a step: `7`, or ending in one: `step-7`) is
+    # more than this many steps behind the trainer's is left out; null: never.
+    max_policy_lag: int | None = Field(None, ge=0)
+
+
 # Each target's distributor keys, by distributor.target, in the order config errors list
 # them. The config owns every key; app/targets builds each target from its model.
 TARGET_CONFIGS: Mapping[str, type[DistributorConfig]] = MappingProxyType({
     "tinker": TinkerTargetConfig,
     "jsonl": JsonlTargetConfig,
     "http": HttpTargetConfig,
+    "atropos": AtroposTargetConfig,
 })
 
 

@@ -19,8 +19,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from app import files
 from app.access.guard import Access
 from app.atropos import Atropos
+from app.atropos.hub_env import HubEnv
+from app.atropos.tables import AtroposDb
 from app.compression import ModelSummarizer
-from app.config import CompressionFile, HubConfig, TinkerFile
+from app.config import AtroposTargetConfig, CompressionFile, HubConfig, TinkerFile
 from app.db import migrate
 from app.db.dialect import OneHop
 from app.db.engine import create_engine, database_url, redacted
@@ -41,6 +43,8 @@ from app.stages.assembly import AssemblyStage
 from app.stages.compression import CompressionStage, model_outage
 from app.stages.delivery import DeliveryStage, training_outage
 from app.stages.distribution import DistributionStage
+from app.stages.env_groups import EnvGroupStage
+from app.stages.grouping import GroupingStage
 from app.stages.leases import Lease
 from app.stages.retention import RetentionStage
 from app.stages.rollouts import RolloutStage
@@ -179,10 +183,12 @@ ARRIVALS_SECONDS = 1.0
 
 @asynccontextmanager
 async def running_stages(
-    settings: Settings, engine: AsyncEngine, outages: Outages | None = None
+    settings: Settings, engine: AsyncEngine, outages: Outages | None = None,
+    writer: OneHop | None = None,
 ) -> AsyncIterator[StageRunner]:
     """The background stages in pipeline order, with the HTTP client they share. Each
-    stage wakes the runner when it moves traces on, so the next stage starts at once."""
+    stage wakes the runner when it moves traces on, so the next stage starts at once.
+    `writer`: the hub's one write connection (without it, the stages' own)."""
     config = settings.config
     outages = outages or hub_outages(engine, settings)
     runner = StageRunner(config.trace_server.flush_interval_seconds, outages.database,
@@ -205,11 +211,17 @@ async def running_stages(
             ),
             every=ARRIVALS_SECONDS,
         )
+        hub_env = None
+        if isinstance(config.distributor, AtroposTargetConfig):
+            hub_env = HubEnv(AtroposDb(engine, writer), config.distributor, config.atropos)
+            grouping = GroupingStage(hub_env, poll_seconds=min(
+                ARRIVALS_SECONDS, config.distributor.group_timeout_seconds / 4))
+            runner.add(grouping, every=grouping.poll_seconds)
         runner.add(
             DistributionStage(engine, config.distributor, on_advance=runner.wake),
             DeliveryStage(
                 engine,
-                build_target(config.distributor, settings.tinker.tinker, http),
+                build_target(config.distributor, settings.tinker.tinker, http, hub_env),
                 config.distributor,
                 lease=lease,
                 on_advance=runner.wake,
@@ -222,15 +234,22 @@ async def running_stages(
             yield runner
         finally:
             await runner.stop()
+            if hub_env is not None:
+                await hub_env.close()
 
 
-def add_assembly(stages: StageRunner, engine: AsyncEngine, config: HubConfig,
+def add_assembly(stages: StageRunner, engine: AsyncEngine, settings: Settings,
                  ingestor: Ingestor) -> None:
-    """The OTLP assembly stage, which prepares its trajectories in `ingestor`'s
-    processes; its loop also wakes every poll_seconds, since its traces come due with
-    time rather than with a commit."""
+    """The stages that make trajectories and prepare them in `ingestor`'s processes:
+    OTLP assembly, the gateway's rollouts, the groups envs send; their loops also wake
+    every poll_seconds, since their traces come due with time rather than with a
+    commit."""
+    config = settings.config
     stage = AssemblyStage(engine, config.otlp, ingestor.prepare, on_advance=stages.wake)
     stages.add(stage, every=stage.poll_seconds)
+    groups = EnvGroupStage(engine, ingestor.prepare, settings.tinker.tinker.tokenizer,
+                           on_advance=stages.wake)
+    stages.add(groups, every=groups.poll_seconds)
     if config.gateway.enabled:
         rollouts = RolloutStage(engine, config.gateway, ingestor.prepare, on_advance=stages.wake)
         stages.add(rollouts, every=rollouts.poll_seconds)
@@ -285,7 +304,7 @@ async def running_hub(
         config = settings.config
         async with (
             summarizing(config.trace_server.log_summary_seconds),
-            running_stages(settings, engine, outages) as stages,
+            running_stages(settings, engine, outages, writer) as stages,
             running_ingest(
                 engine, config, environment, admitted=True, on_commit=stages.wake,
                 processes=processes, writer=writer, outage=outages.database,
@@ -311,7 +330,7 @@ async def running_hub(
                       stages, access, atropos, spans, gateway=gateway)
             if gateway is not None:
                 gateway.write_problem = hub.write_problem
-            add_assembly(stages, engine, config, ingest.ingestor)
+            add_assembly(stages, engine, settings, ingest.ingestor)
             atropos.start()
             spans.start()
             background = asyncio.create_task(

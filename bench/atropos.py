@@ -4,6 +4,7 @@ side, with the same load.
     python bench/atropos.py                          # both servers, SQLite hub, 30 s
     python bench/atropos.py --db postgresql --database-url postgresql://...
     python bench/atropos.py --only hub --seconds 20
+    python bench/atropos.py --only hub --workers     # the stages running too
 
 For each server, one after the other on 127.0.0.1, each phase on a fresh process:
 1. load: a trainer registers (batch_size sequences) and starts, an env registers
@@ -191,7 +192,8 @@ def start_hub(args: argparse.Namespace, port: int, workdir: Path) -> Server:
     config.write_text(json.dumps({"trace_server": server}))
     log = open(workdir / "hub.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--config", str(config), "--no-workers"],
+        [sys.executable, "-m", "app.cli", "serve", "--config", str(config),
+         *([] if args.workers else ["--no-workers"])],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=log,
@@ -373,6 +375,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per batch")
     parser.add_argument("--batch-calls", type=int, default=200)
     parser.add_argument("--only", choices=["original", "hub"])
+    parser.add_argument("--workers", action="store_true",
+                        help="the hub with its stages running (they make trajectories of "
+                             "the groups), as `atropos serve` runs by default")
     parser.add_argument("--db", choices=["sqlite", "postgresql"], default="sqlite")
     parser.add_argument("--database-url", default=os.environ.get("ATROPOS_TEST_DATABASE_URL"))
     parser.add_argument("--atroposlib", type=Path, help="a directory atroposlib is installed in")

@@ -165,7 +165,10 @@ def _distributor() -> list[str]:
     out += _section(config.DistributorConfig, "distributor.")
     shared = set(config.DistributorConfig.model_fields) - {"target"}
     for name, model in config.TARGET_CONFIGS.items():
-        own = {k: f for k, f in model.model_fields.items() if k not in shared}
+        # Its own keys, and the shared ones whose default it changes.
+        own = {k: f for k, f in model.model_fields.items()
+               if k not in shared or _default(f) != _default(
+                   config.DistributorConfig.model_fields[k])}
         out += [f"#### `distributor.target`: `{name}`", ""]
         rows = [f"| `distributor.{k}` | {_type(f.annotation)} | {_default(f)} | {_bounds(f)} | "
                 f"{_describe(model, k, f)} |" for k, f in own.items() if k != "target"]

@@ -146,8 +146,12 @@ async def test_every_format_validates_and_filters_apply(
     assert [r["session_id"] for r in default] == ["e-1", "e-openai"]
     assert "left out 3: 2 reward under 5, 1 rejected" in done.stderr
 
+    # Every stage a trace that passed its filters may be in: a small one enters past
+    # the stages, below_threshold by its reward as stored.
+    passed = [arg for stage in ("accepted", "compression_skipped", "below_threshold")
+              for arg in ("--stage", stage)]
     exported = {fmt: run_export(hub, tmp_path / f"{fmt}.jsonl", "--format", fmt,
-                                "--all", "--stage", "accepted") for fmt in CHECKS}
+                                "--all", *passed) for fmt in CHECKS}
     for fmt, records in exported.items():
         assert len(records) == len(ids), fmt  # the rejected trace is left out
         for record in records:
@@ -158,7 +162,7 @@ async def test_every_format_validates_and_filters_apply(
     assert [r["session_id"] for r in everything] == [*ids, "e-rejected"]
 
     high = run_export(hub, tmp_path / "high.jsonl", "--format", "atif", "--all",
-                      "--stage", "accepted", "--min-reward", "9")
+                      *passed, "--min-reward", "9")
     assert [r["session_id"] for r in high] == ["e-1", "e-openai"]
     assert run_export(hub, tmp_path / "recent.jsonl", "--format", "atif", "--since", "1h")
     assert not run_export(hub, tmp_path / "future.jsonl", "--format", "atif", "--all",

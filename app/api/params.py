@@ -29,6 +29,9 @@ class TraceQuery(BaseModel):
     env: str | None = None
     model: str | None = None
     policy_version: str | None = None
+    group: str | None = Field(
+        None, description="Rollouts of one group: an Atropos group an env sent, or a "
+        "trace's metadata.group")
     min_reward: float | None = None
     max_reward: float | None = None
     min_env_reward: float | None = Field(

@@ -302,6 +302,17 @@ class AtroposEnvPresence(BaseModel):
     last_seen: Timestamp = Field(description="When the env was last heard from (UTC)")
 
 
+class HubEnvStats(BaseModel):
+    pending: int = Field(description="Rollouts waiting for their group to fill")
+    grouped: int = Field(description="Rollouts in a group that entered the queue")
+    groups: int = Field(description="Groups the hub formed and queued")
+    dropped: dict[str, int] = Field(
+        description="Rollouts left out, by reason: unusable (no tokens or no score), "
+        "too_long (past the trainer's max_token_len), stale (past "
+        "distributor.max_policy_lag), same_scores (a group whose scores are all equal), "
+        "timed_out (short of group_size at group_timeout_seconds, group_timeout drop)")
+
+
 class AtroposStats(BaseModel):
     envs: list[AtroposEnvPresence]
     step: int = Field(description="The trainer's step (atroposlib's current_step)")
@@ -313,6 +324,9 @@ class AtroposStats(BaseModel):
         "group_size), queued, batched (in a formed batch)"
     )
     queue_bytes: int = Field(description="JSON bytes of the groups waiting")
+    hub_env: HubEnvStats = Field(
+        description="Trajectories delivered to the `atropos` target as rollouts of the "
+        "hub's own groups")
 
 
 class TraceStats(BaseModel):
@@ -503,6 +517,10 @@ class RolloutFinish(BaseModel):
                                  description="The environment's reward: the trace's env_reward")
     status: Status | None = Field(None, description="The task's outcome")
     task: str | None = Field(None, description="The task, when not the first user message")
+    group: str | None = Field(
+        None, max_length=200,
+        description="The group of rollouts it belongs to (metadata.group): the `atropos` "
+                    "target groups by it instead of by task")
     metadata: dict[str, Any] | None = Field(None, description="Kept in the trace's metadata")
 
 

@@ -33,10 +33,12 @@ from app.atropos.packing import groups_summing_to
 from app.atropos.presence import Presence, record
 from app.atropos.segments import Segment, deflate
 from app.atropos.tables import (
+    ENV_GROUPS,
     ENVS,
     GROUP_STATES,
     GROUPS,
     SEGMENTS,
+    STATE,
     WAITING,
     AtroposDb,
     AtroposGroupState,
@@ -203,6 +205,7 @@ class GroupWriter:
             results.append([placer.place(g) for g in request.groups])
         if placer is not None:
             placer.flush()
+            _to_trajectories(conn, placer.stored)
         return results
 
     def _check_fits_empty(self, groups: int, nbytes: int) -> None:
@@ -222,10 +225,7 @@ class GroupWriter:
             )
 
     def _fits(self, groups: int, nbytes: int) -> bool:
-        limit_bytes = self._config.queue_max_bytes
-        return groups <= self._config.queue_max_groups and (
-            limit_bytes is None or nbytes <= limit_bytes
-        )
+        return fits(self._config, groups, nbytes)
 
     def _full(self, groups: int, nbytes: int) -> Unavailable:
         limits = f"atropos.queue_max_groups is {self._config.queue_max_groups}"
@@ -254,6 +254,8 @@ class _Placer:
         self._queued: list[NewGroup] = []
         self._locked: set[int] = set()
         self._now = utcnow()
+        # (segment id, env id) of every group stored: each becomes trajectories.
+        self.stored: list[tuple[int, int | None]] = []
 
     def place(self, group: NewGroup) -> Placed:
         expected = self._group_sizes.get(group.env_id) if group.env_id is not None else None
@@ -278,6 +280,7 @@ class _Placer:
         rows = [_row(g, state, sid, self._now) for g, sid in zip(groups, segment_ids)]
         _insert_many(self._conn, SEGMENTS, segments)
         _insert_many(self._conn, GROUPS, rows)
+        self.stored += [(sid, g.env_id) for g, sid in zip(groups, segment_ids)]
 
     def _buffer(self, group: NewGroup, env_id: int, group_size: int) -> Placed:
         if env_id not in self._locked:
@@ -344,6 +347,24 @@ def _row(
     }
 
 
+def fits(config: AtroposConfig, groups: int, nbytes: int) -> bool:
+    """Whether `groups` of `nbytes` waiting are within the queue's bound."""
+    limit_bytes = config.queue_max_bytes
+    return groups <= config.queue_max_groups and (limit_bytes is None or nbytes <= limit_bytes)
+
+
+def has_room(conn: sa.Connection, config: AtroposConfig, group: NewGroup) -> bool:
+    """Whether `group` fits the queue's bound beside what waits now."""
+    groups, nbytes = _waiting(conn)
+    return fits(config, groups + 1, nbytes + group.nbytes)
+
+
+def enqueue(conn: sa.Connection, dialect: Dialect, group: NewGroup) -> None:
+    """Put a group straight in the queue, whatever its size: the hub's own groups
+    (app/atropos/hub_env.py), which a buffer would hold back rather than release."""
+    _Placer(conn, dialect, {})._insert([group], AtroposGroupState.QUEUED)
+
+
 async def latest_group(db: AtroposDb) -> Segment | None:
     """The JSON of the newest group that entered the queue (atroposlib's latest
     example): the highest id not in a buffer; served groups keep it until a newer one
@@ -362,6 +383,20 @@ async def latest_group(db: AtroposDb) -> Segment | None:
     return await db.read(work)
 
 
+def _to_trajectories(conn: sa.Connection, stored: list[tuple[int, int | None]]) -> None:
+    """Mark the groups just stored for the stage that makes them trajectories
+    (app/stages/env_groups.py): a small row each, in the same transaction, so that no
+    group is missed and /scored_data does no more than that."""
+    if not stored:
+        return
+    step = conn.execute(_STEP).scalar_one()
+    now = utcnow()
+    conn.execute(sa.insert(ENV_GROUPS), [
+        {"segment_id": sid, "env_id": env_id, "step": step, "received_at": now}
+        for sid, env_id in stored
+    ])
+
+
 def _waiting(conn: sa.Connection) -> tuple[int, int]:
     row = conn.execute(_WAITING).one()
     return int(row[0]), int(row[1])
@@ -376,3 +411,4 @@ _WAITING = sa.select(sa.func.count(), sa.func.coalesce(sa.func.sum(GROUPS.c.byte
     GROUPS.c.state.in_(WAITING)
 )
 _GROUP_SIZES = sa.select(ENVS.c.env_id, ENVS.c.group_size)
+_STEP = sa.select(STATE.c.step).where(STATE.c.id == 1)

@@ -20,6 +20,7 @@ from app.atropos.tables import (
     AtroposDb,
     AtroposGroupState,
     count_dropped,
+    not_awaiting_trajectories,
     run_state,
 )
 from app.db.types import utcnow
@@ -55,10 +56,13 @@ async def register(db: AtroposDb, registration: Registration) -> dict[str, Any]:
 
 
 async def register_env(db: AtroposDb, env: RegisterEnv) -> dict[str, Any]:
-    return await db.write(lambda conn: _register_env(conn, env))
+    return await db.write(lambda conn: register_env_in(conn, env))
 
 
-def _register_env(conn: sa.Connection, env: RegisterEnv) -> dict[str, Any]:
+def register_env_in(conn: sa.Connection, env: RegisterEnv, *,
+                    hub_owned: bool = False) -> dict[str, Any]:
+    """Register `env` in the caller's transaction; `hub_owned`: the hub's own env
+    (app/atropos/hub_env.py)."""
     # The run lock also serialises env ids across hubs sharing the database.
     run = run_state(conn, lock=True)
     if not run.started:
@@ -77,6 +81,7 @@ def _register_env(conn: sa.Connection, env: RegisterEnv) -> dict[str, Any]:
             group_size=env.group_size,
             min_batch_allocation=env.min_batch_allocation,
             connected=True,
+            hub_owned=hub_owned,
             registered_at=now,
             last_seen_at=now,
         )
@@ -146,7 +151,8 @@ def _reset(conn: sa.Connection) -> None:
     ).first()
     dropped = conn.execute(sa.delete(GROUPS).where(GROUPS.c.id != (latest.id if latest else -1)))
     count_dropped(conn, dropped.rowcount)
-    conn.execute(sa.delete(SEGMENTS).where(SEGMENTS.c.id != (latest.segment_id if latest else -1)))
+    conn.execute(sa.delete(SEGMENTS).where(
+        SEGMENTS.c.id != (latest.segment_id if latest else -1), not_awaiting_trajectories()))
     if latest is not None:
         # A wipe, not a step of the pipeline: the group kept is only an example now.
         conn.execute(

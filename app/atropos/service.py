@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app.atropos import lease, queue, registration, status, trainer_batches
+from app.atropos import hub_env, lease, queue, registration, status, trainer_batches
 from app.atropos.models import RegisterEnv, Registration
 from app.atropos.presence import Presence
 from app.atropos.queue import GroupWriter, Placed, prepare
@@ -103,6 +103,10 @@ class Atropos:
     async def queue_figures(self) -> dict[str, Any]:
         """The step and the queue, for /v1/stats and /metrics."""
         return await status.queue_figures(self.db)
+
+    async def hub_env_figures(self) -> dict[str, Any]:
+        """The rollouts of the hub's own env (app/atropos/hub_env.py), for /v1/stats."""
+        return await self.db.read(hub_env.figures)
 
     async def overview(self) -> dict[str, Any]:
         """The state the dashboard shows (app/api/ui)."""

@@ -26,6 +26,7 @@ ENVS = models.ATROPOS_ENVS
 GROUPS = models.ATROPOS_GROUPS
 SEGMENTS = models.ATROPOS_SEGMENTS
 ATROPOS_BATCHES = models.ATROPOS_BATCHES
+ENV_GROUPS = models.ATROPOS_ENV_GROUPS
 
 T = TypeVar("T")
 
@@ -211,8 +212,16 @@ def delete_groups(conn: sa.Connection, rows: Iterable[Any]) -> None:
         deleted += conn.execute(
             sa.delete(GROUPS).where(GROUPS.c.id.in_([r.id for r in chunk]))
         ).rowcount
-        conn.execute(sa.delete(SEGMENTS).where(SEGMENTS.c.id.in_([r.segment_id for r in chunk])))
+        conn.execute(sa.delete(SEGMENTS).where(
+            SEGMENTS.c.id.in_([r.segment_id for r in chunk]), not_awaiting_trajectories()))
     count_dropped(conn, deleted)
+
+
+def not_awaiting_trajectories() -> sa.ColumnElement[bool]:
+    """A segment no sent group waiting to become trajectories still needs (it is
+    deleted by the stage that makes them, app/stages/env_groups.py)."""
+    waiting = sa.select(ENV_GROUPS.c.segment_id).where(ENV_GROUPS.c.segment_id == SEGMENTS.c.id)
+    return ~waiting.exists()
 
 
 def count_dropped(conn: sa.Connection, groups: int) -> None:

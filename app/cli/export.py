@@ -4,6 +4,7 @@
     --format messages -o FILE.jsonl | -o DIR               records chat templates take
     --format parquet -o DIR                                a Hugging Face dataset
     --format dpo -o FILE.jsonl | -o DIR                    TRL preference pairs
+    --format atropos -o FILE                               the hub's own Atropos groups
 
 What is selected, by default, is what training would get: traces that are not
 rejected and whose reward passes distributor.min_reward_threshold (for dpo, whose
@@ -22,6 +23,10 @@ first. Every file is written privately (0600) under a temporary name in its own
 directory, then renamed: a reader never sees half an export.
 `--min-reward` reads `traces.reward`, which holds a reviewer's override where there is
 one; `--label good` keeps the traces a reviewer labelled good.
+
+`--format atropos` writes the groups the `atropos` target formed (app/atropos/hub_env.py),
+one ScoredData JSON object per line, as GET /batch served them (env_id null): for a
+trainer that reads groups from a file. The trace selection options do not apply.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -43,9 +49,11 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import files, formats
+from app.atropos import hub_env
+from app.atropos.tables import AtroposDb
 from app.cli.options import Commands, add_since, command, counted
 from app.cli.progress import Progress
-from app.config import load_config
+from app.config import HubConfig, load_config
 from app.db.models import TRACES
 from app.db.trace_queries import LabelFilter, labelled
 from app.domain import Stage, Trace
@@ -63,7 +71,8 @@ ALL_STAGES = tuple(s.value for s in Stage)
 DATASETS = ("parquet", "dpo")
 # Formats that write JSONL to FILE.jsonl or stdout, else a dataset directory.
 EITHER = ("messages", "dpo")
-FORMATS = (*formats.EXPORTS, *DATASETS)
+GROUPS = "atropos"
+FORMATS = (*formats.EXPORTS, *DATASETS, GROUPS)
 SPLITS = ("train", "test")  # test: the eval split, as `datasets` names it
 
 
@@ -469,6 +478,8 @@ async def run(args: argparse.Namespace) -> int:
             f"-o {args.output}: the directory {Path(args.output).parent} does not exist; "
             "create it first or write elsewhere"
         )
+    if args.format == GROUPS:
+        return await _export_groups(config, args.output)
     async with database(config) as engine:
         left_out = await left_out_by_selection(engine, query)
         progress = Progress("exported", await count(engine, query))
@@ -483,6 +494,28 @@ async def run(args: argparse.Namespace) -> int:
     print(f"exported {what} as {args.format} to {args.output}"
           + (f" ({splits})" if tally.written["test"] else ""), file=sys.stderr)
     print(tally.summary(), file=sys.stderr)
+    return 0
+
+
+async def _export_groups(config: HubConfig, output: str) -> int:
+    written = 0
+    try:
+        async with database(config) as engine:
+            db = AtroposDb(engine)
+            try:
+                with _output(output) as out:
+                    after: str | None = None
+                    while page := await db.read(
+                            partial(hub_env.formed_groups, after=after, limit=PAGE)):
+                        out.write(b"".join(orjson.dumps(g) + b"\n" for g in page))
+                        written += len(page)
+                        after = page[-1]["group_overrides"]["hub_group"]
+            finally:
+                await db.close()
+    except OSError as exc:
+        raise StartupError(f"-o {output}: cannot write ({exc.strerror or exc}): "
+                           "check the directory is writable and has space") from exc
+    print(f"exported {counted(written, 'group')} as atropos to {output}", file=sys.stderr)
     return 0
 
 

@@ -123,7 +123,7 @@ async def _worker(args: argparse.Namespace) -> int:
         running_ingest(engine, config, environment, admitted=False,
                        entry=entry_stage(settings)) as ingest,
     ):
-        add_assembly(stages, engine, config, ingest.ingestor)
+        add_assembly(stages, engine, settings, ingest.ingestor)
         if args.burst:
             # The periodic summary would say nothing of a burst shorter than its interval.
             tally = Tally()

@@ -57,6 +57,9 @@ class TraceRow(Base):
     model: Mapped[str | None] = mapped_column(sa.String(200))
     agent_name: Mapped[str | None] = mapped_column(sa.String(200))
     policy_version: Mapped[str | None] = mapped_column(sa.String(200))
+    # The group of rollouts it belongs to (metadata.group): an Atropos group an env
+    # sent, or one a trainer's rollouts were given.
+    group_id: Mapped[str | None] = mapped_column(sa.String(200))
     # sha256 of the item as received: a resent trace_id is a duplicate only if it matches.
     content_hash: Mapped[str] = mapped_column(sa.String(64))
     # Payloads: the item as received, the canonical trace, and (never in place of
@@ -80,6 +83,7 @@ class TraceRow(Base):
         sa.Index("ix_traces_model_created_at", "model", "created_at"),
         sa.Index("ix_traces_reward_trace_id", "reward", "trace_id"),
         sa.Index("ix_traces_total_tokens_trace_id", "total_tokens", "trace_id"),
+        sa.Index("ix_traces_group_id_created_at", "group_id", "created_at"),
     )
 
 
@@ -274,6 +278,9 @@ class AtroposEnvRow(Base):
     # When the env was last heard from (registration, /scored_data, /scored_data_list,
     # /status-env): an env silent for atropos.env_timeout_seconds stops counting.
     last_seen_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    # The env the hub registers for the groups it forms from trajectories
+    # (distributor.target atropos): at most one.
+    hub_owned: Mapped[bool] = mapped_column(sa.Boolean, server_default=sa.false())
 
 
 class AtroposSegmentRow(Base):
@@ -345,6 +352,55 @@ class AtroposBatchRow(Base):
     __table_args__ = (sa.Index("ix_atropos_batches_state_seq", "state", "seq"),)
 
 
+class AtroposRolloutRow(Base):
+    """A trajectory delivered to the `atropos` target, as a sequence of a group of the
+    hub's own env (app/atropos/hub_env.py).
+
+    state: pending (waiting for its group to fill) -> grouped (in a group that entered
+    the queue) or dropped (`reason` says why: unusable, too_long, stale, same_scores,
+    timed_out). A trajectory has one row (trace_id is the key), so it is in at most
+    one group.
+    """
+
+    __tablename__ = "atropos_rollouts"
+
+    trace_id: Mapped[str] = mapped_column(sa.String(200), primary_key=True)
+    group_key: Mapped[str] = mapped_column(sa.Text)
+    state: Mapped[str] = mapped_column(sa.String(16))
+    reason: Mapped[str | None] = mapped_column(sa.String(32))
+    detail: Mapped[str | None] = mapped_column(sa.Text)
+    score: Mapped[float | None] = mapped_column(sa.Float)
+    tokens: Mapped[int] = mapped_column(sa.Integer)  # the sequence's length
+    # The policy_version when it is a step number (the gateway stamps the trainer's).
+    policy_step: Mapped[int | None] = mapped_column(sa.BigInteger)
+    # {"tokens", "masks", "logprobs", "messages", "exact"}: what the group holds.
+    rollout: Mapped[dict[str, Any]] = mapped_column(JSON_)
+    group_id: Mapped[str | None] = mapped_column(sa.String(64))
+    created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+    grouped_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+
+    __table_args__ = (
+        sa.Index("ix_atropos_rollouts_state_group_key", "state", "group_key"),
+        sa.Index("ix_atropos_rollouts_group_id", "group_id"),
+    )
+
+
+class AtroposEnvGroupRow(Base):
+    """A group an env sent (/scored_data, /scored_data_list), waiting to become
+    trajectories (app/stages/env_groups.py). Its segment is kept until then, even once
+    the group is served."""
+
+    __tablename__ = "atropos_env_groups"
+
+    segment_id: Mapped[int] = mapped_column(sa.BigInteger, primary_key=True,
+                                            autoincrement=False)
+    env_id: Mapped[int | None] = mapped_column(sa.Integer)
+    step: Mapped[int] = mapped_column(sa.BigInteger)  # the trainer's, when it arrived
+    received_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
+
+
+ATROPOS_ENV_GROUPS: sa.Table = AtroposEnvGroupRow.__table__  # type: ignore[assignment]
+ATROPOS_ROLLOUTS: sa.Table = AtroposRolloutRow.__table__  # type: ignore[assignment]
 ATROPOS_STATE: sa.Table = AtroposStateRow.__table__  # type: ignore[assignment]
 ATROPOS_ENVS: sa.Table = AtroposEnvRow.__table__  # type: ignore[assignment]
 ATROPOS_GROUPS: sa.Table = AtroposGroupRow.__table__  # type: ignore[assignment]

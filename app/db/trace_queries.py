@@ -72,6 +72,8 @@ class TraceFilter:
     env: str | None = None
     model: str | None = None
     policy_version: str | None = None
+    # The group of rollouts (metadata.group; an Atropos group an env sent).
+    group: str | None = None
     min_reward: float | None = None
     max_reward: float | None = None
     since: datetime | None = None
@@ -88,7 +90,7 @@ class TraceFilter:
     def clauses(self, dialect: Dialect) -> list[sa.ColumnElement[bool]]:
         c = TRACES.c
         equal = {"stage": c.stage, "status": c.status, "env": c.env, "model": c.model,
-                 "policy_version": c.policy_version}
+                 "policy_version": c.policy_version, "group": c.group_id}
         clauses = [col == getattr(self, name) for name, col in equal.items()
                    if getattr(self, name) is not None]
         if self.min_reward is not None:

@@ -16,7 +16,8 @@ conversation so far (an agent that edits its history), the new messages are appe
 and `metadata.gateway.edited_at_call` says at which call. A completion call's prompt is
 a user message (or, continuing the previous prompt and completion, what it adds), its
 text the assistant's. `finish` gives the outcome: `reward` (the environment's),
-`status`, `task` (replaces the first user message as the task) and `metadata`.
+`status`, `task` (replaces the first user message as the task), `group` (the group
+of rollouts it belongs to, as `metadata.group`: app/targets/atropos.py) and `metadata`.
 
 Per call, `metadata.gateway.calls` keeps its model asked for and answered by, policy
 version, latency, time to first byte, usage, finish reason, status and error, and
@@ -87,6 +88,9 @@ def parse(item: dict[str, Any]) -> Trace:
     if edited is not None:
         gateway["edited_at_call"] = edited
     metadata = dict(c.opt_dict(finish, "metadata", "finish") or {})
+    group = c.opt_str(finish, "group", "finish")
+    if group is not None:
+        metadata["group"] = group
     metadata["gateway"] = gateway
     record: dict[str, Any] = {
         "trace_id": rollout_id,

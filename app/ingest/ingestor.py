@@ -158,6 +158,7 @@ class Preparer:
             "model": trace.agent.model,
             "agent_name": trace.agent.name,
             "policy_version": trace.policy_version,
+            "group_id": group_of(trace),
             "content_hash": digest,
             # Encoded here, in the ingest process, rather than on the event loop.
             "original": EncodedJSON(orjson.dumps(item).decode()),
@@ -441,6 +442,16 @@ def _bounded_reward(reward: float, env_reward: float | None) -> None:
              if env_reward is not None else "the reward rules' points")
     raise Invalid(f"reward: {reward:g} ({cause}) is out of range: a reward is at most "
                   f"{MAX_REWARD:g} in magnitude", field="reward")
+
+
+def group_of(trace: Trace) -> str | None:
+    """The group of rollouts a trace belongs to (its metadata's `group`), when it is a
+    label the traces list can filter by."""
+    group = trace.metadata.get("group")
+    if isinstance(group, bool) or not isinstance(group, (str, int)):
+        return None
+    text = str(group)
+    return text if 0 < len(text) <= MAX_LABEL_LENGTH else None
 
 
 def _fits_columns(trace: Trace) -> None:

@@ -82,7 +82,7 @@ INSERT = BulkInsert(
         "trace_id", "created_at", "updated_at", "status", "stage", "total_tokens",
         "compressed_tokens", "reward", "env_reward", "reward_breakdown", "reject_reasons",
         "scored_with", "source_format", "env", "model", "agent_name", "policy_version",
-        "content_hash", "original", "trace", "attempts", "compression",
+        "group_id", "content_hash", "original", "trace", "attempts", "compression",
     ),
 )
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import DistributorConfig
 from app.db.dialect import writing
@@ -27,7 +27,9 @@ from app.db.models import BATCHES, MEMBERS, TRACES
 from app.db.moves import BATCH_STATES, RELEASED, TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import BatchState, Stage, Trace
-from app.errors import ServiceError
+from app.errors import HubError, ServiceError
+from app.formats import gateway as gateway_format
+from app.gateway.tokens import token_view
 from app.metrics import DELIVERY_ATTEMPTS
 from app.outage import Outage
 from app.stages.leases import Heartbeat, Lease, claim, held_by, retry_later
@@ -134,18 +136,21 @@ class DeliveryStage:
     async def _load(self, row: Any) -> Batch:
         c = TRACES.c
         query = (
-            sa.select(c.trace_id, c.reward, c.trace, c.compressed)
+            sa.select(c.trace_id, c.reward, c.trace, c.compressed, c.source_format)
             .join(MEMBERS, MEMBERS.c.trace_id == c.trace_id)
             .where(MEMBERS.c.batch_id == row.batch_id)
             .order_by(MEMBERS.c.position)
         )
         async with self._engine.connect() as conn:
             members = (await conn.execute(query)).all()
+            captured = await _captured(conn, [m.trace_id for m in members
+                                              if m.source_format == gateway_format.NAME])
         items = []
         for m in members:
             compressed = self._config.use_compressed and m.compressed is not None
             payload = m.compressed if compressed else m.trace
-            items.append(BatchItem(m.trace_id, m.reward, Trace.model_validate(payload), compressed))
+            items.append(BatchItem(m.trace_id, m.reward, Trace.model_validate(payload), compressed,
+                                   tokens=captured.get(m.trace_id)))
         return Batch(row.batch_id, row.created_at, row.attempts, items, row.receipt or {})
 
     async def _save(self, batch_id: str, receipt: dict[str, Any]) -> None:
@@ -223,3 +228,19 @@ class DeliveryStage:
                     "batch %s: delivery to %s failed (attempt %d of %d), retrying in "
                     "%.1f s: %s", batch_id, self._target.name, attempts,
                     policy.max_attempts, delay, error, exc_info=trace)
+
+
+async def _captured(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """The token view of each of `trace_ids` (gateway trajectories) that has token ids:
+    what the model saw and produced, for a target that trains on tokens."""
+    if not trace_ids:
+        return {}
+    rows = await conn.execute(
+        sa.select(TRACES.c.trace_id, TRACES.c.original).where(TRACES.c.trace_id.in_(trace_ids)))
+    views = {}
+    for trace_id, original in rows:
+        try:
+            views[trace_id] = token_view(trace_id, gateway_format.NAME, original)
+        except HubError:  # no call came with ids
+            continue
+    return views

@@ -3,6 +3,7 @@
     jsonl   a training file per batch in distributor.output_dir, plus manifest.jsonl
     http    a POST to distributor.url, with the batch id as the Idempotency-Key
     tinker  a training job on the service tinker.json names (app.training)
+    atropos scored groups in the hub's own Atropos queue, for GET /batch
 
 `deliver(batch, save)` returns the receipt (what the target reported) or raises; the
 delivery stage retries and acknowledges. Every target is idempotent on `batch_id`: a
@@ -25,6 +26,7 @@ from typing import Any
 import httpx
 
 from app.config import DistributorConfig, TinkerConfig
+from app.targets import atropos as atropos_target
 from app.targets import http as http_target
 from app.targets import jsonl as jsonl_target
 from app.targets import tinker as tinker_target
@@ -33,6 +35,8 @@ from app.targets.base import (
     BatchItem,
     DeliveryError,
     Resources,
+    Rollout,
+    RolloutSink,
     SaveReceipt,
     Target,
     TargetSpec,
@@ -45,6 +49,8 @@ __all__ = [
     "BatchItem",
     "DeliveryError",
     "Resources",
+    "Rollout",
+    "RolloutSink",
     "SaveReceipt",
     "Target",
     "TargetSpec",
@@ -56,12 +62,14 @@ REGISTERED: tuple[TargetSpec[Any], ...] = (
     tinker_target.SPEC,
     jsonl_target.SPEC,
     http_target.SPEC,
+    atropos_target.SPEC,
 )
 TARGETS: Mapping[str, TargetSpec[Any]] = MappingProxyType({t.name: t for t in REGISTERED})
 
 
 def build_target(
-    distributor: DistributorConfig, tinker: TinkerConfig, http: httpx.AsyncClient
+    distributor: DistributorConfig, tinker: TinkerConfig, http: httpx.AsyncClient,
+    groups: RolloutSink | None = None,
 ) -> Target:
     spec = TARGETS[distributor.target]
     config = (
@@ -69,4 +77,4 @@ def build_target(
         if isinstance(distributor, spec.config)
         else spec.config.model_validate(distributor.model_dump())
     )
-    return spec.build(config, Resources(http, tinker))
+    return spec.build(config, Resources(http, tinker, groups))

@@ -18,8 +18,8 @@ from app.domain import Trace
 from app.errors import DeliveryError, Unexportable
 from app.training import SaveReceipt
 
-__all__ = ["Batch", "BatchItem", "DeliveryError", "Resources", "SaveReceipt", "Target",
-           "TargetSpec"]
+__all__ = ["Batch", "BatchItem", "DeliveryError", "Resources", "Rollout", "RolloutSink",
+           "SaveReceipt", "Target", "TargetSpec"]
 
 log = logging.getLogger("atropos.delivery")
 
@@ -29,6 +29,9 @@ class BatchItem:
     reward: float | None
     trace: Trace
     compressed: bool  # `trace` is the compressed view (token ids no longer match)
+    # The token ids the gateway captured (app/gateway/tokens.py's view), for a trace that
+    # came through it with ids; None otherwise.
+    tokens: dict[str, Any] | None = None
 
     @property
     def env_reward(self) -> float | None:
@@ -71,11 +74,41 @@ class Target(Protocol):
 
 
 @dataclass(frozen=True)
+class Rollout:
+    """One trajectory as an RL trainer takes it: a sequence of a scored group."""
+
+    trace_id: str
+    group_key: str  # trajectories of one key form a group
+    score: float | None
+    tokens: list[int]
+    masks: list[int]  # -100 where the model did not generate; the token id where it did
+    # Per position, only when the gateway captured every generated one: never invented.
+    logprobs: list[float] | None
+    messages: list[dict[str, Any]] | None  # the conversation the tokens render, if known
+    exact: bool  # the ids the model saw and produced, as captured
+    policy_version: str | None
+    # Why it cannot be a sequence of any group (no tokens, no score); None when it can.
+    unusable: str | None = None
+
+
+class RolloutSink(Protocol):
+    """Where the `atropos` target puts rollouts: the hub's own Atropos env
+    (app/atropos/hub_env.py), which forms them into groups."""
+
+    async def add(self, batch_id: str, rollouts: list[Rollout]) -> dict[str, Any]:
+        """Keep the rollouts (each once, whatever the attempt) and form the groups that
+        are full; returns the receipt."""
+        ...
+
+
+@dataclass(frozen=True)
 class Resources:
     """What a target may use beyond its own keys."""
 
     http: httpx.AsyncClient  # shared by the stages, closed when they stop
     tinker: TinkerConfig  # tinker.json
+    # The hub's Atropos queue, for the `atropos` target.
+    groups: RolloutSink | None = None
 
 
 C = TypeVar("C", bound=DistributorConfig)

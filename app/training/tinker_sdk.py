@@ -36,6 +36,7 @@ import httpx
 from app.config import TinkerConfig
 from app.errors import TrainingFailed
 from app.training import Example, TrainingRun
+from app.training.chat_template import load_tokenizer
 
 EXTRA_HINT = "pip install 'atropos-hub[tinker]'"
 
@@ -166,12 +167,9 @@ class TinkerSDK:
                     f"tokenizer of {self._tinker.model_id}"
                 )
             try:
-                from transformers import AutoTokenizer
+                self._tokenizer = load_tokenizer(name, download=True)
             except ImportError:
                 raise TrainingFailed(f"tinker.tokenizer needs transformers: {EXTRA_HINT}") from None
-            # Any tokenizer class AutoTokenizer picks has what the Tokenizer protocol asks.
-            loaded: Any = AutoTokenizer.from_pretrained(name)
-            self._tokenizer = loaded
         return self._tokenizer
 
 

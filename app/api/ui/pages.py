@@ -32,12 +32,12 @@ from app.api.ui.session import (
     sign_out,
 )
 from app.api.ui.traces import trace_view
-from app.db import trace_queries
+from app.db import group_queries, trace_queries
 from app.db.batch_queries import get_batch, list_batches, retry_batch
 from app.db.review_queries import ReviewInput, claim_next, claim_of, save_review
 from app.db.trace_queries import SORTS, TraceFilter, View, get_trace
 from app.domain import BatchState, Stage, Status
-from app.errors import Forbidden, HubError, Invalid
+from app.errors import Forbidden, HubError, Invalid, NotFound
 from app.hub import Hub
 from app.ingest.otlp import store as otlp_store
 
@@ -198,6 +198,7 @@ async def trace(
         "views": [v for v in VIEWS if v != "compressed" or compressed is not None],
         "threshold": hub.config.distributor.min_reward_threshold,
         "saved": request.query_params.get("saved"),
+        "group": await group_queries.group_of(conn, trace_id),
     }, nav="traces", title=f"Trace {trace_id}")
 
 
@@ -379,7 +380,61 @@ async def atropos(request: Request, hub: HubDep, visitor: VisitorDep, _: Reader)
     state = await hub.atropos.overview()
     return render(request, visitor, "atropos.html", {
         "atropos": state, "config": hub.config.atropos,
+        "hub_env": await hub.atropos.hub_env_figures(),
     }, nav="atropos", title="Atropos API")
+
+
+# --- groups of rollouts ------------------------------------------------------------
+
+
+@router.get("/groups")
+async def groups(request: Request, conn: ConnDep, visitor: VisitorDep, _: Reader) -> Response:
+    env = request.query_params.get("env") or None
+    return render(request, visitor, "groups.html", {
+        "groups": await group_queries.recent_groups(conn, env),
+        "env": env,
+        "envs": await trace_queries.distinct_values(conn, "env"),
+    }, nav="atropos", title="Groups")
+
+
+@router.get("/groups/{group_id:path}")
+async def group(group_id: str, request: Request, conn: ConnDep, visitor: VisitorDep,
+                _: Reader) -> Response:
+    members = await group_queries.group_members(conn, group_id)
+    if not members:
+        raise NotFound(f"no group {group_id!r}", field="group_id")
+    scores = [m["score"] for m in members if m["score"] is not None]
+    return render(request, visitor, "group.html", {
+        "group_id": group_id,
+        "members": [{**m, "steps": steps} for m, steps in zip(members, _side_by_side(members))],
+        "prompt": next((m["trace"]["task"] for m in members if m["trace"]), None),
+        "env": next((m["env"] for m in members if m["env"]), None),
+        "mean": sum(scores) / len(scores) if scores else None,
+    }, nav="atropos", title=f"Group {group_id}")
+
+
+def _side_by_side(members: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Each rollout's steps, a step marked `shared` where it equals the first
+    rollout's at the same place: what differs stands out."""
+    columns = []
+    for member in members:
+        trace = member["trace"] or {}
+        columns.append([{
+            "type": s.get("type"), "role": s.get("role"), "tool": s.get("tool"),
+            "text": "\n".join(p for p in (s.get("content"), _arguments(s.get("arguments")),
+                                           s.get("error")) if p),
+        } for s in trace.get("steps") or []])
+    first = [dict(step) for step in columns[0]] if columns else []
+    for k, column in enumerate(columns):
+        for i, step in enumerate(column):
+            step["shared"] = k > 0 and i < len(first) and step == first[i]
+    return columns
+
+
+def _arguments(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value if isinstance(value, str) else orjson.dumps(value).decode()
 
 
 # --- signing in and out ------------------------------------------------------------

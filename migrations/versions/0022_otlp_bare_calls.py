@@ -1,8 +1,8 @@
 """otlp_traces.continues and .joined: a bare client's model calls, each a trace of its
 own, joined into the trajectory of their conversation
 
-Revision ID: 0024
-Revises: 0020
+Revision ID: 0022
+Revises: 0021
 Create Date: 2026-12-07
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0024"
-down_revision = "0020"
+revision = "0022"
+down_revision = "0021"
 branch_labels = None
 depends_on = None
 
