@@ -314,7 +314,7 @@ async def running_hub(
                     await hub.runs.start()  # re-attaches to the runs a previous hub left
                 # What exists now lives as long as the process: keep it out of the
                 # collector's full passes, which otherwise walked every object of
-                # the app (~60 ms, once a second under ingest load).
+                # the app, often under ingest load.
                 gc.freeze()
                 yield hub
             finally:

@@ -480,3 +480,43 @@ def test_with_auth_on_agents_need_a_gateway_key(
     assert client.chat.completions.create(**ask).choices[0].message.content  # type: ignore[call-overload]
     # The hub's key went no further: the upstream saw only its own.
     assert fake.headers[-1]["authorization"] == f"Bearer {fake.key}"
+
+
+def test_an_agent_that_leaves_mid_stream_leaves_its_call_captured_and_marked(
+    hub: InProcessHub, fake: FakeVllm
+) -> None:
+    fake.reply = lambda body: "word " * 200
+    fake.chunk_delay = 0.02
+    ask = {"model": "policy", "messages": [{"role": "user", "content": "talk"}], "stream": True}
+    with httpx.Client(timeout=30) as c, c.stream(
+            "POST", f"{hub.url}/v1/rollouts/left-1/chat/completions", json=ask) as answer:
+        assert answer.status_code == 200
+        received = 0
+        for received, _ in enumerate(answer.iter_raw(), 1):
+            if received == 3:
+                break  # the agent goes: its connection closes, the answer unread
+    assert received == 3 and fake.streams_ended == 0
+    # A finish is refused until the rollout has a captured call.
+    wait_until(lambda: finish(hub, "left-1").status_code == 200, 30,
+               what="the call captured after its agent left")
+    [call] = trace(hub, "left-1")["trace"]["metadata"]["gateway"]["calls"]
+    assert call["disconnected"] is True and call["stream"] is True and call["status"] == 200
+
+
+TRAINER = {"wandb_group": "g", "wandb_project": "p", "batch_size": 2, "max_token_len": 512,
+           "checkpoint_dir": "c", "save_checkpoint_interval": 10, "starting_step": 12,
+           "num_steps": 100}
+
+
+def test_without_a_route_version_calls_are_served_by_the_atropos_trainers_step(
+    start_hub: StartHub, trace_server: dict[str, Any], upstream: tuple[FakeVllm, str],
+    fake: FakeVllm,
+) -> None:
+    hub = gateway_hub(start_hub, trace_server, upstream[1], routes=[])
+    ask = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+    with hub.client() as c:
+        assert c.post("/register", json=TRAINER).status_code == 200
+        assert c.post("/v1/rollouts/step-1/chat/completions", json=ask).status_code == 200
+    assert finish(hub, "step-1").status_code == 200
+    calls = trace(hub, "step-1")["trace"]["metadata"]["gateway"]["calls"]
+    assert [c["policy_version"] for c in calls] == ["12"]

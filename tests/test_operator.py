@@ -447,3 +447,5 @@ def test_the_import_clients_requests_are_debug_lines(
                    "--log-level", "debug")
     assert told.returncode == 0, told.stderr
     assert f"HTTP Request: POST {hub.url}/v1/traces" in told.stderr, told.stderr
+    # Not the HTTP driver's every step: DEBUG is the hub's detail, not its libraries'.
+    assert " httpcore." not in told.stderr, told.stderr
