@@ -520,3 +520,22 @@ def test_without_a_route_version_calls_are_served_by_the_atropos_trainers_step(
     assert finish(hub, "step-1").status_code == 200
     calls = trace(hub, "step-1")["trace"]["metadata"]["gateway"]["calls"]
     assert [c["policy_version"] for c in calls] == ["12"]
+
+
+def test_the_upstream_is_the_tinker_sections_unless_named_and_routes_drop_fields(
+    start_hub: StartHub, trace_server: dict[str, Any], upstream: tuple[FakeVllm, str],
+    fake: FakeVllm, tmp_path: Path,
+) -> None:
+    """The seeds' model channel (tinker.json's base_url and api_key_env) is where calls
+    go when the gateway names no upstream; a route drops what the upstream refuses."""
+    tinker = tmp_path / "tinker.json"
+    tinker.write_text(json.dumps({"tinker": {"base_url": upstream[1], "api_key_env": KEY_ENV}}))
+    hub = start_hub(trace_server, "--tinker", str(tinker), listen=True, gateway={
+        "enabled": True, "routes": [{"model": "policy", "drop": ["temperature"]}]})
+    with hub.client() as c:
+        r = c.post("/v1/rollouts/channel-1/chat/completions", json={
+            "model": "policy", "temperature": 0.7,
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+    assert fake.headers[-1]["authorization"] == f"Bearer {fake.key}"
+    assert fake.received[-1]["model"] == "policy" and "temperature" not in fake.received[-1]
