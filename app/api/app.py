@@ -101,7 +101,7 @@ def _check_runs_access(config: HubConfig) -> None:
         raise ConfigError(
             "config.json: runs.enabled: with auth.enabled false anyone who reaches this "
             "port could start processes on this machine; turn auth on (auth.enabled: "
-            "true, then `atropos keys create --scope admin`), or set "
+            "true, then `atropos keys create --scope admin --name admin`), or set "
             "runs.allow_without_auth: true to accept that"
         )
     log.warning(
