@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -261,11 +262,13 @@ async def running_hub(
     engine: AsyncEngine | None = None,
     workers: bool = True,
     answering: asyncio.Event | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[Hub]:
     """The hub, serving. `answering`, when given, is set by the caller once the server
     answers HTTP and the tokenizer is loaded; the ingest processes and the stages start
     only then, so that a restarted hub answers within a second (atroposlib's envs give
-    up after three tries in 1.5-3 s). A trace that arrives earlier waits for them."""
+    up after three tries in 1.5-3 s). A trace that arrives earlier waits for them.
+    `clock`: monotonic seconds for the rate limits (a test's own, to move it)."""
     engine = engine or await open_database(settings.config)
     writer = OneHop(engine)
     outages = hub_outages(engine, settings)
@@ -283,7 +286,7 @@ async def running_hub(
             ) as ingest,
             running_gateway(settings, engine, writer, outages) as gateway,
         ):
-            access = Access(config.auth, engine)
+            access = Access(config.auth, engine, clock)
             if config.auth.enabled and not config.atropos.keys_required(config.auth):
                 log.warning(
                     "auth.enabled is on but atropos.require_key is off: the Atropos API "
