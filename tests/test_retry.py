@@ -38,6 +38,7 @@ from app.stages.compression import CompressionStage
 from app.stages.leases import Lease, claim, retry_later
 from app.stages.runner import StageRunner
 from tests.support.builders import native_trace
+from tests.support.clock import Clock
 from tests.support.databases import create_pg_database, drop_pg_database
 from tests.support.pipeline import insert_trace, migrated, stages
 from tests.support.waiting import wait_until_async
@@ -198,28 +199,29 @@ async def test_a_failing_assembly_pass_is_tried_again_later_each_time(
     """A pass that fails (a bug on one trace, the database) waits 1 s, then twice as long
     each time, up to BACKOFF_MAX_SECONDS: a failure that lasts costs little. A pass that
     works ends the backoff."""
-    now = [0.0]
+    clock = Clock()
+    clock.now = 0.0
     engine = create_engine(TraceServerConfig(db_path=str(tmp_path / "never-opened.db")))
-    stage = AssemblyStage(engine, OtlpConfig(), _never_prepared, clock=lambda: now[0])
+    stage = AssemblyStage(engine, OtlpConfig(), _never_prepared, clock=clock)
     passes: list[float] = []
     failing = [True]
 
     async def one_pass() -> int:
-        passes.append(now[0])
+        passes.append(clock.now)
         if failing[0]:
             raise RuntimeError("a pass that fails")
         return 1
 
     monkeypatch.setattr(stage, "_pass", one_pass)
     for quarter in range(4 * 80):  # 80 s, a pass looked for every quarter of a second
-        now[0] = quarter / 4
+        clock.now = quarter / 4
         try:
             await stage.run_once()
         except RuntimeError:
             pass
     assert passes == [0, 1, 3, 7, 15, 31, 31 + BACKOFF_MAX_SECONDS]
     failing[0] = False
-    now[0] = passes[-1] + BACKOFF_MAX_SECONDS
+    clock.now = passes[-1] + BACKOFF_MAX_SECONDS
     assert await stage.run_once() == 1
     assert await stage.run_once() == 1  # at once: the backoff ended with the pass that worked
     await engine.dispose()
