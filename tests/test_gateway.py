@@ -539,3 +539,49 @@ def test_the_upstream_is_the_tinker_sections_unless_named_and_routes_drop_fields
         assert r.status_code == 200, r.text
     assert fake.headers[-1]["authorization"] == f"Bearer {fake.key}"
     assert fake.received[-1]["model"] == "policy" and "temperature" not in fake.received[-1]
+
+
+def test_the_responses_api_is_forwarded_and_its_conversation_captured(
+    hub: InProcessHub, fake: FakeVllm
+) -> None:
+    client = openai.OpenAI(base_url=f"{hub.url}/v1/rollouts/responses-1", api_key="k",
+                           max_retries=0)
+    first = client.responses.create(model="policy", instructions="Be brief.",
+                                    input="What is 6 x 7?")
+    assert first.output_text == "The answer is 42."
+    assert fake.received[-1]["model"] == "fake-policy"  # the route applies here too
+    # The upstream keeps the conversation: the next call sends only what comes next.
+    client.responses.create(model="policy", previous_response_id=first.id,
+                            input=[{"role": "user", "content": [
+                                {"type": "input_text", "text": "And 7 x 6?"}]}])
+    assert finish(hub, "responses-1", reward=1.0).status_code == 200
+    record = trace(hub, "responses-1")
+    assert record["trace"]["task"] == "What is 6 x 7?"
+    assert [s.get("content") for s in record["trace"]["steps"]] == [
+        "Be brief.", "The answer is 42.", "And 7 x 6?", "The answer is 42."]
+    calls = record["trace"]["metadata"]["gateway"]["calls"]
+    assert [(c["kind"], c["status"]) for c in calls] == [("responses", 200)] * 2
+
+
+def test_responses_function_calls_are_the_agents_actions_and_an_image_adds_no_step() -> None:
+    from app.formats import gateway
+
+    def call(request: dict[str, Any], output: list[Any]) -> dict[str, Any]:
+        return {"kind": "responses", "request": request, "status": 200,
+                "response": {"status": "completed", "output": output}}
+
+    asked = [{"role": "user", "content": "Read README.md"}]
+    called = {"type": "function_call", "call_id": "c1", "name": "read_file",
+              "arguments": '{"path": "README.md"}'}
+    result = {"type": "function_call_output", "call_id": "c1", "output": "It answers 42."}
+    said = {"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": "The answer is 42."}]}
+    image = {"role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}
+    trace = gateway.parse(gateway.document("r-1", [
+        call({"input": asked, "tools": TOOLS}, [called]),
+        call({"input": [*asked, called, result]}, [said]),
+        call({"input": [*asked, called, result, said, image]}, [said]),
+    ], None))
+    assert [s.type for s in trace.steps] == ["action", "observation", "final"]
+    assert trace.steps[0].tool == "read_file" and trace.steps[1].call_id == "c1"
+    assert trace.steps[2].content == "The answer is 42."
