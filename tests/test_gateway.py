@@ -577,10 +577,11 @@ def test_responses_function_calls_are_the_agents_actions_and_an_image_adds_no_st
     said = {"type": "message", "role": "assistant",
             "content": [{"type": "output_text", "text": "The answer is 42."}]}
     image = {"role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}
+    thought = {"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}
     trace = gateway.parse(gateway.document("r-1", [
         call({"input": asked, "tools": TOOLS}, [called]),
-        call({"input": [*asked, called, result]}, [said]),
-        call({"input": [*asked, called, result, said, image]}, [said]),
+        call({"input": [*asked, called, result]}, [thought, said]),
+        call({"input": [*asked, called, result, thought, said, image]}, [said]),
     ], None))
     assert [s.type for s in trace.steps] == ["action", "observation", "final"]
     assert trace.steps[0].tool == "read_file" and trace.steps[1].call_id == "c1"

@@ -182,9 +182,7 @@ def _answer(call: dict[str, Any]) -> dict[str, Any] | str | None:
         message = first.get("message")
         return message if isinstance(message, dict) else None
     if call.get("kind") == "responses":
-        said = _responses_items([item for item in response.get("output") or []
-                                 if not (isinstance(item, dict)
-                                         and item.get("type") == "reasoning")])
+        said = _responses_items(response.get("output") or [])
         if not said or any(m.get("role") != "assistant" for m in said):
             return None
         answered: dict[str, Any] = {"role": "assistant", "content": None}
@@ -221,7 +219,8 @@ def _responses_input(call: dict[str, Any]) -> tuple[list[Any], bool] | None:
 
 def _responses_items(items: list[Any]) -> list[dict[str, Any]] | None:
     """Responses API items as chat messages: messages (their text parts), function
-    calls (an assistant message's tool calls) and their outputs (tool messages)."""
+    calls (an assistant message's tool calls) and their outputs (tool messages);
+    reasoning items stay in the capture only, as they do when resent."""
     said: list[dict[str, Any]] = []
     for item in items:
         if not isinstance(item, dict):
@@ -246,6 +245,8 @@ def _responses_items(items: list[Any]) -> list[dict[str, Any]] | None:
                 last["tool_calls"].append(called)
             else:
                 said.append({"role": "assistant", "content": None, "tool_calls": [called]})
+        elif kind == "reasoning":
+            continue  # the model's own reasoning, opaque (encrypted) or summarised: in the capture
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(output, str):
