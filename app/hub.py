@@ -17,16 +17,14 @@ from typing import Any
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import files
 from app.access.guard import Access
 from app.atropos import Atropos
 from app.compression import ModelSummarizer
 from app.config import CompressionFile, HubConfig, TinkerFile
-from app.db import migrate
 from app.db.dialect import OneHop
-from app.db.engine import create_engine, database_url, redacted
-from app.db.errors import outage_of, unusable_database
+from app.db.errors import outage_of
 from app.db.group_commit import GroupCommit
+from app.db.migrate import open_database
 from app.db.schedule import claim_if_due
 from app.evaluation.environment import Environment
 from app.gateway.service import Gateway
@@ -119,42 +117,6 @@ class Hub:
                 log.exception("the write probe failed")
         else:
             self.outages.database.works()
-
-
-async def open_database(config: HubConfig) -> AsyncEngine:
-    """The engine, with the schema brought to the current revision first. A database
-    that cannot be opened stops start-up with one line (`unusable_database`)."""
-    files.use_group(config.trace_server.file_group)
-    engine: AsyncEngine | None = None
-    try:
-        engine = create_engine(config.trace_server)
-        log.info("database %s", redacted(database_url(config.trace_server)))
-        await migrate.upgrade(engine)
-    except asyncio.CancelledError:
-        # Ctrl-C mid-migration: the connection's thread may still be running a
-        # statement; disposing waits for it, so that it never answers a closed loop.
-        if engine is not None:
-            await engine.dispose()
-        raise
-    except Exception as exc:
-        if engine is not None:
-            await engine.dispose()
-        unusable = unusable_database(config.trace_server, exc)
-        if unusable is None:
-            raise
-        raise unusable from exc
-    return engine
-
-
-@asynccontextmanager
-async def database(config: HubConfig) -> AsyncIterator[AsyncEngine]:
-    """The database of `config`, migrated (open_database), for as long as the block
-    runs; the engine is disposed of at its end."""
-    engine = await open_database(config)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
 
 
 def hub_outages(engine: AsyncEngine, settings: Settings) -> Outages:
