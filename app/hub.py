@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -16,18 +17,16 @@ from typing import Any
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from app import files
 from app.access.guard import Access
 from app.atropos import Atropos
 from app.atropos.hub_env import HubEnv
 from app.atropos.tables import AtroposDb
 from app.compression import ModelSummarizer
 from app.config import AtroposTargetConfig, CompressionFile, HubConfig, TinkerFile
-from app.db import migrate
 from app.db.dialect import OneHop
-from app.db.engine import create_engine, database_url, redacted
-from app.db.errors import outage_of, unusable_database
+from app.db.errors import outage_of
 from app.db.group_commit import GroupCommit
+from app.db.migrate import open_database
 from app.db.schedule import claim_if_due
 from app.evaluation.environment import Environment
 from app.gateway.service import Gateway
@@ -130,42 +129,6 @@ def entry_stage(settings: Settings) -> EntryStage:
     config = settings.config
     return EntryStage(settings.compression.compression, config.trace_server.max_trace_tokens,
                       config.distributor.min_reward_threshold)
-
-
-async def open_database(config: HubConfig) -> AsyncEngine:
-    """The engine, with the schema brought to the current revision first. A database
-    that cannot be opened stops start-up with one line (`unusable_database`)."""
-    files.use_group(config.trace_server.file_group)
-    engine: AsyncEngine | None = None
-    try:
-        engine = create_engine(config.trace_server)
-        log.info("database %s", redacted(database_url(config.trace_server)))
-        await migrate.upgrade(engine)
-    except asyncio.CancelledError:
-        # Ctrl-C mid-migration: the connection's thread may still be running a
-        # statement; disposing waits for it, so that it never answers a closed loop.
-        if engine is not None:
-            await engine.dispose()
-        raise
-    except Exception as exc:
-        if engine is not None:
-            await engine.dispose()
-        unusable = unusable_database(config.trace_server, exc)
-        if unusable is None:
-            raise
-        raise unusable from exc
-    return engine
-
-
-@asynccontextmanager
-async def database(config: HubConfig) -> AsyncIterator[AsyncEngine]:
-    """The database of `config`, migrated (open_database), for as long as the block
-    runs; the engine is disposed of at its end."""
-    engine = await open_database(config)
-    try:
-        yield engine
-    finally:
-        await engine.dispose()
 
 
 def hub_outages(engine: AsyncEngine, settings: Settings) -> Outages:
@@ -288,11 +251,13 @@ async def running_hub(
     engine: AsyncEngine | None = None,
     workers: bool = True,
     answering: asyncio.Event | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[Hub]:
     """The hub, serving. `answering`, when given, is set by the caller once the server
     answers HTTP and the tokenizer is loaded; the ingest processes and the stages start
     only then, so that a restarted hub answers within a second (atroposlib's envs give
-    up after three tries in 1.5-3 s). A trace that arrives earlier waits for them."""
+    up after three tries in 1.5-3 s). A trace that arrives earlier waits for them.
+    `clock`: monotonic seconds for the rate limits (a test's own, to move it)."""
     engine = engine or await open_database(settings.config)
     writer = OneHop(engine)
     outages = hub_outages(engine, settings)
@@ -311,7 +276,7 @@ async def running_hub(
             ) as ingest,
             running_gateway(settings, engine, writer, outages) as gateway,
         ):
-            access = Access(config.auth, engine)
+            access = Access(config.auth, engine, clock)
             if config.auth.enabled and not config.atropos.keys_required(config.auth):
                 log.warning(
                     "auth.enabled is on but atropos.require_key is off: the Atropos API "
@@ -342,7 +307,7 @@ async def running_hub(
                     await hub.runs.start()  # re-attaches to the runs a previous hub left
                 # What exists now lives as long as the process: keep it out of the
                 # collector's full passes, which otherwise walked every object of
-                # the app (~60 ms, once a second under ingest load).
+                # the app, often under ingest load.
                 gc.freeze()
                 yield hub
             finally:

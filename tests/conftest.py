@@ -6,6 +6,7 @@ helpers behind them live in tests/support/."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -68,14 +69,14 @@ StartHubProcess = Callable[..., HubProcess]
 
 @pytest.fixture
 def start_hub(tmp_path: Path) -> Iterator[StartHub]:
-    """start_hub(trace_server, *serve_args, listen=False, **sections) -> a running
-    in-process hub (tests/support/hubs.py), stopped afterwards."""
+    """start_hub(trace_server, *serve_args, listen=False, clock=None, **sections) -> a
+    running in-process hub (tests/support/hubs.py), stopped afterwards."""
     hubs: list[InProcessHub] = []
 
     def start(trace_server: dict[str, Any], *args: str, listen: bool = False,
-              **sections: Any) -> InProcessHub:
+              clock: Callable[[], float] = time.monotonic, **sections: Any) -> InProcessHub:
         hub = InProcessHub(write_config(tmp_path, trace_server, **sections), *args,
-                           listen=listen)
+                           listen=listen, clock=clock)
         hubs.append(hub)
         return hub.start()
 

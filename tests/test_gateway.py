@@ -480,3 +480,109 @@ def test_with_auth_on_agents_need_a_gateway_key(
     assert client.chat.completions.create(**ask).choices[0].message.content  # type: ignore[call-overload]
     # The hub's key went no further: the upstream saw only its own.
     assert fake.headers[-1]["authorization"] == f"Bearer {fake.key}"
+
+
+def test_an_agent_that_leaves_mid_stream_leaves_its_call_captured_and_marked(
+    hub: InProcessHub, fake: FakeVllm
+) -> None:
+    fake.reply = lambda body: "word " * 200
+    fake.chunk_delay = 0.02
+    ask = {"model": "policy", "messages": [{"role": "user", "content": "talk"}], "stream": True}
+    with httpx.Client(timeout=30) as c, c.stream(
+            "POST", f"{hub.url}/v1/rollouts/left-1/chat/completions", json=ask) as answer:
+        assert answer.status_code == 200
+        received = 0
+        for received, _ in enumerate(answer.iter_raw(), 1):
+            if received == 3:
+                break  # the agent goes: its connection closes, the answer unread
+    assert received == 3 and fake.streams_ended == 0
+    # A finish is refused until the rollout has a captured call.
+    wait_until(lambda: finish(hub, "left-1").status_code == 200, 30,
+               what="the call captured after its agent left")
+    [call] = trace(hub, "left-1")["trace"]["metadata"]["gateway"]["calls"]
+    assert call["disconnected"] is True and call["stream"] is True and call["status"] == 200
+
+
+TRAINER = {"wandb_group": "g", "wandb_project": "p", "batch_size": 2, "max_token_len": 512,
+           "checkpoint_dir": "c", "save_checkpoint_interval": 10, "starting_step": 12,
+           "num_steps": 100}
+
+
+def test_without_a_route_version_calls_are_served_by_the_atropos_trainers_step(
+    start_hub: StartHub, trace_server: dict[str, Any], upstream: tuple[FakeVllm, str],
+    fake: FakeVllm,
+) -> None:
+    hub = gateway_hub(start_hub, trace_server, upstream[1], routes=[])
+    ask = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+    with hub.client() as c:
+        assert c.post("/register", json=TRAINER).status_code == 200
+        assert c.post("/v1/rollouts/step-1/chat/completions", json=ask).status_code == 200
+    assert finish(hub, "step-1").status_code == 200
+    calls = trace(hub, "step-1")["trace"]["metadata"]["gateway"]["calls"]
+    assert [c["policy_version"] for c in calls] == ["12"]
+
+
+def test_the_upstream_is_the_tinker_sections_unless_named_and_routes_drop_fields(
+    start_hub: StartHub, trace_server: dict[str, Any], upstream: tuple[FakeVllm, str],
+    fake: FakeVllm, tmp_path: Path,
+) -> None:
+    """The seeds' model channel (tinker.json's base_url and api_key_env) is where calls
+    go when the gateway names no upstream; a route drops what the upstream refuses."""
+    tinker = tmp_path / "tinker.json"
+    tinker.write_text(json.dumps({"tinker": {"base_url": upstream[1], "api_key_env": KEY_ENV}}))
+    hub = start_hub(trace_server, "--tinker", str(tinker), listen=True, gateway={
+        "enabled": True, "routes": [{"model": "policy", "drop": ["temperature"]}]})
+    with hub.client() as c:
+        r = c.post("/v1/rollouts/channel-1/chat/completions", json={
+            "model": "policy", "temperature": 0.7,
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 200, r.text
+    assert fake.headers[-1]["authorization"] == f"Bearer {fake.key}"
+    assert fake.received[-1]["model"] == "policy" and "temperature" not in fake.received[-1]
+
+
+def test_the_responses_api_is_forwarded_and_its_conversation_captured(
+    hub: InProcessHub, fake: FakeVllm
+) -> None:
+    client = openai.OpenAI(base_url=f"{hub.url}/v1/rollouts/responses-1", api_key="k",
+                           max_retries=0)
+    first = client.responses.create(model="policy", instructions="Be brief.",
+                                    input="What is 6 x 7?")
+    assert first.output_text == "The answer is 42."
+    assert fake.received[-1]["model"] == "fake-policy"  # the route applies here too
+    # The upstream keeps the conversation: the next call sends only what comes next.
+    client.responses.create(model="policy", previous_response_id=first.id,
+                            input=[{"role": "user", "content": [
+                                {"type": "input_text", "text": "And 7 x 6?"}]}])
+    assert finish(hub, "responses-1", reward=1.0).status_code == 200
+    record = trace(hub, "responses-1")
+    assert record["trace"]["task"] == "What is 6 x 7?"
+    assert [s.get("content") for s in record["trace"]["steps"]] == [
+        "Be brief.", "The answer is 42.", "And 7 x 6?", "The answer is 42."]
+    calls = record["trace"]["metadata"]["gateway"]["calls"]
+    assert [(c["kind"], c["status"]) for c in calls] == [("responses", 200)] * 2
+
+
+def test_responses_function_calls_are_the_agents_actions_and_an_image_adds_no_step() -> None:
+    from app.formats import gateway
+
+    def call(request: dict[str, Any], output: list[Any]) -> dict[str, Any]:
+        return {"kind": "responses", "request": request, "status": 200,
+                "response": {"status": "completed", "output": output}}
+
+    asked = [{"role": "user", "content": "Read README.md"}]
+    called = {"type": "function_call", "call_id": "c1", "name": "read_file",
+              "arguments": '{"path": "README.md"}'}
+    result = {"type": "function_call_output", "call_id": "c1", "output": "It answers 42."}
+    said = {"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": "The answer is 42."}]}
+    image = {"role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}
+    thought = {"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}
+    trace = gateway.parse(gateway.document("r-1", [
+        call({"input": asked, "tools": TOOLS}, [called]),
+        call({"input": [*asked, called, result]}, [thought, said]),
+        call({"input": [*asked, called, result, thought, said, image]}, [said]),
+    ], None))
+    assert [s.type for s in trace.steps] == ["action", "observation", "final"]
+    assert trace.steps[0].tool == "read_file" and trace.steps[1].call_id == "c1"
+    assert trace.steps[2].content == "The answer is 42."

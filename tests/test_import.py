@@ -52,6 +52,11 @@ def test_the_whole_corpus_is_stored_or_reported(tmp_path: Path) -> None:
         # tau-bench's reward is the environment's: its own column, no status made of it.
         assert one(f"SELECT count(*) FROM traces WHERE {origin} LIKE '%tau-bench%' "
                    "AND env_reward = 1 AND status = 'unknown'") == 84
+        # Where each came from: the source's own format, and its env and model.
+        assert conn.execute(f"SELECT DISTINCT source_format, env, model FROM traces "
+                            f"WHERE {origin} LIKE '%tau-bench%'").fetchall() == [
+            ("tau_bench", "airline", "gpt-4o")]
+        assert one("SELECT count(*) FROM traces WHERE source_format = 'native'") == 0
         # The KnowAgent run that repeats one action 46 times (line 4) loops.
         assert one(f"SELECT json_extract(reward_breakdown, '$.loop_detected.fired') FROM traces "
                    f"WHERE {origin} LIKE '%KnowAgent%:4'") == 1

@@ -229,6 +229,7 @@ def test_a_stop_signal_while_the_processes_start_ends_within_dockers_stop_timeou
     assert "Traceback" not in hub.log, hub.log
 
 
+@pytest.mark.process
 def test_ingest_processes_start_with_the_hub_and_die_with_it(
     start_hub_process: Any, tmp_path: Path
 ) -> None:

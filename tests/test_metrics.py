@@ -174,6 +174,7 @@ def test_every_metric_the_dashboard_uses_is_exported(client: httpx.Client) -> No
         assert types.get(base) == kind, f"the dashboard queries {name}, which /metrics lacks"
 
 
+@pytest.mark.process
 def test_a_fresh_hub_has_a_series_for_every_metric_the_dashboard_queries(
     start_hub_process: Any, tmp_path: Path
 ) -> None:

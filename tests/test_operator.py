@@ -5,6 +5,7 @@ the traceback only with --debug; typos refused; the log's level and format."""
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import re
@@ -270,6 +271,41 @@ def test_every_help_ends_with_an_example_that_parses() -> None:
             "keys create", "run", "train", "doctor", "rescore"} <= set(seen)
 
 
+def _commands_the_hub_prints() -> dict[str, str]:
+    """Each `atropos ...` command that the hub's messages (its string literals, not
+    docstrings) and dashboard pages tell a user to run, with its options: -> where."""
+    found: dict[str, str] = {}
+    for path in sorted((ROOT / "app").rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef,
+                                           ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and id(node) not in docstrings):
+                for command in re.findall(r"`(atropos [^`]* --[^`]*)`", node.value):
+                    found[command] = f"{path.relative_to(ROOT)}:{node.lineno}"
+    for page in sorted((ROOT / "app" / "api" / "ui" / "templates").glob("*.html")):
+        for command in re.findall(r"<code>(atropos [^<]* --[^<]*)</code>", page.read_text()):
+            found[command] = str(page.relative_to(ROOT))
+    return found
+
+
+def test_every_command_the_hub_tells_a_user_to_run_parses_as_printed() -> None:
+    from app.cli.main import build_parser
+
+    top = build_parser()
+    commands = _commands_the_hub_prints()
+    assert "atropos keys create --scope admin --name admin" in commands  # the scan works
+    for command, where in commands.items():
+        words = shlex.split(re.sub(r"%[sdr]|\{[^}]*\}", "ID", command))
+        try:
+            top.parse_args(words[1:])
+        except SystemExit:
+            raise AssertionError(f"{where}: `{command}` does not run as printed") from None
+
+
 # --- logs a person can read -------------------------------------------------------------
 
 
@@ -447,3 +483,5 @@ def test_the_import_clients_requests_are_debug_lines(
                    "--log-level", "debug")
     assert told.returncode == 0, told.stderr
     assert f"HTTP Request: POST {hub.url}/v1/traces" in told.stderr, told.stderr
+    # Not the HTTP driver's every step: DEBUG is the hub's detail, not its libraries'.
+    assert " httpcore." not in told.stderr, told.stderr

@@ -5,14 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.access.ratelimit import RateLimiter
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import Clock
 
 
 def test_burst_then_the_rate() -> None:

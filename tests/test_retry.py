@@ -19,6 +19,7 @@ from app.config import (
     DeliveryRetry,
     EnvironmentConfig,
     LimitsConfig,
+    OtlpConfig,
     RetryPolicy,
     TraceServerConfig,
 )
@@ -31,9 +32,13 @@ from app.errors import Unavailable
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Preparer
 from app.ingest.inserter import PreparedTrace, TraceInserter
+from app.outage import Outage
+from app.stages.assembly import BACKOFF_MAX_SECONDS, AssemblyStage
 from app.stages.compression import CompressionStage
 from app.stages.leases import Lease, claim, retry_later
+from app.stages.runner import StageRunner
 from tests.support.builders import native_trace
+from tests.support.clock import Clock
 from tests.support.databases import create_pg_database, drop_pg_database
 from tests.support.pipeline import insert_trace, migrated, stages
 from tests.support.waiting import wait_until_async
@@ -186,3 +191,73 @@ async def test_the_inserter_logs_a_bug_with_its_traceback_and_a_refusal_in_one_l
 def _prepared(trace_id: str) -> PreparedTrace:
     preparer = Preparer(Environment.from_config(EnvironmentConfig()), LimitsConfig())
     return PreparedTrace.of(preparer.row(native_trace(trace_id=trace_id)))
+
+
+async def test_a_failing_assembly_pass_is_tried_again_later_each_time(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A pass that fails (a bug on one trace, the database) waits 1 s, then twice as long
+    each time, up to BACKOFF_MAX_SECONDS: a failure that lasts costs little. A pass that
+    works ends the backoff."""
+    clock = Clock()
+    clock.now = 0.0
+    engine = create_engine(TraceServerConfig(db_path=str(tmp_path / "never-opened.db")))
+    stage = AssemblyStage(engine, OtlpConfig(), _never_prepared, clock=clock)
+    passes: list[float] = []
+    failing = [True]
+
+    async def one_pass() -> int:
+        passes.append(clock.now)
+        if failing[0]:
+            raise RuntimeError("a pass that fails")
+        return 1
+
+    monkeypatch.setattr(stage, "_pass", one_pass)
+    for quarter in range(4 * 80):  # 80 s, a pass looked for every quarter of a second
+        clock.now = quarter / 4
+        try:
+            await stage.run_once()
+        except RuntimeError:
+            pass
+    assert passes == [0, 1, 3, 7, 15, 31, 31 + BACKOFF_MAX_SECONDS]
+    failing[0] = False
+    clock.now = passes[-1] + BACKOFF_MAX_SECONDS
+    assert await stage.run_once() == 1
+    assert await stage.run_once() == 1  # at once: the backoff ended with the pass that worked
+    await engine.dispose()
+
+
+async def _never_prepared(items: list[Any], source: str | None) -> list[Any]:
+    raise AssertionError("not called: the passes are the test's")
+
+
+async def test_a_stage_failing_for_a_passing_reason_is_said_in_one_line_and_tried_soon(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An ingest process killed during assembly: no traceback, and the stage tries again
+    within a second or so, not after the flush interval (an hour here)."""
+    calls: list[float] = []
+    again = asyncio.Event()
+
+    class Stopped:
+        name = "assembly"
+
+        async def run_once(self) -> int:
+            calls.append(asyncio.get_running_loop().time())
+            if len(calls) == 1:
+                raise Unavailable("an ingest process stopped while it held this pass")
+            again.set()
+            return 0
+
+    runner = StageRunner(flush_interval=3600, outage=Outage("the database", "nothing"))
+    runner.add(Stopped())
+    with caplog.at_level(logging.INFO, "atropos"):
+        runner.start()
+        try:
+            await asyncio.wait_for(again.wait(), 30)
+        finally:
+            await runner.stop()
+    [said] = [r for r in caplog.records if r.name == "atropos.worker"]
+    assert said.levelno == logging.INFO and said.exc_info is None
+    assert said.getMessage() == ("stage assembly: an ingest process stopped while it held "
+                                 "this pass; retrying in 1 s")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -31,12 +33,14 @@ class Principal:
 
 
 class Access:
-    def __init__(self, config: AuthConfig, engine: AsyncEngine) -> None:
+    def __init__(self, config: AuthConfig, engine: AsyncEngine,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: monotonic seconds, which the rate limit refills by."""
         self.config = config
         self._keys = KeyRing(engine, config.key_cache_seconds)
         self.sessions = Sessions(engine, self._keys, timedelta(hours=config.session_hours))
         rate = config.rate_limit_per_second
-        self._limiter = RateLimiter(rate, config.rate_limit_burst) if rate else None
+        self._limiter = RateLimiter(rate, config.rate_limit_burst, clock) if rate else None
         # Auth off and no rate limit: every request is admitted, whatever it presents.
         self.admits_all = not config.enabled and self._limiter is None
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -32,10 +33,11 @@ def create_app(
     engine: AsyncEngine | None = None,
     workers: bool = True,
     answering: asyncio.Event | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> FastAPI:
     """The API. Config errors (rules, filters) raise ConfigError here, before serving;
     `engine` may be opened (and migrated) by the caller, else the lifespan opens it;
-    `answering`: see `running_hub`."""
+    `answering`, `clock`: see `running_hub`."""
     config = settings.config
     _check_runs_access(config)
     environment = environment or Environment.from_config(config.environment)
@@ -43,7 +45,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[dict[str, object]]:
         async with running_hub(
-            settings, environment, engine=engine, workers=workers, answering=answering
+            settings, environment, engine=engine, workers=workers, answering=answering,
+            clock=clock,
         ) as hub:
             yield {"hub": hub}
 
@@ -101,7 +104,7 @@ def _check_runs_access(config: HubConfig) -> None:
         raise ConfigError(
             "config.json: runs.enabled: with auth.enabled false anyone who reaches this "
             "port could start processes on this machine; turn auth on (auth.enabled: "
-            "true, then `atropos keys create --scope admin`), or set "
+            "true, then `atropos keys create --scope admin --name admin`), or set "
             "runs.allow_without_auth: true to accept that"
         )
     log.warning(

@@ -8,9 +8,9 @@ import sys
 from app.cli.options import Commands, command, group
 from app.config import load_config
 from app.db.batch_queries import list_batches, retry_batch, retry_failed_batches
+from app.db.migrate import database
 from app.domain import BatchState
 from app.errors import ConfigError, HubError
-from app.hub import database
 
 
 def register(commands: Commands[argparse.ArgumentParser]) -> None:

@@ -9,7 +9,7 @@ import logging
 from app.cli.options import Commands, command, group
 from app.config import load_config
 from app.db import migrate
-from app.hub import database
+from app.db.migrate import database
 
 log = logging.getLogger("atropos")
 

@@ -54,13 +54,13 @@ from app.atropos.tables import AtroposDb
 from app.cli.options import Commands, add_since, command, counted
 from app.cli.progress import Progress
 from app.config import HubConfig, load_config
+from app.db.migrate import database
 from app.db.models import TRACES
 from app.db.trace_queries import LabelFilter, labelled
 from app.domain import Stage, Trace
 from app.errors import ConfigError, StartupError, Unexportable
 from app.evaluation.environment import Environment
 from app.formats import dataset
-from app.hub import database
 
 log = logging.getLogger("atropos.export")
 

@@ -22,9 +22,9 @@ from app.access.keys import bearer_from_env
 from app.cli.options import Commands, command, ctrl_c_stops
 from app.cli.progress import Progress
 from app.config import HubConfig, load_config
+from app.db.migrate import database
 from app.errors import ConfigError, HubError, StartupError
 from app.evaluation.environment import Environment
-from app.hub import database
 from app.import_sources import Parsed, Record, Unreadable, read_path
 from app.ingest.ingestor import Ingestor, running_ingest
 from app.ingest.inserter import Stored

@@ -10,8 +10,8 @@ from datetime import datetime
 from app.access import keys
 from app.cli.options import Commands, command, group
 from app.config import load_config
+from app.db.migrate import database
 from app.errors import HubError
-from app.hub import database
 
 log = logging.getLogger("atropos")
 

@@ -9,9 +9,9 @@ import sys
 from app.cli.options import Commands, command, duration
 from app.cli.progress import Progress
 from app.config import load_config
+from app.db.migrate import database
 from app.domain import NEVER_PRUNED, Stage
 from app.errors import ConfigError
-from app.hub import database
 from app.stages import retention
 
 

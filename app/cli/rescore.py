@@ -32,13 +32,13 @@ from app.cli.options import Commands, add_since, command
 from app.cli.progress import Progress
 from app.compression import Compressed, compress
 from app.config import CompressionConfig, load_compression, load_config
+from app.db.migrate import database
 from app.db.models import MEMBERS, REVIEWS, TRACES
 from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import Outcome, Stage, Trace
 from app.errors import HubError
 from app.evaluation.environment import Environment
-from app.hub import database
 from app.import_sources import fireact
 from app.import_sources._common import env_reward
 

@@ -16,16 +16,10 @@ from app import formats
 from app.api.app import create_app
 from app.api.server import exposure, listening_socket, server_config
 from app.cli.options import Commands, add_hub_files, command, counted, load_settings
+from app.db.migrate import database, open_database
 from app.errors import StartupError
 from app.evaluation.environment import Environment
-from app.hub import (
-    Settings,
-    add_assembly,
-    database,
-    entry_stage,
-    open_database,
-    running_stages,
-)
+from app.hub import Settings, add_assembly, entry_stage, running_stages
 from app.ingest.ingestor import running_ingest
 from app.metrics import Tally, start_at_zero, summarizing
 from app.tokens import encoding

@@ -5,11 +5,16 @@ A database already at the head (the usual start) costs one SELECT: the head is r
 from the revision files' `revision` / `down_revision` assignments, and alembic, whose
 import alone is a third of a second and more (it pulls in mako and pygments), is
 imported only when there is something to migrate. A hub that restarts must answer
-within a second."""
+within a second. `open_database` and `database` open a config's database, migrated,
+for every command and the hub, without importing the hub."""
 
 from __future__ import annotations
 
 import ast
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +23,13 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import migrations
+from app import files
+from app.config import HubConfig
 from app.db.dialect import migration_lock
+from app.db.engine import create_engine, database_url, redacted
+from app.db.errors import unusable_database
+
+log = logging.getLogger("atropos")
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -97,3 +108,39 @@ def _upgrade(sync_conn: sa.Connection, revision: str) -> None:
 
     migration_lock(sync_conn)
     command.upgrade(_alembic_config(sync_conn), revision)
+
+
+async def open_database(config: HubConfig) -> AsyncEngine:
+    """The engine, with the schema brought to the current revision first. A database
+    that cannot be opened stops start-up with one line (`unusable_database`)."""
+    files.use_group(config.trace_server.file_group)
+    engine: AsyncEngine | None = None
+    try:
+        engine = create_engine(config.trace_server)
+        log.info("database %s", redacted(database_url(config.trace_server)))
+        await upgrade(engine)
+    except asyncio.CancelledError:
+        # Ctrl-C mid-migration: the connection's thread may still be running a
+        # statement; disposing waits for it, so that it never answers a closed loop.
+        if engine is not None:
+            await engine.dispose()
+        raise
+    except Exception as exc:
+        if engine is not None:
+            await engine.dispose()
+        unusable = unusable_database(config.trace_server, exc)
+        if unusable is None:
+            raise
+        raise unusable from exc
+    return engine
+
+
+@asynccontextmanager
+async def database(config: HubConfig) -> AsyncIterator[AsyncEngine]:
+    """The database of `config`, migrated (open_database), for as long as the block
+    runs; the engine is disposed of at its end."""
+    engine = await open_database(config)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()

@@ -15,9 +15,13 @@ the first user message is the task. When a call's messages do not begin with the
 conversation so far (an agent that edits its history), the new messages are appended
 and `metadata.gateway.edited_at_call` says at which call. A completion call's prompt is
 a user message (or, continuing the previous prompt and completion, what it adds), its
-text the assistant's. `finish` gives the outcome: `reward` (the environment's),
-`status`, `task` (replaces the first user message as the task), `group` (the group
-of rollouts it belongs to, as `metadata.group`: app/targets/atropos.py) and `metadata`.
+text the assistant's. A Responses API call's `instructions` and `input` are its
+messages (`previous_response_id`: its input continues the conversation), its output's
+messages and function calls the answer; a call holding an item that maps to no chat
+message (an image, a built-in tool) adds nothing but its capture. `finish` gives the
+outcome: `reward` (the environment's), `status`, `task` (replaces the first user
+message as the task), `group` (the group of rollouts it belongs to, as
+`metadata.group`: app/targets/atropos.py) and `metadata`.
 
 Per call, `metadata.gateway.calls` keeps its model asked for and answered by, policy
 version, latency, time to first byte, usage, finish reason, status and error, and
@@ -120,6 +124,13 @@ def _conversation(calls: list[dict[str, Any]]) -> tuple[list[Any], int | None]:
     prompt_so_far: str | None = None
     for i, (call, messages) in enumerate(zip(calls, messages_of(calls))):
         answer = _answer(call)
+        if call.get("kind") == "responses":
+            given = _responses_input(call)
+            if given is None:
+                continue
+            messages, continued = given
+            if continued:
+                messages = [*conversation, *messages]
         if call.get("kind") == "completion":
             prompt = _prompt(call)
             if prompt is None:
@@ -175,19 +186,80 @@ def _answer(call: dict[str, Any]) -> dict[str, Any] | str | None:
         message = first.get("message")
         return message if isinstance(message, dict) else None
     if call.get("kind") == "responses":
-        text = _responses_text(response)
-        return {"role": "assistant", "content": text} if text else None
+        said = _responses_items(response.get("output") or [])
+        if not said or any(m.get("role") != "assistant" for m in said):
+            return None
+        answered: dict[str, Any] = {"role": "assistant", "content": None}
+        for m in said:
+            if m.get("content"):
+                answered["content"] = (answered["content"] or "") + m["content"]
+            answered.setdefault("tool_calls", []).extend(m.get("tool_calls") or [])
+        if not answered["tool_calls"]:
+            del answered["tool_calls"]
+        return answered
     return None
 
 
-def _responses_text(response: dict[str, Any]) -> str:
-    parts = []
-    for item in response.get("output") or []:
-        if isinstance(item, dict) and item.get("type") == "message":
-            for part in item.get("content") or []:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    parts.append(part["text"])
-    return "".join(parts)
+def _responses_input(call: dict[str, Any]) -> tuple[list[Any], bool] | None:
+    """A Responses API call's messages, and whether they continue the conversation so
+    far: with `previous_response_id` the upstream keeps the conversation and the input
+    is what comes next; else the instructions are the system message, then the input.
+    None when an item maps to no chat message."""
+    request = call["request"] if isinstance(call.get("request"), dict) else {}
+    given = request.get("input")
+    items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+    if not isinstance(items, list):
+        return None
+    said = _responses_items(items)
+    if said is None:
+        return None
+    if request.get("previous_response_id"):
+        return said, True
+    instructions = request.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        said.insert(0, {"role": "system", "content": instructions})
+    return said, False
+
+
+def _responses_items(items: list[Any]) -> list[dict[str, Any]] | None:
+    """Responses API items as chat messages: messages (their text parts), function
+    calls (an assistant message's tool calls) and their outputs (tool messages);
+    reasoning items stay in the capture only, as they do when resent."""
+    said: list[dict[str, Any]] = []
+    for item in items:
+        if not isinstance(item, dict):
+            return None
+        kind = item.get("type", "message")
+        if kind == "message" and isinstance(item.get("role"), str):
+            content = item.get("content")
+            if isinstance(content, list):
+                texts = [part.get("text") for part in content if isinstance(part, dict)]
+                if not all(isinstance(t, str) for t in texts):
+                    return None  # an image, a file: no chat text holds it
+                content = "".join(t for t in texts if isinstance(t, str))
+            if not isinstance(content, str):
+                return None
+            said.append({"role": item["role"], "content": content})
+        elif kind == "function_call":
+            called = {"id": item.get("call_id"), "type": "function",
+                      "function": {"name": item.get("name"),
+                                   "arguments": item.get("arguments")}}
+            last = said[-1] if said else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(called)
+            else:
+                said.append({"role": "assistant", "content": None, "tool_calls": [called]})
+        elif kind == "reasoning":
+            continue  # the model's own reasoning, opaque (encrypted) or summarised: in the capture
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(output, str):
+                return None
+            said.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                         "content": output})
+        else:
+            return None
+    return said
 
 
 def _prompt(call: dict[str, Any]) -> str | None:

@@ -486,8 +486,8 @@ def _serve(sock: socket.socket, preparer: Preparer, progress: Any) -> None:
         signal.signal(sig, signal.SIG_IGN)
     encoding()  # loaded by the fork server already (app/ingest/preload.py); if not, now
     # What exists now lives as long as the process: kept out of the collector's full
-    # passes, each ~65 ms over the imported hub, which held up every trace in the
-    # process meanwhile (p99 at 50 KB; the serving process does the same, app/hub.py).
+    # passes, each of which walks the whole imported hub and holds up every trace in
+    # the process meanwhile (the serving process does the same, app/hub.py).
     gc.freeze()
     frames = 0
     received = bytearray()
@@ -518,12 +518,11 @@ def _serve(sock: socket.socket, preparer: Preparer, progress: Any) -> None:
                 sock.sendall(b"".join(replies))
 
 
-# Calls go to the first process until it holds this much work (~16 ms of preparing at
-# ~60 µs a KB of trace), then to the others. Spread evenly, 5 KB traces from 32 clients
-# kept every process waking up, three busy processes on two cores, and the event loop
-# lost its core to them mid-turn: under wrk 2,127-2,145 traces/s at 0.67-0.68 ms of CPU
-# each, against 2,605-2,913 at 0.55-0.62 with every call on one process and the other
-# asleep (bench/wrk_ingest.py). Batches and 50 KB traces pass it and use every process.
+# Calls go to the first process until it holds this much work, then to the others.
+# Spread evenly, small traces kept every process waking up, more busy processes than
+# cores, and the event loop lost its core to them mid-turn (measured with
+# bench/wrk_ingest.py: docs/decisions.md, docs/ingest.md). Batches and large traces
+# pass it and use every process.
 _SPILL_BYTES = 256 * 1024
 # A process on one item for longer than this (a 50 KB trace takes ~3 ms) is passed over.
 _LONG_ITEM_SECONDS = 0.05

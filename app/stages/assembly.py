@@ -96,16 +96,18 @@ class AssemblyStage:
         *,
         batch: int = 256,
         on_advance: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine = engine
         self._config = config
         self._prepare = prepare  # Ingestor.prepare: the ingest pipeline but the insert
         self._batch = batch
         self._on_advance = on_advance
+        self._clock = clock  # monotonic seconds: when passes are due again
         self._forgot_at = 0.0
         self._next: _Pass | None = None  # the batch in preparation
         self._failures = 0  # passes failed in a row
-        self._retry_at = 0.0  # time.monotonic() before which no pass is tried
+        self._retry_at = 0.0  # the clock's time before which no pass is tried
         # Refusal reasons warned of: once each (a reason names its service), then INFO.
         self._warned: set[str] = set()
 
@@ -123,14 +125,14 @@ class AssemblyStage:
         A pass that fails is not tried again at once: the passes after it wait 1 s, then
         twice as long each time, up to BACKOFF_MAX_SECONDS (woken or not), so that a
         failure that lasts costs little."""
-        if time.monotonic() < self._retry_at:
+        if self._clock() < self._retry_at:
             return 0
         try:
             advanced = await self._pass()
         except Exception:
             self._failures += 1
             delay = min(BACKOFF_MAX_SECONDS, 2.0 ** (self._failures - 1))
-            self._retry_at = time.monotonic() + delay
+            self._retry_at = self._clock() + delay
             raise
         self._failures, self._retry_at = 0, 0.0
         return advanced
@@ -285,13 +287,13 @@ class AssemblyStage:
     async def _forget(self) -> int:
         """Now and then, when nothing is due: delete the spans no trajectory needs."""
         every = min(FORGET_EVERY_SECONDS, FORGET_EVERY_QUIET_PERIODS * self._config.quiet_seconds)
-        if time.monotonic() - self._forgot_at < every:
+        if self._clock() - self._forgot_at < every:
             return 0
         async with writing(self._engine) as conn:
             forgotten = await store.forget(conn, utcnow(), self._config.max_wait_seconds,
                                            limit=1000)
         if forgotten < 1000:
-            self._forgot_at = time.monotonic()  # else: more to do, at once
+            self._forgot_at = self._clock()  # else: more to do, at once
         if forgotten:
             log.info("OTLP: the spans of %d traces deleted (batched, deleted or refused)",
                      forgotten)

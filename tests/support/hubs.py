@@ -14,6 +14,7 @@ import json
 import logging
 import sys
 import threading
+import time
 import traceback
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -30,8 +31,9 @@ from asgi_lifespan import LifespanManager
 from app.api.app import create_app
 from app.api.server import server_config
 from app.config import load_compression, load_config, load_tinker
+from app.db.migrate import open_database
 from app.evaluation.environment import Environment
-from app.hub import Hub, Settings, open_database
+from app.hub import Hub, Settings
 from app.tokens import encoding
 from tests.support.waiting import wait_until, wait_until_async
 
@@ -101,12 +103,15 @@ class InProcessHub(HubUnderTest):
     the one app. With listen=True, uvicorn serves it on the config's 127.0.0.1 address
     instead, for clients that need a socket (a command in another process, schemathesis).
 
-    The hub sees this process's environment: set its variables with monkeypatch."""
+    The hub sees this process's environment: set its variables with monkeypatch, and
+    its rate limits read `clock` (tests/support/clock.py: one the test moves)."""
 
-    def __init__(self, config: Path, *args: str, listen: bool = False) -> None:
+    def __init__(self, config: Path, *args: str, listen: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.args = args
         self.listen = listen
+        self.clock = clock
         self.url = ""
         self.lines = []
         self._thread: threading.Thread | None = None
@@ -152,7 +157,7 @@ class InProcessHub(HubUnderTest):
         encoding()
         engine = await open_database(settings.config)
         app = create_app(settings, environment=environment, engine=engine,
-                         workers=not options.no_workers)
+                         workers=not options.no_workers, clock=self.clock)
 
         async def app_keeping_state(scope: Any, receive: Any, send: Any) -> None:
             if scope["type"] == "lifespan":

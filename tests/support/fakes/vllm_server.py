@@ -102,6 +102,7 @@ class FakeVllm:
         return Starlette(routes=[
             Route(f"{self.prefix}/chat/completions", self._chat, methods=["POST"]),
             Route(f"{self.prefix}/completions", self._completions, methods=["POST"]),
+            Route(f"{self.prefix}/responses", self._responses, methods=["POST"]),
             Route(f"{self.prefix}/models", self._models, methods=["GET"]),
         ])
 
@@ -239,6 +240,22 @@ class FakeVllm:
                       "usage": {"prompt_tokens": len(prompt),
                                 "completion_tokens": len(completion),
                                 "total_tokens": len(prompt) + len(completion)}})
+
+    async def _responses(self, request: Request) -> Response:
+        """The Responses API, plain: the reply as one output message."""
+        body, refused = await self._admit(request)
+        if refused is not None:
+            return refused
+        said = self.reply({"messages": [{"role": "user", "content": body.get("input")}]})
+        text = said if isinstance(said, str) else str(said.get("content") or "")
+        return _json({"id": "resp-fake", "object": "response", "created_at": 1,
+                      "status": "completed", "model": body.get("model") or self.model,
+                      "output": [{"type": "message", "id": "msg-fake", "role": "assistant",
+                                  "status": "completed",
+                                  "content": [{"type": "output_text", "text": text,
+                                               "annotations": []}]}],
+                      "usage": {"input_tokens": 3, "output_tokens": len(text_ids(text)),
+                                "total_tokens": 3 + len(text_ids(text))}})
 
 
 def _token_logprob(token: int, position: int) -> dict[str, Any]:
