@@ -236,6 +236,7 @@ def test_groups_an_env_sends_become_trajectories_listed_by_env_and_group(
     start_hub: StartHub, trace_server: dict[str, Any], tokenizer_dir: Path, tinker_args: list[str]
 ) -> None:
     hub = start_hub(trace_server, *tinker_args,
+                    distributor={"target": "atropos", "group_size": 2},
                     environment=EVERY_TRACE_PASSES)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     prompt = tokenizer.encode("What is two plus two?")
@@ -280,9 +281,15 @@ def test_groups_an_env_sends_become_trajectories_listed_by_env_and_group(
                 assert stored["task"] == "What is two plus two?"
                 assert steps[-1]["content"] == (
                     " Four." if trace["env_reward"] == 0.5 else " Five.")
-        # The trainer still gets the groups as they were sent.
+        # The trainer still gets the groups as they were sent, and only so: the hub's
+        # own env does not group them again.
         batch = next_batch(client)
         assert sorted(g["scores"] for g in batch) == [[0.5, 0.0], [1.0, -1.0]]
+
+        def hub_env() -> dict[str, Any] | None:
+            stats = client.get("/v1/stats").json()["atropos"]["hub_env"]
+            return stats if stats["dropped"].get("unusable") == 4 else None
+        assert wait_until(hub_env, 30, what="the env's rollouts left out")["groups"] == 0
 
 
 @pytest.mark.process

@@ -34,11 +34,11 @@ from tests.support.processes import run_cli
         ('{"trace_server": {"storage_backend": "mysql"}}', "config.json: trace_server.storage_backend: Input should be 'sqlite' or 'postgresql'"),
         ('[1]', "config.json: must be a JSON object"),
         ('{"extra_section": {}}', "config.json: extra_section: unknown key; known keys: trace_server"),
-        ('{"distributor": {"target": "ftp"}}', "config.json: distributor.target: Input should be 'tinker', 'jsonl' or 'http'"),
+        ('{"distributor": {"target": "ftp"}}', "config.json: distributor.target: Input should be 'tinker', 'jsonl', 'http' or 'atropos'"),
         ('{"distributor": {"target": "jsonl", "url": "https://trainer"}}', "config.json: distributor.url: a key of the http target; distributor.target is jsonl"),
         ('{"distributor": {"target": "http", "url": "https://t", "ouput_dir": "x"}}', "config.json: distributor.ouput_dir: unknown key; known keys for target http: target, batch_size"),
         ('{"distributor": {"target": "http"}}', "config.json: distributor.url: Field required"),
-        ('{"distributor": {"format": "native"}}', "config.json: distributor.format: Input should be 'atif', 'openai', 'sharegpt' or 'hermes'"),
+        ('{"distributor": {"format": "native"}}', "config.json: distributor.format: Input should be 'atif', 'openai', 'messages', 'sharegpt' or 'hermes'"),
     ],
 )
 def test_bad_config_stops_start_up_with_one_line(

@@ -42,6 +42,13 @@ def group_key(metadata: dict[str, Any], task: str) -> str:
     return "task:" + " ".join(task.split())
 
 
+def _sent_by_an_env(metadata: dict[str, Any]) -> bool:
+    """A trajectory the env groups stage made of a group an env sent
+    (app/stages/env_groups.py): grouped again, the trainer would learn from it twice."""
+    atropos = metadata.get("atropos")
+    return isinstance(atropos, dict) and "env_id" in atropos
+
+
 class AtroposTarget:
     name = "atropos"
 
@@ -75,6 +82,9 @@ class AtroposTarget:
             unusable=None if score is not None
             else f"no {self._config.score} to score it by (distributor.score)",
         )
+        if _sent_by_an_env(trace.metadata):
+            return replace(base, unusable="a rollout an Atropos env sent in a group of its "
+                                          "own, which the trainer gets as sent")
         view = item.tokens
         if view is not None and view.get("exact"):
             logprobs = view["logprobs"]
