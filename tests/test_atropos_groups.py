@@ -286,10 +286,10 @@ def test_groups_an_env_sends_become_trajectories_listed_by_env_and_group(
         batch = next_batch(client)
         assert sorted(g["scores"] for g in batch) == [[0.5, 0.0], [1.0, -1.0]]
 
-        def hub_env() -> dict[str, Any] | None:
-            stats = client.get("/v1/stats").json()["atropos"]["hub_env"]
-            return stats if stats["dropped"].get("unusable") == 4 else None
-        assert wait_until(hub_env, 30, what="the env's rollouts left out")["groups"] == 0
+        def left_out() -> dict[str, Any] | None:
+            figures = hub_figures(client)
+            return figures if figures["dropped"].get("unusable") == 4 else None
+        assert wait_until(left_out, 30, what="the env's rollouts left out")["groups"] == 0
 
 
 @pytest.mark.process
