@@ -277,6 +277,9 @@ def test_dpo_pairs_from_the_tau_bench_runs(corpus_config: Path, tmp_path: Path) 
         assert [m["role"] for m in pair["prompt"]] == ["system", "user"]
         assert pair["chosen"][0]["role"] == pair["rejected"][0]["role"] == "assistant"
         assert pair["chosen"][-1]["role"] == pair["rejected"][-1]["role"] == "assistant"
+        # The shape chat templates take: arguments as objects, tools with descriptions.
+        check_messages({"messages": pair["prompt"] + pair["chosen"], "tools": pair.get("tools", [])})
+        check_messages({"messages": pair["prompt"] + pair["rejected"], "tools": pair.get("tools", [])})
     assert f"exported {len(pairs)} pairs" in said and "in no pair" in said
 
     more = export(corpus_config, tmp_path / "more.jsonl", "--format", "dpo",
@@ -289,10 +292,38 @@ def test_dpo_pairs_from_the_tau_bench_runs(corpus_config: Path, tmp_path: Path) 
     export(corpus_config, tmp_path / "dpo", "--format", "dpo", "--eval-fraction", "0.3")
     loaded = load(tmp_path / "dpo", tmp_path / "cache")
     assert set(loaded) == {"train", "test"}
-    assert len(loaded["train"]) + len(loaded["test"]) == len(pairs)
-    row = loaded["train"][0]
-    assert {"prompt", "chosen", "rejected"} <= set(row)
-    assert row["chosen"][0]["role"] == "assistant"
+    rows = [*loaded["train"], *loaded["test"]]
+    assert len(rows) == len(pairs)
+    # Parquet holds the JSONL pairs, structured: calls and tool schemas load as objects.
+    by_chosen = {p["chosen_trace_id"]: p for p in pairs}
+    for row in rows:
+        pair = by_chosen[row["chosen_trace_id"]]
+        for side in ("prompt", "chosen", "rejected"):
+            assert [_set_keys(m) for m in row[side]] == pair[side]
+        assert row["tools"] == pair.get("tools", [])
+    _render_preferences(rows)
+
+
+def _render_preferences(rows: list[dict[str, Any]]) -> None:
+    """Each pair as TRL's DPOTrainer renders it (`trl.apply_chat_template`), with
+    Qwen2.5's template: the prompt ends where both answers begin, and each call of an
+    answer is written once, its arguments the object the model wrote."""
+    from trl.data_utils import apply_chat_template
+
+    tokenizer, template = chat_templates.renderer(), chat_templates.template("qwen2_5")
+    rendered_calls = 0
+    for row in rows:
+        example = {side: row[side] for side in ("prompt", "chosen", "rejected")}
+        text = apply_chat_template(example, tokenizer, tools=row["tools"],
+                                   chat_template=template)
+        assert text["prompt"].endswith("<|im_start|>assistant\n")
+        for side in ("chosen", "rejected"):
+            calls = Counter(_qwen2_5_call(c["function"]) for m in row[side]
+                            for c in m["tool_calls"] or [])
+            for call, times in calls.items():
+                assert text[side].count(call) == times, (row["chosen_trace_id"], call)
+            rendered_calls += sum(calls.values())
+    assert rendered_calls > 100
 
 
 def test_preference_pairs_take_the_clearest_first() -> None:
