@@ -6,10 +6,12 @@ preference pairs from the tau-bench runs (app/formats/dataset.py, app/cli/export
 from __future__ import annotations
 
 import json
+import math
 import re
 import sqlite3
 import stat
 from collections import Counter
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +198,84 @@ def test_messages_export_renders_with_real_chat_templates(
                 assert text.count(call) == times, (name, row["trace_id"], call)
             rendered_calls += sum(calls.values())
     assert rendered_calls > 3000
+
+
+@pytest.mark.process
+@pytest.mark.training
+def test_one_sft_step_on_the_messages_export(corpus_config: Path, tmp_path: Path) -> None:
+    """TRL's SFTTrainer takes the `messages` export as `datasets` loads it, from JSONL
+    and from parquet (the same sequences and labels), and runs one step on a tiny
+    random Qwen2 model with Qwen2.5's template and assistant-only loss: the loss is
+    finite, and it covers exactly what the model wrote (each assistant turn, its calls
+    and its end-of-turn token), nothing the model was given. Runs of several agents,
+    each its shortest with calls."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.support.chat_tokenizer import chat_tokenizer
+
+    export(corpus_config, tmp_path / "messages.jsonl", "--format", "messages", "--all")
+    export(corpus_config, tmp_path / "dataset", "--format", "messages", "--all")
+    from_parquet = load(tmp_path / "dataset", tmp_path / "cache")["train"]
+    from_jsonl = datasets.load_dataset("json", data_files=str(tmp_path / "messages.jsonl"),
+                                       cache_dir=str(tmp_path / "cache"))["train"]
+    picked = _shortest_runs_with_calls(lines(tmp_path / "messages.jsonl"), from_parquet)
+    assert len(picked) >= 4
+
+    # Qwen2.5's template as its tokenizer has it: TRL swaps in its training variant
+    # (the same template with generation markers) for assistant-only loss.
+    tokenizer = AutoTokenizer.from_pretrained(
+        chat_tokenizer(tmp_path / "tokenizer", chat_templates.template("qwen2_5")))
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=8192, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    trainers = {}
+    for name, loaded in (("jsonl", from_jsonl), ("parquet", from_parquet)):
+        torch.manual_seed(0)
+        rows = loaded.select(picked)
+        args = SFTConfig(output_dir=str(tmp_path / name), max_steps=1, report_to="none",
+                         use_cpu=True, assistant_only_loss=True, max_length=None,
+                         per_device_train_batch_size=1, gradient_accumulation_steps=len(rows),
+                         save_strategy="no", activation_checkpointing=False, disable_tqdm=True)
+        trainers[name] = SFTTrainer(model=AutoModelForCausalLM.from_config(config), args=args,
+                                    train_dataset=rows, processing_class=tokenizer)
+        for i, row, tokens in zip(picked, rows, trainers[name].train_dataset):
+            trained = [tokenizer.decode([t for t, _ in run]) for taken, run in
+                       groupby(zip(tokens["input_ids"], tokens["labels"]),
+                               key=lambda pair: pair[1] != -100) if taken]
+            assert trained == _assistant_output(row["messages"]), (name, i)
+    # Whichever file, the same sequences and labels: one step on either is the same step.
+    tokens = [trainer.train_dataset.select_columns(["input_ids", "labels"]).to_list()
+              for trainer in trainers.values()]
+    assert tokens[0] == tokens[1]
+    done = trainers["parquet"].train()
+    assert done.global_step == 1 and math.isfinite(done.training_loss)
+
+
+def _shortest_runs_with_calls(records: list[dict[str, Any]],
+                              rows: datasets.Dataset) -> list[int]:
+    """Per agent source, the row of its shortest record (under 4,000 characters) that
+    calls a tool and has more than one assistant turn."""
+    shortest: dict[str, tuple[int, int]] = {}
+    for i, (record, source) in enumerate(zip(records, rows["source_format"])):
+        size = len(json.dumps(record))
+        turns = [m for m in record["messages"] if m["role"] == "assistant"]
+        if size < 4000 and len(turns) > 1 and any("tool_calls" in m for m in turns):
+            shortest[source] = min(shortest.get(source, (size, i)), (size, i))
+    return sorted(i for _, i in shortest.values())
+
+
+def _assistant_output(messages: list[dict[str, Any]]) -> list[str]:
+    """What Qwen2.5's template writes inside each assistant turn: the model's output."""
+    said = []
+    for m in messages:
+        if m["role"] == "assistant":
+            content = f"\n{m['content']}" if m.get("content") or not m.get("tool_calls") else ""
+            calls = "".join(f"\n{_qwen2_5_call(c['function'])}" for c in m.get("tool_calls") or [])
+            said.append(f"{content}{calls}<|im_end|>\n")
+    return said
 
 
 def _set_keys(message: dict[str, Any]) -> dict[str, Any]:
