@@ -211,7 +211,8 @@ def test_one_sft_step_on_the_messages_export(corpus_config: Path, tmp_path: Path
     each its shortest with calls."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
-    from trl import SFTConfig, SFTTrainer
+    from trl.trainer.sft_config import SFTConfig
+    from trl.trainer.sft_trainer import SFTTrainer
 
     from tests.support.chat_tokenizer import chat_tokenizer
 
@@ -231,7 +232,8 @@ def test_one_sft_step_on_the_messages_export(corpus_config: Path, tmp_path: Path
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                          max_position_embeddings=8192, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
-    trainers = {}
+    models: Any = AutoModelForCausalLM  # from_config is untyped
+    trainers: dict[str, Any] = {}
     for name, loaded in (("jsonl", from_jsonl), ("parquet", from_parquet)):
         torch.manual_seed(0)
         rows = loaded.select(picked)
@@ -239,7 +241,7 @@ def test_one_sft_step_on_the_messages_export(corpus_config: Path, tmp_path: Path
                          use_cpu=True, assistant_only_loss=True, max_length=None,
                          per_device_train_batch_size=1, gradient_accumulation_steps=len(rows),
                          save_strategy="no", activation_checkpointing=False, disable_tqdm=True)
-        trainers[name] = SFTTrainer(model=AutoModelForCausalLM.from_config(config), args=args,
+        trainers[name] = SFTTrainer(model=models.from_config(config), args=args,
                                     train_dataset=rows, processing_class=tokenizer)
         for i, row, tokens in zip(picked, rows, trainers[name].train_dataset):
             trained = [tokenizer.decode([t for t, _ in run]) for taken, run in
@@ -247,9 +249,9 @@ def test_one_sft_step_on_the_messages_export(corpus_config: Path, tmp_path: Path
                                key=lambda pair: pair[1] != -100) if taken]
             assert trained == _assistant_output(row["messages"]), (name, i)
     # Whichever file, the same sequences and labels: one step on either is the same step.
-    tokens = [trainer.train_dataset.select_columns(["input_ids", "labels"]).to_list()
-              for trainer in trainers.values()]
-    assert tokens[0] == tokens[1]
+    sequences = [trainer.train_dataset.select_columns(["input_ids", "labels"]).to_list()
+                 for trainer in trainers.values()]
+    assert sequences[0] == sequences[1]
     done = trainers["parquet"].train()
     assert done.global_step == 1 and math.isfinite(done.training_loss)
 
