@@ -283,7 +283,8 @@ async def export_dpo(
         try:
             record = dataset.dpo_record(traces[chosen.trace_id], traces[rejected.trace_id])
         except Unexportable as exc:
-            tally.left_out[f"pairs with a run of {exc.message.split(':')[0]}"] += 1
+            reason = exc.message.split(":")[0]
+            tally.left_out[f"pairs with a run the format cannot hold ({reason})"] += 1
             continue
         records.append((dataset.split_of(chosen.task, eval_fraction), record, chosen, rejected))
     if output == "-" or output.endswith(".jsonl"):
