@@ -132,6 +132,15 @@ class TraceSummary(BaseModel):
     agent: str | None = Field(description="The agent's name")
     policy_version: str | None
     label: Label | None = Field(description="A reviewer's label; null when not reviewed")
+    task: str | None = Field(
+        description="The task, on one line, shortened to 120 characters (… where cut)")
+    final_answer: str | None = Field(
+        description="The last final answer, on one line, shortened as `task`; null when "
+        "the trace has none")
+    snippet: str | None = Field(
+        default=None,
+        description="With `q`: the words searched for, in the task or final answer, with "
+        "the text around them")
 
 
 class TracePage(BaseModel):
@@ -141,6 +150,10 @@ class TracePage(BaseModel):
     next_cursor: str | None = Field(
         description="Pass as `cursor` for the next page; null on the last"
     )
+    matches: int | None = Field(
+        default=None,
+        description="With `q`: how many traces match the search and filters, all pages "
+        "together")
 
 
 class TraceRecord(TraceSummary):

@@ -60,6 +60,15 @@ SUMMARY_COLUMNS = (
     TRACES.c.agent_name,
     TRACES.c.policy_version,
 )
+# What a listing shows beside the columns: the review label, and the task and final
+# answer from the narrow search row (app/db/search.py), not from the payloads.
+LISTED_COLUMNS = (
+    *SUMMARY_COLUMNS,
+    REVIEWS.c.label.label("review_label"),
+    TRACE_SEARCH.c.task.label("search_task"),
+    TRACE_SEARCH.c.final_answer.label("search_final_answer"),
+)
+LISTED = TRACES.outerjoin(REVIEWS).outerjoin(TRACE_SEARCH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,9 +163,11 @@ async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[st
                 TRACES.c.stage_error,
                 payload.label("payload"),
                 *REVIEW_COLUMNS,
+                TRACE_SEARCH.c.task.label("search_task"),
+                TRACE_SEARCH.c.final_answer.label("search_final_answer"),
                 MEMBERS.c.batch_id,
             )
-            .select_from(TRACES.outerjoin(REVIEWS).outerjoin(MEMBERS))
+            .select_from(LISTED.outerjoin(MEMBERS))
             .where(TRACES.c.trace_id == trace_id)
         )
     ).one_or_none()
@@ -187,19 +198,30 @@ async def list_traces(
     cursor: str | None,
     sort: Sort = "-created_at",
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """One page in `sort` order, and the cursor of the next."""
+    """One page in `sort` order, and the cursor of the next. With a search (`q`), each
+    record says where it matched (`snippet`)."""
     order = _order(sort)
-    query = (
-        sa.select(*SUMMARY_COLUMNS, REVIEWS.c.label.label("review_label"))
-        .select_from(TRACES.outerjoin(REVIEWS))
-    )
-    if where.words is None:
+    query = sa.select(*LISTED_COLUMNS).select_from(LISTED)
+    words = where.words
+    if words is None:
         page = await keyset_page(
             conn, query.where(*where.clauses(dialect_of(conn))), order, limit, cursor)
     else:
         page = await _search_page(conn, query, where, order, limit, cursor)
     rows, next_cursor = page
-    return [_summary(row._mapping) for row in rows], next_cursor
+    records = [_summary(row._mapping) for row in rows]
+    if words is not None:
+        for record, row in zip(records, rows, strict=True):
+            record["snippet"] = search.snippet(words, row.search_task, row.search_final_answer)
+    return records, next_cursor
+
+
+async def count_traces(conn: AsyncConnection, where: TraceFilter) -> int:
+    """How many traces match `where`, all pages together (a search's matches: a read
+    of the narrow search table, as a search that finds few does)."""
+    query = sa.select(sa.func.count()).select_from(TRACES).where(
+        *where.clauses(dialect_of(conn)))
+    return int(await conn.scalar(query) or 0)
 
 
 # A search first reads this many traces in page order and checks each one's text: a
@@ -224,13 +246,8 @@ async def _search_page(
     if cursor:
         window = window.where(_after(order, decode_cursor(cursor, order.name)))
     window = window.order_by(*_order_by(order)).limit(SEARCH_PROBE)
-    text_has = (
-        sa.select(TRACE_SEARCH.c.trace_id)
-        .where(TRACE_SEARCH.c.trace_id == TRACES.c.trace_id,
-               search.has_words(words))
-        .exists()
-    )
-    probed = query.where(*others, TRACES.c.trace_id.in_(window), text_has)
+    # The listing joins each trace's search row: its text is checked where it stands.
+    probed = query.where(*others, TRACES.c.trace_id.in_(window), search.has_words(words))
     rows, next_cursor = await keyset_page(conn, probed, order, limit, cursor)
     if next_cursor is not None:
         return rows, next_cursor
@@ -390,8 +407,7 @@ async def distinct_values(conn: AsyncConnection, column: str, limit: int = 200) 
 async def summaries(conn: AsyncConnection, trace_ids: list[str]) -> list[dict[str, Any]]:
     """The listing records of these traces, in the order given (a batch's members)."""
     rows = await conn.execute(
-        sa.select(*SUMMARY_COLUMNS, REVIEWS.c.label.label("review_label"))
-        .select_from(TRACES.outerjoin(REVIEWS))
+        sa.select(*LISTED_COLUMNS).select_from(LISTED)
         .where(TRACES.c.trace_id.in_(trace_ids))
     )
     found = {row.trace_id: _summary(row._mapping) for row in rows}
@@ -518,6 +534,8 @@ def _summary(row: Any) -> dict[str, Any]:
         "agent": row["agent_name"],
         "policy_version": row["policy_version"],
         "label": row["review_label"],
+        "task": search.preview(row["search_task"]),
+        "final_answer": search.preview(row["search_final_answer"]),
     }
 
 

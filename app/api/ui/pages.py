@@ -132,10 +132,14 @@ async def traces(
 ) -> Response:
     params = {k: v for k, v in request.query_params.items() if v != ""}
     error = None
+    matches = None
     try:
         query = TraceQuery.model_validate(params)
+        where = query.filter()
         records, next_cursor = await trace_queries.list_traces(
-            conn, query.filter(), query.limit, query.cursor, query.sort)
+            conn, where, query.limit, query.cursor, query.sort)
+        if where.words is not None:
+            matches = await trace_queries.count_traces(conn, where)
     except ValidationError as exc:
         first = exc.errors()[0]
         error = f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
@@ -149,6 +153,7 @@ async def traces(
         "query": query,
         "params": shown,
         "records": records,
+        "matches": matches,
         "next_href": next_href,
         "first_href": f"/ui/traces?{urlencode(shown)}" if "cursor" in params else None,
         "api_href": hub.config.trace_server.endpoint + (f"?{urlencode(params)}" if params else ""),
