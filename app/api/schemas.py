@@ -302,6 +302,14 @@ class OtlpCounts(BaseModel):
 class EnvRewardStats(BaseModel):
     traces: int = Field(description="Traces that carry the environment's own reward")
     mean: float | None = Field(description="Its mean over them")
+    passing: int = Field(
+        description="Those of them whose reward (the env's enters it weighted) reaches "
+        "distributor.min_reward_threshold")
+    passing_share: float | None = Field(description="passing / traces; null when none")
+    threshold: float = Field(description="distributor.min_reward_threshold")
+    histogram: list[RewardBucket] = Field(
+        description="Traces per env_reward bucket: ten equal buckets from the lowest to "
+        "the highest (the last includes the highest); one when all are equal")
 
 
 class AtroposEnvPresence(BaseModel):

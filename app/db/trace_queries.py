@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -313,9 +314,12 @@ def _order_by(order: Order) -> list[sa.UnaryExpression[Any]]:
     return [order.column.asc(), order.key.asc()]
 
 
-async def stats(conn: AsyncConnection, *, rule_firings: bool = True) -> dict[str, Any]:
-    """The figures of GET /v1/stats. `rule_firings` (a read of every breakdown, the
-    dearest part) may be left out by a caller that does not show them."""
+async def stats(
+    conn: AsyncConnection, threshold: float, *, rule_firings: bool = True
+) -> dict[str, Any]:
+    """The figures of GET /v1/stats; `threshold`: distributor.min_reward_threshold.
+    `rule_firings` (a read of every breakdown, the dearest part) may be left out by a
+    caller that does not show them."""
     c = TRACES.c
     totals = (
         await conn.execute(
@@ -326,6 +330,9 @@ async def stats(conn: AsyncConnection, *, rule_firings: bool = True) -> dict[str
                 sa.func.avg(c.reward),
                 sa.func.count(c.env_reward),
                 sa.func.avg(c.env_reward),
+                sa.func.count().filter(c.env_reward.is_not(None), c.reward >= threshold),
+                sa.func.min(c.env_reward).filter(_finite(c.env_reward)),
+                sa.func.max(c.env_reward).filter(_finite(c.env_reward)),
             )
         )
     ).one()
@@ -338,10 +345,16 @@ async def stats(conn: AsyncConnection, *, rule_firings: bool = True) -> dict[str
         "total_tokens": int(totals[1]),
         "compressed_tokens": int(totals[2]),
         "mean_reward": float(totals[3]) if totals[3] is not None else None,
-        # Traces that carry the environment's own reward, and its mean over them.
+        # Traces that carry the environment's own reward: its mean and spread over
+        # them, and how many of them pass the threshold (their reward, which the env's
+        # enters weighted): what an imported corpus, mostly of status unknown, holds.
         "env_reward": {
             "traces": totals[4],
             "mean": float(totals[5]) if totals[5] is not None else None,
+            "passing": totals[6],
+            "passing_share": totals[6] / totals[4] if totals[4] else None,
+            "threshold": threshold,
+            "histogram": await _env_reward_histogram(conn, totals[7], totals[8]),
         },
         "batches": await batch_counts(conn),
         "compression": await _compression_stats(conn, by_stage),
@@ -445,6 +458,41 @@ async def _reward_histogram(conn: AsyncConnection) -> list[dict[str, Any]]:
         {"from": low, "to": low + HISTOGRAM_BUCKET, "traces": buckets[low]}
         for low in sorted(buckets)
     ]
+
+
+# The environment's rewards are any numbers an env sends (often 0..1, or a few
+# values): their range is cut into this many buckets of equal width.
+ENV_REWARD_BUCKETS = 10
+
+
+def _finite(column: sa.ColumnElement[float]) -> sa.ColumnElement[bool]:
+    """Rows stored before rewards were bounded may hold an infinity: in no bucket."""
+    return column.between(-sys.float_info.max, sys.float_info.max)
+
+
+async def _env_reward_histogram(
+    conn: AsyncConnection, low: float | None, high: float | None
+) -> list[dict[str, Any]]:
+    """Traces per bucket of env_reward, ENV_REWARD_BUCKETS equal buckets from the lowest
+    to the highest (the last includes the highest); one bucket when all are equal."""
+    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+        return []
+    width = (high - low) / ENV_REWARD_BUCKETS
+    if width <= 0:
+        return [{"from": low, "to": high, "traces": await conn.scalar(
+            sa.select(sa.func.count()).where(TRACES.c.env_reward == low))}]
+    env = TRACES.c.env_reward
+    # CASE rather than floor(): the same SQL on both databases.
+    bucket = sa.case(
+        *((env < low + (i + 1) * width, i) for i in range(ENV_REWARD_BUCKETS - 1)),
+        else_=ENV_REWARD_BUCKETS - 1,
+    ).label("bucket")
+    rows = await conn.execute(
+        sa.select(bucket, sa.func.count()).where(_finite(env)).group_by(bucket))
+    counts = {int(i): n for i, n in rows}
+    return [{"from": low + i * width, "to": high if i == ENV_REWARD_BUCKETS - 1
+             else low + (i + 1) * width, "traces": counts.get(i, 0)}
+            for i in range(ENV_REWARD_BUCKETS)]
 
 
 async def _compression_stats(conn: AsyncConnection, by_stage: dict[str, int]) -> dict[str, Any]:

@@ -57,7 +57,8 @@ VIEWS: tuple[View, ...] = ("canonical", "original", "compressed")
 async def overview(
     request: Request, conn: ConnDep, hub: HubDep, visitor: VisitorDep, _: Reader
 ) -> Response:
-    stats = await trace_queries.stats(conn, rule_firings=False)
+    threshold = hub.config.distributor.min_reward_threshold
+    stats = await trace_queries.stats(conn, threshold, rule_firings=False)
     chosen = {k: request.query_params.get(k) or None
               for k in ("env", "model", "policy_version")}
     span = request.query_params.get("range", "all")
@@ -85,6 +86,9 @@ async def overview(
             sorted(stats["rejections_by_filter"].items(), key=lambda kv: -kv[1]),
             {f: f"/ui/traces?rejected_by={f}" for f in stats["rejections_by_filter"]}),
         "histogram": charts.bars(charts.histogram(stats["reward_histogram"])),
+        "env_histogram": charts.bars([
+            (f"{b['from']:.3g} to {b['to']:.3g}", b["traces"])
+            for b in stats["env_reward"]["histogram"]]),
         "over_time": charts.charts_over_time(buckets),
         "bucket": _duration(bucket),
         "chosen": chosen,
