@@ -112,6 +112,15 @@ class TraceSummary(BaseModel):
     agent: str | None = Field(description="The agent's name")
     policy_version: str | None
     label: Label | None = Field(description="A reviewer's label; null when not reviewed")
+    task: str | None = Field(
+        description="The task, on one line, shortened to 120 characters (… where cut)")
+    final_answer: str | None = Field(
+        description="The last final answer, on one line, shortened as `task`; null when "
+        "the trace has none")
+    snippet: str | None = Field(
+        default=None,
+        description="With `q`: the words searched for, in the task or final answer, with "
+        "the text around them")
 
 
 class TracePage(BaseModel):
@@ -121,6 +130,10 @@ class TracePage(BaseModel):
     next_cursor: str | None = Field(
         description="Pass as `cursor` for the next page; null on the last"
     )
+    matches: int | None = Field(
+        default=None,
+        description="With `q`: how many traces match the search and filters, all pages "
+        "together")
 
 
 class TraceRecord(TraceSummary):
@@ -269,6 +282,14 @@ class OtlpCounts(BaseModel):
 class EnvRewardStats(BaseModel):
     traces: int = Field(description="Traces that carry the environment's own reward")
     mean: float | None = Field(description="Its mean over them")
+    passing: int = Field(
+        description="Those of them whose reward (the env's enters it weighted) reaches "
+        "distributor.min_reward_threshold")
+    passing_share: float | None = Field(description="passing / traces; null when none")
+    threshold: float = Field(description="distributor.min_reward_threshold")
+    histogram: list[RewardBucket] = Field(
+        description="Traces per env_reward bucket: ten equal buckets from the lowest to "
+        "the highest (the last includes the highest); one when all are equal")
 
 
 class AtroposEnvPresence(BaseModel):

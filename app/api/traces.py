@@ -27,7 +27,7 @@ from app.api.schemas import (
     TraceRecord,
 )
 from app.db.review_queries import ReviewInput, claim_next, save_review
-from app.db.trace_queries import View, get_original, get_trace, list_traces
+from app.db.trace_queries import View, count_traces, get_original, get_trace, list_traces
 from app.gateway.tokens import token_view
 from app.ingest.body import parse_items, read_body
 from app.ingest.inserter import IngestResult
@@ -97,10 +97,12 @@ def router(endpoint: str) -> APIRouter:
 
     @api.get(endpoint, dependencies=[requires(Scope.READ)], responses=errors(400))
     async def list_(conn: ConnDep, query: Annotated[TraceQuery, Query()]) -> TracePage:
+        where = query.filter()
         records, next_cursor = await list_traces(
-            conn, query.filter(), query.limit, query.cursor, query.sort
+            conn, where, query.limit, query.cursor, query.sort
         )
-        return TracePage(traces=records, next_cursor=next_cursor)
+        matches = None if where.words is None else await count_traces(conn, where)
+        return TracePage(traces=records, next_cursor=next_cursor, matches=matches)
 
     @api.get(
         # :path, so that a trace_id holding "/" (raw or as %2F) is read back too.

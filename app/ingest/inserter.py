@@ -125,7 +125,7 @@ class PreparedTrace:
     values."""
 
     values: tuple[Any, ...]
-    search_text: str
+    search_text: search.SearchText
     skip_kind: str | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
