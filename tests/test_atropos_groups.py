@@ -368,3 +368,29 @@ def test_the_hubs_env_and_a_real_env_share_one_trainers_batches(
         # One batch of both envs' groups, each group once.
         assert sorted(g["env_id"] for g in batch) == sorted([math_id, hub_id])
         assert client.get("/batch").json() == {"batch": None}
+
+
+def test_a_burst_worker_makes_trajectories_of_every_group_envs_sent(
+    start_hub: StartHub, trace_server: dict[str, Any]
+) -> None:
+    """More groups than a pass takes, sent a moment ago (the stage, running beside the
+    API, would give way to them): `atropos worker --burst` makes them all."""
+    hub = start_hub(trace_server, "--no-workers")
+    with hub.client() as client:
+        start_trainer(client, batch_size=64)
+        r = client.post("/register-env", json={"max_token_length": 512, "desired_name": "math",
+                                               "weight": 1.0, "group_size": 2})
+        env_id = r.json()["env_id"]
+        groups = [{"tokens": [[1, 2, g], [1, 2, g + 1]], "masks": [[-100, -100, g],
+                   [-100, -100, g + 1]], "scores": [1.0, float(g)], "env_id": env_id,
+                   "messages": [[{"role": "user", "content": f"Task {g}"},
+                                 {"role": "assistant", "content": f"Answer {g}.{i}"}]
+                                for i in range(2)]}
+                  for g in range(30)]
+        r = client.post("/scored_data_list", json=groups)
+        assert r.status_code == 200, r.text
+        assert hub.drain() > 0
+        traces = client.get("/v1/traces", params={"env": "math_0", "limit": 100}).json()
+        assert len(traces["traces"]) == 60
+        assert sorted(t["env_reward"] for t in traces["traces"]) == sorted(
+            s for g in groups for s in g["scores"])

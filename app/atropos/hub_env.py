@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -44,8 +45,10 @@ from app.atropos.segments import deflate
 from app.atropos.tables import ENVS, STATE, AtroposDb, AtroposRunState, run_state
 from app.config import AtroposConfig, AtroposTargetConfig
 from app.db.dialect import insert_ignoring_conflicts
+from app.db.group_commit import GroupCommit
 from app.db.models import ATROPOS_ROLLOUTS
 from app.db.types import utcnow
+from app.outage import Outage
 from app.targets import Rollout
 
 log = logging.getLogger("atropos.groups")
@@ -53,6 +56,8 @@ log = logging.getLogger("atropos.groups")
 ROLLOUTS = ATROPOS_ROLLOUTS
 PENDING, GROUPED, DROPPED = "pending", "grouped", "dropped"
 _TRAILING_NUMBER = re.compile(r"(\d{1,18})$")
+# Deliveries (and passes) written in one transaction, at most.
+_MAX_ADDS = 16
 
 
 class Raced(Exception):
@@ -65,6 +70,7 @@ class Formed:
 
     groups: list[str] = field(default_factory=list)
     dropped: dict[str, int] = field(default_factory=dict)
+    raced: bool = False  # another hub moved some of its rollouts: the pass is undone
 
     def drop(self, reason: str, n: int) -> None:
         if n:
@@ -76,20 +82,33 @@ class Formed:
 
 
 class HubEnv:
+    """The hub's env, a kind of the hub's group commit (app/db/group_commit.py): the
+    rollouts deliveries add and the grouping stage's passes are written together, in the
+    writer's turn like every other kind, each transaction forming what is then full."""
+
+    name = "hub env rollouts"
+
     def __init__(self, db: AtroposDb, config: AtroposTargetConfig,
-                 atropos: AtroposConfig) -> None:
+                 atropos: AtroposConfig, outage: Outage) -> None:
         self._db = db
         self._config = config
         self._atropos = atropos
+        # No deadline: the callers are stages, each waiting for its own write.
+        self._commits: GroupCommit[list[Rollout], Formed] = GroupCommit(
+            self, db.writer, outage, max_items=_MAX_ADDS)
+
+    def start(self) -> None:
+        self._commits.start()
 
     async def close(self) -> None:
+        """Write what was submitted, then stop."""
+        await self._commits.stop()
         await self._db.close()
 
     async def add(self, batch_id: str, rollouts: list[Rollout]) -> dict[str, Any]:
         """Keep the rollouts (a trace kept before stays as it was) and form what is
         full; the delivery's receipt."""
-        formed = await self._db.write(lambda conn: self._add(conn, rollouts))
-        self._said(formed)
+        formed = await self._commits.submit(rollouts)
         return {"rollouts": len(rollouts), "groups": formed.groups, "dropped": formed.dropped}
 
     async def form(self) -> int:
@@ -97,13 +116,24 @@ class HubEnv:
         timed-out ones. How many groups and drops it made (0: nothing to do)."""
         if not await self._db.read(_any_pending):
             return 0
+        formed = await self._commits.submit([])
+        return 1 if formed.raced else formed.moved
+
+    def write(self, conn: sa.Connection, items: Sequence[list[Rollout]]) -> list[Formed]:
+        """One transaction: keep every item's rollouts, then one forming pass, whose
+        groups and drops the first item's result carries."""
+        now = utcnow()
+        results = [self._keep(conn, rollouts, now) for rollouts in items]
         try:
-            formed = await self._db.write(self._form)
+            with conn.begin_nested():
+                self._form_into(conn, results[0], now)
         except Raced:
+            # Its rollouts stay kept; only the forming is undone, and done again.
             log.info("another hub formed some of these groups first; forming again")
-            return 1
-        self._said(formed)
-        return formed.moved
+            results[0].raced = True
+        for formed in results:
+            self._said(formed)
+        return results
 
     def _said(self, formed: Formed) -> None:
         for group_id in formed.groups:
@@ -111,8 +141,7 @@ class HubEnv:
         for reason, n in formed.dropped.items():
             log.info("%d rollout(s) left out of the hub's groups: %s", n, reason)
 
-    def _add(self, conn: sa.Connection, rollouts: list[Rollout]) -> Formed:
-        now = utcnow()
+    def _keep(self, conn: sa.Connection, rollouts: list[Rollout], now: datetime) -> Formed:
         formed = Formed()
         rows = [_row(r, now) for r in rollouts]
         if rows:
@@ -120,12 +149,6 @@ class HubEnv:
             new = set(conn.execute(insert.returning(ROLLOUTS.c.trace_id), rows).scalars())
             formed.drop("unusable", sum(1 for r in rows
                                         if r["trace_id"] in new and r["state"] == DROPPED))
-        self._form_into(conn, formed, now)
-        return formed
-
-    def _form(self, conn: sa.Connection) -> Formed:
-        formed = Formed()
-        self._form_into(conn, formed, utcnow())
         return formed
 
     def _form_into(self, conn: sa.Connection, formed: Formed, now: datetime) -> None:
