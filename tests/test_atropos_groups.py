@@ -47,6 +47,11 @@ def hub_figures(client: httpx.Client) -> dict[str, Any]:
     return figures
 
 
+def hub_env_id(client: httpx.Client) -> int:
+    envs = client.get("/v1/stats").json()["atropos"]["envs"]
+    return int(next(e["env_id"] for e in envs if e["name"].startswith("hub_")))
+
+
 def chat(task: str, answer: str) -> list[dict[str, Any]]:
     return [SYSTEM, {"role": "user", "content": task}, {"role": "assistant", "content": answer},
             {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}]
@@ -307,14 +312,16 @@ def test_export_writes_the_groups_the_hub_formed_as_it_served_them(
                 "messages": chat(f"Task {i // 2}", f"Answer {i}.")})
             assert r.status_code == 202, r.text
         served = [next_batch(client)[0], next_batch(client)[0]]
+        hub_id = hub_env_id(client)
     out = tmp_path / "groups.jsonl"
     done = run_cli("export", "--config", str(hub.config), "--format", "atropos", "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert "exported 2 groups" in done.stderr
     exported = [json.loads(line) for line in out.read_text().splitlines()]
     key = lambda g: g["group_overrides"]["hub_group"]  # noqa: E731
-    assert sorted(exported, key=key) == sorted(
-        [{**g, "env_id": None} for g in served], key=key)
+    # As served, the hub's env's env_id included.
+    assert {g["env_id"] for g in exported} == {hub_id}
+    assert sorted(exported, key=key) == sorted(served, key=key)
 
 
 @pytest.mark.process
@@ -368,6 +375,15 @@ def test_the_hubs_env_and_a_real_env_share_one_trainers_batches(
         # One batch of both envs' groups, each group once.
         assert sorted(g["env_id"] for g in batch) == sorted([math_id, hub_id])
         assert client.get("/batch").json() == {"batch": None}
+        # Each env's groups listed under its name, the hub's env's too.
+        hub_group = next(g for g in batch if g["env_id"] == hub_id)["group_overrides"]
+        sent = wait_until(lambda: client.get("/v1/traces", params={"env": "math_0"}).json()[
+            "traces"], 30, what="the env's group as trajectories")
+        math_group = sent[0]["trace_id"].rsplit("-", 1)[0]
+        for env, listed, other in (("collected_0", hub_group["hub_group"], math_group),
+                                   ("math_0", math_group, hub_group["hub_group"])):
+            page = client.get("/ui/groups", params={"env": env}).text
+            assert listed in page and other not in page
 
 
 def test_a_burst_worker_makes_trajectories_of_every_group_envs_sent(
