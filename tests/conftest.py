@@ -5,6 +5,7 @@ helpers behind them live in tests/support/."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -124,6 +125,25 @@ def runs_env(tmp_path: Path, trace_server: dict[str, Any],
     env = RunsEnv(tmp_path, trace_server, monkeypatch)
     yield env
     env.kill_everything()
+
+
+# --- a chat tokenizer ---------------------------------------------------------------
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path: Path) -> Path:
+    """A Hugging Face tokenizer directory with a chat template, built offline."""
+    from tests.support.chat_tokenizer import chat_tokenizer  # transformers: only if used
+
+    return chat_tokenizer(tmp_path / "tokenizer")
+
+
+@pytest.fixture
+def tinker_args(tmp_path: Path, tokenizer_dir: Path) -> list[str]:
+    """`serve` arguments for a tinker.json whose tinker.tokenizer is the test's."""
+    tinker = tmp_path / "tinker.json"
+    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
+    return ["--tinker", str(tinker)]
 
 
 # --- fake servers ----------------------------------------------------------------

@@ -14,7 +14,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import StartHub
-from tests.support.chat_tokenizer import chat_tokenizer
 from tests.support.fakes.vllm_server import FakeVllm, serve
 from tests.support.hubs import InProcessHub
 from tests.support.processes import run_cli
@@ -59,19 +58,6 @@ def chat(task: str, answer: str) -> list[dict[str, Any]]:
 
 def assistant_text(tokenizer: Any, tokens: list[int], masks: list[int]) -> str:
     return str(tokenizer.decode([t for t, m in zip(tokens, masks) if m != -100]))
-
-
-@pytest.fixture
-def tokenizer_dir(tmp_path: Path) -> Path:
-    return chat_tokenizer(tmp_path / "tokenizer")
-
-
-@pytest.fixture
-def tinker_args(tmp_path: Path, tokenizer_dir: Path) -> list[str]:
-    """`serve` arguments for a tinker.json whose tinker.tokenizer is the test's."""
-    tinker = tmp_path / "tinker.json"
-    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
-    return ["--tinker", str(tinker)]
 
 
 def test_posted_chats_become_groups_rendered_with_the_chat_template(

@@ -46,6 +46,7 @@ from app.db.dialect import writing
 from app.db.types import utcnow
 from app.errors import HubError
 from app.ingest.ingestor import Ingestor
+from app.ingest.inserter import Stored
 from app.stages.assembly import stored_trajectories
 from app.training.chat_template import ChatTokenizer, load_tokenizer
 
@@ -103,10 +104,14 @@ class EnvGroupStage:
         async with self._engine.connect() as conn:
             stored = await stored_trajectories(conn, ids)
         todo = [item for items in groups for item in items if item["trace_id"] not in stored]
-        made = await self._ingestor.prepare(todo, None)
-        # Through the traces' group commit, in the writer's turn like every write:
-        # a GET /batch waits for one short transaction, never for this whole pass.
-        outcomes = dict(zip([t["trace_id"] for t in todo], await self._ingestor.store(made)))
+        made = dict(zip([t["trace_id"] for t in todo],
+                        await self._ingestor.prepare(todo, None)))
+        # Through the traces' group commit, in the writer's turn like every write, a
+        # group's at a time: a GET /batch waits for one group's transaction at most.
+        outcomes: dict[str, Stored | HubError] = {}
+        for items in groups:
+            due = [i["trace_id"] for i in items if i["trace_id"] in made]
+            outcomes |= zip(due, await self._ingestor.store([made[t] for t in due]))
         done = []
         for mark, items in zip(marks, groups):
             errors = [(i["trace_id"], outcomes.get(i["trace_id"])) for i in items]

@@ -1,9 +1,11 @@
 """atroposlib from PyPI, installed where the upstream tests and bench/atropos.py can
 use it: `pip install --no-deps --target DIR atroposlib==0.4.0`.
 
-Only its API server (fastapi, pydantic, uvicorn: the hub's own dependencies) and
-its API tests (requests, pytest) are used, so the heavy dependencies it declares
-(torch, transformers, wandb, ...) are not installed."""
+Its API server (fastapi, pydantic, uvicorn: the hub's own dependencies) and its API
+tests (requests, pytest) need nothing more. Its example trainer (`example_trainer`, a
+package of the same wheel) and its `BaseEnv` need what `install_trainer_and_env` adds:
+torch and transformers come from the test extra; the rest (wandb, ...) from PyPI into
+the target, never into the hub's environment."""
 
 from __future__ import annotations
 
@@ -49,6 +51,17 @@ def install_server_classes(target: Path) -> Path:
     install_atroposlib(target)
     _pip(target, "aiohttp")
     _pip(target, "--no-deps", "tenacity", "pydantic-cli")
+    return target
+
+
+def install_trainer_and_env(target: Path) -> Path:
+    """atroposlib with what its example trainer (`example_trainer.api`, `.data`: its
+    package imports every trainer, and so wandb) and `atroposlib.envs.base.BaseEnv`
+    import besides the hub's dependencies and the test extra's torch and transformers:
+    the server classes', wandb (with its own dependencies, which stay in the target),
+    jsonlines and markdown."""
+    install_server_classes(target)
+    _pip(target, "wandb", "jsonlines", "markdown")
     return target
 
 
