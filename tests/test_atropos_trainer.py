@@ -2,7 +2,7 @@
 `register_trainer`, `get_batch` and `pad_data_to_good_offset` (atroposlib 0.4.0 ships
 them in the wheel as the top-level package `example_trainer`), run in a process of
 their own with atroposlib from PyPI (tests/support/atroposlib.py,
-tests/support/atroposlib_trainer.py), take groups made from (a) POSTed OpenAI chats
+tests/support/atroposlib_clients/), take groups made from (a) POSTed OpenAI chats
 rendered with a chat template built offline and (b) gateway captures with their exact
 ids and logprobs."""
 
@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,11 @@ from tests.support.waiting import wait_until
 from tests.test_atropos_groups import EVERY_TRACE_PASSES, chat, hub_figures
 from tests.test_gateway import KEY_ENV, TRAINING_ROUTE, tool_loop
 
-TRAINER = Path(__file__).parent / "support" / "atroposlib_trainer.py"
+# Each test runs atroposlib's clients as processes of their own (torch, wandb to import).
+pytestmark = pytest.mark.process
+
+CLIENTS = Path(__file__).parent / "support" / "atroposlib_clients"
+TRAINER, ENV = CLIENTS / "trainer.py", CLIENTS / "env.py"
 MASKED = -100
 
 
@@ -43,8 +48,12 @@ def atroposlib_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def trainer(atroposlib_dir: Path, *args: str) -> Any:
     """atroposlib's example trainer functions, in a process of their own: the JSON
     they print last."""
+    return _run(atroposlib_dir, TRAINER, *args)
+
+
+def _run(atroposlib_dir: Path, script: Path, *args: str) -> Any:
     done = subprocess.run(
-        [sys.executable, str(TRAINER), *args],
+        [sys.executable, str(script), *args],
         env={**os.environ, "PYTHONPATH": str(atroposlib_dir), "WANDB_MODE": "disabled"},
         capture_output=True, text=True, timeout=600,
     )
@@ -167,3 +176,43 @@ def test_atroposlibs_example_trainer_takes_gateway_rollouts_with_their_exact_ids
         assert served_logprobs[row][: len(sequence) - 1] == pytest.approx(logprobs[1:])
     (advantages,) = taken["advantages"]
     assert advantages == pytest.approx(normalised(group["scores"]), rel=1e-5)
+
+
+def test_a_real_base_env_and_the_hubs_env_share_one_trainers_batches_by_weight(
+    start_hub: StartHub, trace_server: dict[str, Any], tokenizer_dir: Path,
+    tinker_args: list[str], atroposlib_dir: Path, tmp_path: Path,
+) -> None:
+    hub = start_hub(trace_server, *tinker_args, listen=True,
+                    distributor={"target": "atropos", "group_size": 2, "atropos_env": "collected",
+                                 "atropos_env_weight": 3.0,
+                                 "atropos_env_min_batch_allocation": 0.5},
+                    environment=EVERY_TRACE_PASSES)
+    assert trainer(atroposlib_dir, "register", hub.url, "8",
+                   str(tmp_path / "checkpoints")) == {"batch": None}
+    with hub.client() as client:
+        for i in range(8):
+            r = client.post("/v1/traces", json={
+                "format": "openai", "trace_id": f"h{i}", "reward": 0.5 * (i % 2),
+                "messages": chat(f"Task {i // 2}", f"Answer {i}.")})
+            assert r.status_code == 202, r.text
+        wait_until(lambda: hub_figures(client)["groups"] == 4, 30, what="the hub's groups")
+        hub_id = next(e["env_id"] for e in client.get("/v1/stats").json()["atropos"]["envs"]
+                      if e["name"] == "collected_0")
+
+    # The env runs until the queue holds more than its total_steps (1) batches beyond
+    # the others' minimums, reading its share of the weight from /status-env.
+    env = _run(atroposlib_dir, ENV, hub.url, str(tokenizer_dir), "sums", "1.0", "0.5")
+    assert env["made"] >= 6
+    # Its weight against the hub's env's (3.0), both of max_token_length 2048.
+    assert env["status"]["env_weight"] == pytest.approx(0.25)
+
+    # Each batch of 8 sequences: half the hub's env's, half the real env's, as their
+    # min_batch_allocation 0.5 each asks; the scores as each env gave them.
+    for _ in range(2):
+        batch = trainer(atroposlib_dir, "take", hub.url, "8")["batch"]
+        sequences = Counter[int]()
+        for group in batch:
+            sequences[group["env_id"]] += len(group["tokens"])
+            if group["env_id"] == env["env_id"]:
+                assert group["scores"] == [1.0, 0.0]
+        assert sequences == {hub_id: 4, env["env_id"]: 4}

@@ -4,10 +4,10 @@ its `get_data` calls them. Run with atroposlib installed on PYTHONPATH
 (tests/support/atroposlib.py `install_trainer_and_env`), in a process of its own, so
 that what wandb brings into that directory stays out of the test's process:
 
-    python atroposlib_trainer.py register URL SEQUENCES SAVE_PATH
+    python trainer.py register URL SEQUENCES SAVE_PATH
         registers (batch_size SEQUENCES) and takes the first batch, which starts the
         trainer; prints that answer
-    python atroposlib_trainer.py take URL SEQUENCES [--logprobs]
+    python trainer.py take URL SEQUENCES [--logprobs]
         takes one batch and pads it as the trainer does; prints the batch as served and
         the tensors made of it
 
