@@ -17,6 +17,8 @@ import pytest
 
 from tests.support.databases import PG_ADMIN_URL, EmptyPgDatabases
 from tests.support.fakes.model_server import FakeModel, serve
+from tests.support.fakes.vllm_server import FakeVllm
+from tests.support.fakes.vllm_server import serve as serve_vllm
 from tests.support.hubs import InProcessHub, write_config
 from tests.support.processes import HubProcess
 from tests.support.runs import RunsEnv
@@ -147,6 +149,14 @@ def tinker_args(tmp_path: Path, tokenizer_dir: Path) -> list[str]:
 
 
 # --- fake servers ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[tuple[FakeVllm, str]]:
+    """A vLLM-like model server (tests/support/fakes/vllm_server.py) and its base URL."""
+    fake = FakeVllm()
+    with serve_vllm(fake) as url:
+        yield fake, url
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import StartHub
-from tests.support.fakes.vllm_server import FakeVllm, serve
+from tests.support.fakes.vllm_server import FakeVllm
 from tests.support.hubs import InProcessHub
 from tests.support.processes import run_cli
 from tests.support.waiting import wait_until
@@ -157,37 +157,46 @@ def test_a_trajectory_without_token_ids_or_tokenizer_is_left_out_and_counted(
         assert figures["dropped"] == {"unusable": 1} and figures["pending"] == 0
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Any:
-    fake = FakeVllm()
-    with serve(fake) as url:
-        yield fake, url
+def gateway_hub(start_hub: StartHub, trace_server: dict[str, Any],
+                upstream: tuple[FakeVllm, str], monkeypatch: pytest.MonkeyPatch) -> InProcessHub:
+    """A hub whose gateway captures the fake vLLM's ids and logprobs, its rollouts
+    grouped by three, scored by the reward given at their finish."""
+    fake, url = upstream
+    fake.reset()
+    monkeypatch.setenv(KEY_ENV, fake.key)
+    gateway = {"enabled": True, "upstream": {"base_url": url, "api_key_env": KEY_ENV},
+               "routes": [TRAINING_ROUTE], "quiet_seconds": 30}
+    return start_hub(trace_server, listen=True, gateway=gateway,
+                     distributor={"target": "atropos", "group_size": 3, "score": "env_reward"},
+                     environment=EVERY_TRACE_PASSES)
+
+
+ROLLOUT_REWARDS = {"run-a": 1.0, "run-b": 0.0, "run-c": 0.5}
+
+
+def run_rollouts(hub: InProcessHub, client: httpx.Client) -> dict[str, list[dict[str, Any]]]:
+    """An agent's tool loop through the gateway for each of ROLLOUT_REWARDS, finished
+    with its reward in one group; each one's conversation."""
+    conversations = {}
+    for rollout, reward in ROLLOUT_REWARDS.items():
+        agent = openai.OpenAI(base_url=f"{hub.url}/v1/rollouts/{rollout}",
+                              api_key="agent-key", max_retries=0)
+        conversations[rollout] = tool_loop(agent)
+        r = client.post(f"/v1/rollouts/{rollout}/finish",
+                        json={"reward": reward, "group": "readme"})
+        assert r.status_code == 200, r.text
+    return conversations
 
 
 def test_gateway_rollouts_become_groups_with_their_exact_ids_and_logprobs(
     start_hub: StartHub, trace_server: dict[str, Any], upstream: tuple[FakeVllm, str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fake, url = upstream
-    fake.reset()
-    monkeypatch.setenv(KEY_ENV, fake.key)
-    gateway = {"enabled": True, "upstream": {"base_url": url, "api_key_env": KEY_ENV},
-               "routes": [TRAINING_ROUTE], "quiet_seconds": 30}
-    hub: InProcessHub = start_hub(
-        trace_server, listen=True, gateway=gateway,
-        distributor={"target": "atropos", "group_size": 3, "score": "env_reward"},
-        environment=EVERY_TRACE_PASSES)
+    hub = gateway_hub(start_hub, trace_server, upstream, monkeypatch)
     with hub.client() as client:
         start_trainer(client, batch_size=3)
-        rewards = {"run-a": 1.0, "run-b": 0.0, "run-c": 0.5}
-        for rollout, reward in rewards.items():
-            agent = openai.OpenAI(base_url=f"{hub.url}/v1/rollouts/{rollout}",
-                                  api_key="agent-key", max_retries=0)
-            tool_loop(agent)
-            r = client.post(f"/v1/rollouts/{rollout}/finish",
-                            json={"reward": reward, "group": "readme"})
-            assert r.status_code == 200, r.text
-
+        run_rollouts(hub, client)
+        rewards = ROLLOUT_REWARDS
         (group,) = next_batch(client)
         trace_ids = group["group_overrides"]["trace_ids"]
         assert sorted(trace_ids) == sorted(rewards)

@@ -16,16 +16,21 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import StartHub
-from tests.support.atroposlib import RegistryUnreachable, install_trainer_and_env
-from tests.support.fakes.vllm_server import END, FakeVllm, prompt_ids, rendered, serve, text_ids
+from tests.support.atroposlib import install_trainer_and_env, installed_for_tests
+from tests.support.fakes.vllm_server import END, FakeVllm, prompt_ids, rendered, text_ids
 from tests.support.waiting import wait_until
-from tests.test_atropos_groups import EVERY_TRACE_PASSES, chat, hub_figures
-from tests.test_gateway import KEY_ENV, TRAINING_ROUTE, tool_loop
+from tests.test_atropos_groups import (
+    EVERY_TRACE_PASSES,
+    ROLLOUT_REWARDS,
+    chat,
+    gateway_hub,
+    hub_figures,
+    run_rollouts,
+)
 
 # Each test runs atroposlib's clients as processes of their own (torch, wandb to import).
 pytestmark = pytest.mark.process
@@ -37,12 +42,8 @@ MASKED = -100
 
 @pytest.fixture(scope="session")
 def atroposlib_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        return install_trainer_and_env(tmp_path_factory.mktemp("atroposlib-trainer"))
-    except RegistryUnreachable as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"the package index is unreachable (and CI is unset): {exc}")
+    return installed_for_tests(install_trainer_and_env,
+                               tmp_path_factory.mktemp("atroposlib-trainer"))
 
 
 def trainer(atroposlib_dir: Path, *args: str) -> Any:
@@ -121,38 +122,17 @@ def test_atroposlibs_example_trainer_takes_posted_chats_rendered_with_the_chat_t
     assert taken["logprobs"] is None  # none captured, none invented
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Any:
-    fake = FakeVllm()
-    with serve(fake) as url:
-        yield fake, url
-
-
 def test_atroposlibs_example_trainer_takes_gateway_rollouts_with_their_exact_ids(
     start_hub: StartHub, trace_server: dict[str, Any], upstream: tuple[FakeVllm, str],
     monkeypatch: pytest.MonkeyPatch, atroposlib_dir: Path, tmp_path: Path,
 ) -> None:
-    fake, url = upstream
-    fake.reset()
-    monkeypatch.setenv(KEY_ENV, fake.key)
-    gateway = {"enabled": True, "upstream": {"base_url": url, "api_key_env": KEY_ENV},
-               "routes": [TRAINING_ROUTE], "quiet_seconds": 30}
-    hub = start_hub(trace_server, listen=True, gateway=gateway,
-                    distributor={"target": "atropos", "group_size": 3, "score": "env_reward"},
-                    environment=EVERY_TRACE_PASSES)
+    hub = gateway_hub(start_hub, trace_server, upstream, monkeypatch)
     assert trainer(atroposlib_dir, "register", hub.url, "3",
                    str(tmp_path / "checkpoints")) == {"batch": None}
-    rewards = {"run-a": 1.0, "run-b": 0.0, "run-c": 0.5}
-    conversations = {}
     with hub.client() as client:
-        for rollout, reward in rewards.items():
-            agent = openai.OpenAI(base_url=f"{hub.url}/v1/rollouts/{rollout}",
-                                  api_key="agent-key", max_retries=0)
-            conversations[rollout] = tool_loop(agent)
-            r = client.post(f"/v1/rollouts/{rollout}/finish",
-                            json={"reward": reward, "group": "readme"})
-            assert r.status_code == 200, r.text
+        conversations = run_rollouts(hub, client)
         wait_until(lambda: hub_figures(client)["groups"] == 1, 30, what="the group formed")
+    rewards = ROLLOUT_REWARDS
 
     taken = trainer(atroposlib_dir, "take", hub.url, "3", "--logprobs")
     (group,) = taken["batch"]
