@@ -176,7 +176,8 @@ async def running_stages(
         )
         hub_env = None
         if isinstance(config.distributor, AtroposTargetConfig):
-            hub_env = HubEnv(AtroposDb(engine, writer), config.distributor, config.atropos)
+            hub_env = HubEnv(AtroposDb(engine, writer), config.distributor, config.atropos,
+                             outages.database)
             grouping = GroupingStage(hub_env, poll_seconds=min(
                 ARRIVALS_SECONDS, config.distributor.group_timeout_seconds / 4))
             runner.add(grouping, every=grouping.poll_seconds)
@@ -193,6 +194,8 @@ async def running_stages(
         )
         if config.retention is not None:
             runner.add(RetentionStage(engine, config.retention))
+        if hub_env is not None:
+            hub_env.start()
         try:
             yield runner
         finally:
@@ -210,7 +213,7 @@ def add_assembly(stages: StageRunner, engine: AsyncEngine, settings: Settings,
     config = settings.config
     stage = AssemblyStage(engine, config.otlp, ingestor.prepare, on_advance=stages.wake)
     stages.add(stage, every=stage.poll_seconds)
-    groups = EnvGroupStage(engine, ingestor.prepare, settings.tinker.tinker.tokenizer,
+    groups = EnvGroupStage(engine, ingestor, settings.tinker.tinker.tokenizer,
                            on_advance=stages.wake)
     stages.add(groups, every=groups.poll_seconds)
     if config.gateway.enabled:

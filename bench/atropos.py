@@ -16,7 +16,8 @@ For each server, one after the other on 127.0.0.1, each phase on a fresh process
 2. queue: the same clients fill an empty queue to exactly 10,000 groups (RSS read
    at 5,000 and 10,000); then a trainer calls GET /batch (Accept-Encoding: gzip, as
    `requests` sends) batch-calls times: p50/p99/max and server CPU per call; the
-   first call forms every batch.
+   first call forms every batch. With --workers, how many trajectories the env groups
+   stage made a second meanwhile, of the groups' backlog.
 
 Server CPU is counted over the server's process tree (for the hub: the serving
 process, the fork server and the ingest processes).
@@ -344,8 +345,12 @@ async def measure_queue(server: Server, args: argparse.Namespace, body: bytes) -
     queued = (await call(server.port, "GET", "/status"))["queue_size"]
     latencies = await take_batches(server.port, 1)  # forms every batch
     cpu = server.cpu_seconds()
+    made, started = (await call(server.port, "GET", "/v1/stats"))["traces"], time.perf_counter()
     latencies += await take_batches(server.port, args.batch_calls - 1)
     cpu_ms = (server.cpu_seconds() - cpu) * 1000 / (args.batch_calls - 1)
+    # With --workers, the env groups stage makes the backlog's trajectories meanwhile.
+    made = ((await call(server.port, "GET", "/v1/stats"))["traces"] - made) / (
+        time.perf_counter() - started)
     return {
         "rss_5000_mb": fill.rss_at.get(5_000, float("nan")),
         "rss_10000_mb": fill.rss_at.get(10_000, float("nan")),
@@ -355,6 +360,7 @@ async def measure_queue(server: Server, args: argparse.Namespace, body: bytes) -
         "batch_p99_ms": quantile(latencies, 99),
         "batch_max_ms": max(latencies) * 1000,
         "batch_cpu_ms": cpu_ms,
+        "made_per_s": made,
     }
 
 
@@ -432,6 +438,7 @@ def report(args: argparse.Namespace, body: bytes, results: dict[str, dict[str, A
         ("GET /batch p99 ms", "batch_p99_ms", "{:.1f}"),
         ("GET /batch max ms", "batch_max_ms", "{:.1f}"),
         ("server CPU ms per GET /batch (not first)", "batch_cpu_ms", "{:.2f}"),
+        ("trajectories made per s meanwhile", "made_per_s", "{:.0f}"),
         ("database on disk MB, 10,000 queued", "disk_mb", "{:.0f}"),
     ]
     names = list(results)

@@ -5,6 +5,7 @@ helpers behind them live in tests/support/."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -16,6 +17,8 @@ import pytest
 
 from tests.support.databases import PG_ADMIN_URL, EmptyPgDatabases
 from tests.support.fakes.model_server import FakeModel, serve
+from tests.support.fakes.vllm_server import FakeVllm
+from tests.support.fakes.vllm_server import serve as serve_vllm
 from tests.support.hubs import InProcessHub, write_config
 from tests.support.processes import HubProcess
 from tests.support.runs import RunsEnv
@@ -126,7 +129,34 @@ def runs_env(tmp_path: Path, trace_server: dict[str, Any],
     env.kill_everything()
 
 
+# --- a chat tokenizer ---------------------------------------------------------------
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path: Path) -> Path:
+    """A Hugging Face tokenizer directory with a chat template, built offline."""
+    from tests.support.chat_tokenizer import chat_tokenizer  # transformers: only if used
+
+    return chat_tokenizer(tmp_path / "tokenizer")
+
+
+@pytest.fixture
+def tinker_args(tmp_path: Path, tokenizer_dir: Path) -> list[str]:
+    """`serve` arguments for a tinker.json whose tinker.tokenizer is the test's."""
+    tinker = tmp_path / "tinker.json"
+    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
+    return ["--tinker", str(tinker)]
+
+
 # --- fake servers ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[tuple[FakeVllm, str]]:
+    """A vLLM-like model server (tests/support/fakes/vllm_server.py) and its base URL."""
+    fake = FakeVllm()
+    with serve_vllm(fake) as url:
+        yield fake, url
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import StartHub
-from tests.support.chat_tokenizer import chat_tokenizer
-from tests.support.fakes.vllm_server import FakeVllm, serve
+from tests.support.fakes.vllm_server import FakeVllm
 from tests.support.hubs import InProcessHub
 from tests.support.processes import run_cli
 from tests.support.waiting import wait_until
@@ -47,6 +46,11 @@ def hub_figures(client: httpx.Client) -> dict[str, Any]:
     return figures
 
 
+def hub_env_id(client: httpx.Client) -> int:
+    envs = client.get("/v1/stats").json()["atropos"]["envs"]
+    return int(next(e["env_id"] for e in envs if e["name"].startswith("hub_")))
+
+
 def chat(task: str, answer: str) -> list[dict[str, Any]]:
     return [SYSTEM, {"role": "user", "content": task}, {"role": "assistant", "content": answer},
             {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}]
@@ -54,19 +58,6 @@ def chat(task: str, answer: str) -> list[dict[str, Any]]:
 
 def assistant_text(tokenizer: Any, tokens: list[int], masks: list[int]) -> str:
     return str(tokenizer.decode([t for t, m in zip(tokens, masks) if m != -100]))
-
-
-@pytest.fixture
-def tokenizer_dir(tmp_path: Path) -> Path:
-    return chat_tokenizer(tmp_path / "tokenizer")
-
-
-@pytest.fixture
-def tinker_args(tmp_path: Path, tokenizer_dir: Path) -> list[str]:
-    """`serve` arguments for a tinker.json whose tinker.tokenizer is the test's."""
-    tinker = tmp_path / "tinker.json"
-    tinker.write_text(json.dumps({"tinker": {"tokenizer": str(tokenizer_dir)}}))
-    return ["--tinker", str(tinker)]
 
 
 def test_posted_chats_become_groups_rendered_with_the_chat_template(
@@ -166,37 +157,46 @@ def test_a_trajectory_without_token_ids_or_tokenizer_is_left_out_and_counted(
         assert figures["dropped"] == {"unusable": 1} and figures["pending"] == 0
 
 
-@pytest.fixture(scope="module")
-def upstream() -> Any:
-    fake = FakeVllm()
-    with serve(fake) as url:
-        yield fake, url
+def gateway_hub(start_hub: StartHub, trace_server: dict[str, Any],
+                upstream: tuple[FakeVllm, str], monkeypatch: pytest.MonkeyPatch) -> InProcessHub:
+    """A hub whose gateway captures the fake vLLM's ids and logprobs, its rollouts
+    grouped by three, scored by the reward given at their finish."""
+    fake, url = upstream
+    fake.reset()
+    monkeypatch.setenv(KEY_ENV, fake.key)
+    gateway = {"enabled": True, "upstream": {"base_url": url, "api_key_env": KEY_ENV},
+               "routes": [TRAINING_ROUTE], "quiet_seconds": 30}
+    return start_hub(trace_server, listen=True, gateway=gateway,
+                     distributor={"target": "atropos", "group_size": 3, "score": "env_reward"},
+                     environment=EVERY_TRACE_PASSES)
+
+
+ROLLOUT_REWARDS = {"run-a": 1.0, "run-b": 0.0, "run-c": 0.5}
+
+
+def run_rollouts(hub: InProcessHub, client: httpx.Client) -> dict[str, list[dict[str, Any]]]:
+    """An agent's tool loop through the gateway for each of ROLLOUT_REWARDS, finished
+    with its reward in one group; each one's conversation."""
+    conversations = {}
+    for rollout, reward in ROLLOUT_REWARDS.items():
+        agent = openai.OpenAI(base_url=f"{hub.url}/v1/rollouts/{rollout}",
+                              api_key="agent-key", max_retries=0)
+        conversations[rollout] = tool_loop(agent)
+        r = client.post(f"/v1/rollouts/{rollout}/finish",
+                        json={"reward": reward, "group": "readme"})
+        assert r.status_code == 200, r.text
+    return conversations
 
 
 def test_gateway_rollouts_become_groups_with_their_exact_ids_and_logprobs(
     start_hub: StartHub, trace_server: dict[str, Any], upstream: tuple[FakeVllm, str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fake, url = upstream
-    fake.reset()
-    monkeypatch.setenv(KEY_ENV, fake.key)
-    gateway = {"enabled": True, "upstream": {"base_url": url, "api_key_env": KEY_ENV},
-               "routes": [TRAINING_ROUTE], "quiet_seconds": 30}
-    hub: InProcessHub = start_hub(
-        trace_server, listen=True, gateway=gateway,
-        distributor={"target": "atropos", "group_size": 3, "score": "env_reward"},
-        environment=EVERY_TRACE_PASSES)
+    hub = gateway_hub(start_hub, trace_server, upstream, monkeypatch)
     with hub.client() as client:
         start_trainer(client, batch_size=3)
-        rewards = {"run-a": 1.0, "run-b": 0.0, "run-c": 0.5}
-        for rollout, reward in rewards.items():
-            agent = openai.OpenAI(base_url=f"{hub.url}/v1/rollouts/{rollout}",
-                                  api_key="agent-key", max_retries=0)
-            tool_loop(agent)
-            r = client.post(f"/v1/rollouts/{rollout}/finish",
-                            json={"reward": reward, "group": "readme"})
-            assert r.status_code == 200, r.text
-
+        run_rollouts(hub, client)
+        rewards = ROLLOUT_REWARDS
         (group,) = next_batch(client)
         trace_ids = group["group_overrides"]["trace_ids"]
         assert sorted(trace_ids) == sorted(rewards)
@@ -307,14 +307,16 @@ def test_export_writes_the_groups_the_hub_formed_as_it_served_them(
                 "messages": chat(f"Task {i // 2}", f"Answer {i}.")})
             assert r.status_code == 202, r.text
         served = [next_batch(client)[0], next_batch(client)[0]]
+        hub_id = hub_env_id(client)
     out = tmp_path / "groups.jsonl"
     done = run_cli("export", "--config", str(hub.config), "--format", "atropos", "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert "exported 2 groups" in done.stderr
     exported = [json.loads(line) for line in out.read_text().splitlines()]
     key = lambda g: g["group_overrides"]["hub_group"]  # noqa: E731
-    assert sorted(exported, key=key) == sorted(
-        [{**g, "env_id": None} for g in served], key=key)
+    # As served, the hub's env's env_id included.
+    assert {g["env_id"] for g in exported} == {hub_id}
+    assert sorted(exported, key=key) == sorted(served, key=key)
 
 
 @pytest.mark.process
@@ -368,3 +370,38 @@ def test_the_hubs_env_and_a_real_env_share_one_trainers_batches(
         # One batch of both envs' groups, each group once.
         assert sorted(g["env_id"] for g in batch) == sorted([math_id, hub_id])
         assert client.get("/batch").json() == {"batch": None}
+        # Each env's groups listed under its name, the hub's env's too.
+        hub_group = next(g for g in batch if g["env_id"] == hub_id)["group_overrides"]
+        sent = wait_until(lambda: client.get("/v1/traces", params={"env": "math_0"}).json()[
+            "traces"], 30, what="the env's group as trajectories")
+        math_group = sent[0]["trace_id"].rsplit("-", 1)[0]
+        for env, listed, other in (("collected_0", hub_group["hub_group"], math_group),
+                                   ("math_0", math_group, hub_group["hub_group"])):
+            page = client.get("/ui/groups", params={"env": env}).text
+            assert listed in page and other not in page
+
+
+def test_a_burst_worker_makes_trajectories_of_every_group_envs_sent(
+    start_hub: StartHub, trace_server: dict[str, Any]
+) -> None:
+    """More groups than a pass takes, sent a moment ago (the stage, running beside the
+    API, would give way to them): `atropos worker --burst` makes them all."""
+    hub = start_hub(trace_server, "--no-workers")
+    with hub.client() as client:
+        start_trainer(client, batch_size=64)
+        r = client.post("/register-env", json={"max_token_length": 512, "desired_name": "math",
+                                               "weight": 1.0, "group_size": 2})
+        env_id = r.json()["env_id"]
+        groups = [{"tokens": [[1, 2, g], [1, 2, g + 1]], "masks": [[-100, -100, g],
+                   [-100, -100, g + 1]], "scores": [1.0, float(g)], "env_id": env_id,
+                   "messages": [[{"role": "user", "content": f"Task {g}"},
+                                 {"role": "assistant", "content": f"Answer {g}.{i}"}]
+                                for i in range(2)]}
+                  for g in range(30)]
+        r = client.post("/scored_data_list", json=groups)
+        assert r.status_code == 200, r.text
+        assert hub.drain() > 0
+        traces = client.get("/v1/traces", params={"env": "math_0", "limit": 100}).json()
+        assert len(traces["traces"]) == 60
+        assert sorted(t["env_reward"] for t in traces["traces"]) == sorted(
+            s for g in groups for s in g["scores"])

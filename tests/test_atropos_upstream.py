@@ -31,7 +31,7 @@ import pytest
 
 from app.atropos.packing import EnvShare, Item, form_batches, groups_summing_to
 from tests.support import ROOT
-from tests.support.atroposlib import RegistryUnreachable, install_atroposlib, start_run_api
+from tests.support.atroposlib import install_atroposlib, installed_for_tests, start_run_api
 from tests.support.hubs import InProcessHub
 from tests.support.waiting import wait_until
 
@@ -40,13 +40,7 @@ pytestmark = [pytest.mark.process, pytest.mark.framework]
 
 @pytest.fixture(scope="session")
 def atroposlib_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    target = tmp_path_factory.mktemp("atroposlib")
-    try:
-        return install_atroposlib(target)
-    except RegistryUnreachable as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"the package index is unreachable (and CI is unset): {exc}")
+    return installed_for_tests(install_atroposlib, tmp_path_factory.mktemp("atroposlib"))
 
 
 # --- atroposlib's own tests --------------------------------------------------------

@@ -345,14 +345,10 @@ asyncio.run(main())
 
 @pytest.fixture(scope="session")
 def atroposlib_servers(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.support.atroposlib import RegistryUnreachable, install_server_classes
+    from tests.support.atroposlib import install_server_classes, installed_for_tests
 
-    try:
-        return install_server_classes(tmp_path_factory.mktemp("atroposlib-servers"))
-    except RegistryUnreachable as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"the package index is unreachable (and CI is unset): {exc}")
+    return installed_for_tests(install_server_classes,
+                               tmp_path_factory.mktemp("atroposlib-servers"))
 
 
 def test_atroposlibs_openai_server_calls_completions_and_its_tokens_are_kept(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -44,8 +45,10 @@ from app.atropos.segments import deflate
 from app.atropos.tables import ENVS, STATE, AtroposDb, AtroposRunState, run_state
 from app.config import AtroposConfig, AtroposTargetConfig
 from app.db.dialect import insert_ignoring_conflicts
+from app.db.group_commit import GroupCommit
 from app.db.models import ATROPOS_ROLLOUTS
 from app.db.types import utcnow
+from app.outage import Outage
 from app.targets import Rollout
 
 log = logging.getLogger("atropos.groups")
@@ -53,6 +56,8 @@ log = logging.getLogger("atropos.groups")
 ROLLOUTS = ATROPOS_ROLLOUTS
 PENDING, GROUPED, DROPPED = "pending", "grouped", "dropped"
 _TRAILING_NUMBER = re.compile(r"(\d{1,18})$")
+# Deliveries (and passes) written in one transaction, at most.
+_MAX_ADDS = 16
 
 
 class Raced(Exception):
@@ -65,6 +70,7 @@ class Formed:
 
     groups: list[str] = field(default_factory=list)
     dropped: dict[str, int] = field(default_factory=dict)
+    raced: bool = False  # another hub moved some of its rollouts: the pass is undone
 
     def drop(self, reason: str, n: int) -> None:
         if n:
@@ -75,21 +81,40 @@ class Formed:
         return len(self.groups) + sum(self.dropped.values())
 
 
+@dataclass(frozen=True, slots=True)
+class _Env:
+    env_id: int
+    name: str | None
+
+
 class HubEnv:
+    """The hub's env, a kind of the hub's group commit (app/db/group_commit.py): the
+    rollouts deliveries add and the grouping stage's passes are written together, in the
+    writer's turn like every other kind, each transaction forming what is then full."""
+
+    name = "hub env rollouts"
+
     def __init__(self, db: AtroposDb, config: AtroposTargetConfig,
-                 atropos: AtroposConfig) -> None:
+                 atropos: AtroposConfig, outage: Outage) -> None:
         self._db = db
         self._config = config
         self._atropos = atropos
+        # No deadline: the callers are stages, each waiting for its own write.
+        self._commits: GroupCommit[list[Rollout], Formed] = GroupCommit(
+            self, db.writer, outage, max_items=_MAX_ADDS)
+
+    def start(self) -> None:
+        self._commits.start()
 
     async def close(self) -> None:
+        """Write what was submitted, then stop."""
+        await self._commits.stop()
         await self._db.close()
 
     async def add(self, batch_id: str, rollouts: list[Rollout]) -> dict[str, Any]:
         """Keep the rollouts (a trace kept before stays as it was) and form what is
         full; the delivery's receipt."""
-        formed = await self._db.write(lambda conn: self._add(conn, rollouts))
-        self._said(formed)
+        formed = await self._commits.submit(rollouts)
         return {"rollouts": len(rollouts), "groups": formed.groups, "dropped": formed.dropped}
 
     async def form(self) -> int:
@@ -97,13 +122,24 @@ class HubEnv:
         timed-out ones. How many groups and drops it made (0: nothing to do)."""
         if not await self._db.read(_any_pending):
             return 0
+        formed = await self._commits.submit([])
+        return 1 if formed.raced else formed.moved
+
+    def write(self, conn: sa.Connection, items: Sequence[list[Rollout]]) -> list[Formed]:
+        """One transaction: keep every item's rollouts, then one forming pass, whose
+        groups and drops the first item's result carries."""
+        now = utcnow()
+        results = [self._keep(conn, rollouts, now) for rollouts in items]
         try:
-            formed = await self._db.write(self._form)
+            with conn.begin_nested():
+                self._form_into(conn, results[0], now)
         except Raced:
+            # Its rollouts stay kept; only the forming is undone, and done again.
             log.info("another hub formed some of these groups first; forming again")
-            return 1
-        self._said(formed)
-        return formed.moved
+            results[0].raced = True
+        for formed in results:
+            self._said(formed)
+        return results
 
     def _said(self, formed: Formed) -> None:
         for group_id in formed.groups:
@@ -111,8 +147,7 @@ class HubEnv:
         for reason, n in formed.dropped.items():
             log.info("%d rollout(s) left out of the hub's groups: %s", n, reason)
 
-    def _add(self, conn: sa.Connection, rollouts: list[Rollout]) -> Formed:
-        now = utcnow()
+    def _keep(self, conn: sa.Connection, rollouts: list[Rollout], now: datetime) -> Formed:
         formed = Formed()
         rows = [_row(r, now) for r in rollouts]
         if rows:
@@ -120,19 +155,13 @@ class HubEnv:
             new = set(conn.execute(insert.returning(ROLLOUTS.c.trace_id), rows).scalars())
             formed.drop("unusable", sum(1 for r in rows
                                         if r["trace_id"] in new and r["state"] == DROPPED))
-        self._form_into(conn, formed, now)
-        return formed
-
-    def _form(self, conn: sa.Connection) -> Formed:
-        formed = Formed()
-        self._form_into(conn, formed, utcnow())
         return formed
 
     def _form_into(self, conn: sa.Connection, formed: Formed, now: datetime) -> None:
         run = run_state(conn, lock=True)
         if not run.started:
             return  # no env may register before the trainer's first GET /batch
-        env_id = self._env_id(conn, run, now)
+        env = self._env(conn, run, now)
         self._drop_unfit(conn, run, formed, now)
         size = self._config.group_size
         timeout = now - timedelta(seconds=self._config.group_timeout_seconds)
@@ -144,7 +173,7 @@ class HubEnv:
         for key, pending, first in keys:
             full = pending // size
             for _ in range(full):
-                if not self._group(conn, key, size, env_id, formed, now):
+                if not self._group(conn, key, size, env, formed, now):
                     return  # the queue is full: the rest waits for the trainer
             pending -= full * size
             if pending and full:
@@ -152,7 +181,7 @@ class HubEnv:
                     ROLLOUTS.c.state == PENDING, ROLLOUTS.c.group_key == key)).scalar()
             if pending and first <= timeout:
                 if self._config.group_timeout == "release":
-                    if not self._group(conn, key, pending, env_id, formed, now):
+                    if not self._group(conn, key, pending, env, formed, now):
                         return
                 else:
                     formed.drop("timed_out", _drop(
@@ -160,11 +189,13 @@ class HubEnv:
                         f"{pending} of group_size {size} after group_timeout_seconds "
                         f"{self._config.group_timeout_seconds:g}", now))
 
-    def _env_id(self, conn: sa.Connection, run: AtroposRunState, now: datetime) -> int:
-        env_id = conn.execute(sa.select(ENVS.c.env_id).where(ENVS.c.hub_owned)).scalar()
-        if env_id is not None:
-            record(conn, [env_id], now)  # the hub's env is alive while it has work
-            return int(env_id)
+    def _env(self, conn: sa.Connection, run: AtroposRunState, now: datetime) -> _Env:
+        """The hub's env (registered now if it is not yet)."""
+        row = conn.execute(
+            sa.select(ENVS.c.env_id, ENVS.c.real_name).where(ENVS.c.hub_owned)).first()
+        if row is not None:
+            record(conn, [row.env_id], now)  # the hub's env is alive while it has work
+            return _Env(int(row.env_id), row.real_name)
         config = self._config
         answer = register_env_in(conn, RegisterEnv(
             max_token_length=run.max_token_len, desired_name=config.atropos_env,
@@ -173,7 +204,7 @@ class HubEnv:
         ), hub_owned=True)
         log.info("the hub's env registered as %s (env_id %s)", answer["wandb_name"],
                  answer["env_id"])
-        return int(answer["env_id"])
+        return _Env(int(answer["env_id"]), answer["wandb_name"])
 
     def _drop_unfit(self, conn: sa.Connection, run: AtroposRunState, formed: Formed,
                     now: datetime) -> None:
@@ -189,7 +220,7 @@ class HubEnv:
                 f"policy_version more than {lag} steps behind the trainer's step {run.step}",
                 now))
 
-    def _group(self, conn: sa.Connection, key: str, size: int, env_id: int,
+    def _group(self, conn: sa.Connection, key: str, size: int, env: _Env,
                formed: Formed, now: datetime) -> bool:
         c = ROLLOUTS.c
         rows = conn.execute(
@@ -203,13 +234,14 @@ class HubEnv:
         scores = [float(r.score) for r in rows]
         if len(set(scores)) == 1:
             _move(conn, ids, DROPPED, now, group_id=group_id, reason="same_scores",
-                  detail=f"all {len(ids)} scores are {scores[0]:g}")
+                  detail=f"all {len(ids)} scores are {scores[0]:g}", env_id=env.env_id,
+                  env=env.name)
             formed.drop("same_scores", len(ids))
             return True
-        group = _new_group(env_id, group_id, ids, scores, [r.rollout for r in rows])
+        group = _new_group(env.env_id, group_id, ids, scores, [r.rollout for r in rows])
         if not queue.has_room(conn, self._atropos, group):
             return False
-        _move(conn, ids, GROUPED, now, group_id=group_id)
+        _move(conn, ids, GROUPED, now, group_id=group_id, env_id=env.env_id, env=env.name)
         queue.enqueue(conn, self._db.dialect, group)
         formed.groups.append(group_id)
         return True
@@ -243,8 +275,9 @@ def scored_data(env_id: int | None, group_id: str, trace_ids: list[str],
 
 def formed_groups(conn: sa.Connection, after: str | None, limit: int) -> list[dict[str, Any]]:
     """The groups the hub formed (those that entered the queue), oldest first, `limit`
-    of them after the group id `after`: each as the queue served it, but for its
-    env_id (which a /reset_data may have given another env since), null here."""
+    of them after the group id `after`: each as the queue served it, with the env_id
+    it was queued under (a /reset_data may have given that id to another env since;
+    null for a group formed before the hub kept it)."""
     c = ROLLOUTS.c
     ids = sa.select(c.group_id).where(c.state == GROUPED).distinct()
     if after is not None:
@@ -253,14 +286,14 @@ def formed_groups(conn: sa.Connection, after: str | None, limit: int) -> list[di
     if not page:
         return []
     rows = conn.execute(
-        sa.select(c.group_id, c.trace_id, c.score, c.rollout)
+        sa.select(c.group_id, c.trace_id, c.score, c.rollout, c.env_id)
         .where(c.group_id.in_(page), c.state == GROUPED)
         .order_by(c.group_id, c.created_at, c.trace_id)
     ).all()
     groups: dict[str, list[Any]] = {}
     for row in rows:
         groups.setdefault(row.group_id, []).append(row)
-    return [scored_data(None, gid, [r.trace_id for r in members],
+    return [scored_data(members[0].env_id, gid, [r.trace_id for r in members],
                         [float(r.score) for r in members], [r.rollout for r in members]).__dict__
             for gid, members in groups.items()]
 

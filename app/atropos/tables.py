@@ -1,6 +1,8 @@
 """The Atropos tables, their states, and the one way to write them.
 
-Every write goes through `AtroposDb.write(work)`: one transaction that is the
+Every write runs on `AtroposDb.writer`, the hub's one: `AtroposDb.write(work)` for
+the trainer's and the envs' calls, the group commits (app/db/group_commit.py) for
+groups sent and the hub's env's rollouts. Each is one transaction that is the
 database's writer from its first statement (SQLite) and, on PostgreSQL, locks the
 rows it depends on. Reads that need no consistency with a later write use
 `reading()` or `read(work)`.

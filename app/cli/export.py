@@ -25,8 +25,9 @@ directory, then renamed: a reader never sees half an export.
 one; `--label good` keeps the traces a reviewer labelled good.
 
 `--format atropos` writes the groups the `atropos` target formed (app/atropos/hub_env.py),
-one ScoredData JSON object per line, as GET /batch served them (env_id null): for a
-trainer that reads groups from a file. The trace selection options do not apply.
+one ScoredData JSON object per line, as GET /batch served them (env_id the hub's env's
+when the group was queued): for a trainer that reads groups from a file. The trace
+selection options do not apply.
 """
 
 from __future__ import annotations

@@ -65,8 +65,8 @@ async def group_members(conn: AsyncConnection, group_id: str) -> list[dict[str, 
 
 async def recent_groups(conn: AsyncConnection, env: str | None = None,
                         limit: int = 50) -> list[dict[str, Any]]:
-    """The newest groups (sent by envs, with `env` only that env's; and, without
-    `env`, those the hub formed): id, env, size, mean score, when."""
+    """The newest groups, those envs sent and those the hub formed for its own env
+    (with `env`, only that env's): id, env, size, mean score, when."""
     sent_query = (
         sa.select(_T.group_id, sa.func.min(_T.env).label("env"), sa.func.count().label("size"),
                   sa.func.avg(_T.env_reward).label("mean"),
@@ -74,20 +74,28 @@ async def recent_groups(conn: AsyncConnection, env: str | None = None,
         .where(_T.group_id.is_not(None))
         .group_by(_T.group_id).order_by(sa.desc("at")).limit(limit)
     )
+    formed_query = (
+        sa.select(_R.group_id, sa.func.min(_R.env).label("env"), sa.func.count().label("size"),
+                  sa.func.avg(_R.score).label("mean"),
+                  sa.func.max(_R.grouped_at).label("at"),
+                  sa.func.min(_R.state).label("state"))
+        .where(_R.group_id.is_not(None))
+        .group_by(_R.group_id).order_by(sa.desc("at")).limit(limit)
+    )
     if env is not None:
         sent_query = sent_query.where(_T.env == env)
+        formed_query = formed_query.where(_R.env == env)
     groups = [{**r._mapping, "formed": False} for r in await conn.execute(sent_query)]
-    if env is None:
-        formed = await conn.execute(
-            sa.select(_R.group_id, sa.func.count().label("size"),
-                      sa.func.avg(_R.score).label("mean"),
-                      sa.func.max(_R.grouped_at).label("at"),
-                      sa.func.min(_R.state).label("state"))
-            .where(_R.group_id.is_not(None))
-            .group_by(_R.group_id).order_by(sa.desc("at")).limit(limit))
-        groups += [{**r._mapping, "env": None, "formed": True} for r in formed]
+    groups += [{**r._mapping, "formed": True} for r in await conn.execute(formed_query)]
     groups.sort(key=lambda g: g["at"], reverse=True)
     return groups[:limit]
+
+
+async def group_envs(conn: AsyncConnection) -> list[str]:
+    """The names the hub's own env had when it formed groups (for the filter form)."""
+    rows = await conn.execute(
+        sa.select(_R.env).where(_R.env.is_not(None)).distinct().order_by(_R.env))
+    return list(rows.scalars())
 
 
 def _index(trace_id: str) -> int:

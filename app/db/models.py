@@ -381,10 +381,15 @@ class AtroposRolloutRow(Base):
     group_id: Mapped[str | None] = mapped_column(sa.String(64))
     created_at: Mapped[datetime] = mapped_column(UtcTimeStamp)
     grouped_at: Mapped[datetime | None] = mapped_column(UtcTimeStamp)
+    # The hub's env its group was queued under (or dropped for same scores by): its
+    # env_id then (a /reset_data may give that id to another env since) and name.
+    env_id: Mapped[int | None] = mapped_column(sa.Integer)
+    env: Mapped[str | None] = mapped_column(sa.String(200))
 
     __table_args__ = (
         sa.Index("ix_atropos_rollouts_state_group_key", "state", "group_key"),
         sa.Index("ix_atropos_rollouts_group_id", "group_id"),
+        sa.Index("ix_atropos_rollouts_env_grouped_at", "env", "grouped_at"),
     )
 
 

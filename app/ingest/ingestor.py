@@ -265,8 +265,7 @@ class Ingestor:
             todo = [item for item in items if not isinstance(item, HubError)]
             done = iter(await self.prepare(todo, fmt))
             rows = [item if isinstance(item, HubError) else next(done) for item in items]
-            waiting = [row if isinstance(row, HubError) else self._submit(row) for row in rows]
-            results = [w if isinstance(w, HubError) else await _result(w) for w in waiting]
+            results = await self.store(rows)
             for row, result in zip(rows, results):
                 _counted(row, result, fmt)
             return results
@@ -280,6 +279,14 @@ class Ingestor:
         chunks = [items[i : i + CHUNK] for i in range(0, len(items), CHUNK)]
         prepared = await asyncio.gather(*(self._processes.rows(c, fmt) for c in chunks))
         return [row for rows in prepared for row in rows]
+
+    async def store(
+        self, rows: list[PreparedTrace | HubError]
+    ) -> list[Stored | HubError]:
+        """Commit prepared rows through the traces' group commit, queued in order; each
+        one's result (a row that is already a HubError stays one)."""
+        waiting = [row if isinstance(row, HubError) else self._submit(row) for row in rows]
+        return [w if isinstance(w, HubError) else await _result(w) for w in waiting]
 
     def _admit(self, traces: int) -> AbstractContextManager[None]:
         return self._admission.admit(traces) if self._admission else nullcontext()

@@ -16,19 +16,23 @@ the rollout's index, its length in tokens and its advantage (its score minus the
 group's mean); a token-only one keeps its ids as sent in `metadata.tokens` /
 `metadata.masks` (what the tinker target trains on).
 
-It makes at most `batch` groups' trajectories per poll_seconds, and none while more
-than `batch` groups arrived in the last poll_seconds: the envs' groups can arrive
-faster than eight trajectories each are made, and /scored_data keeps the CPU and the
-writer; a backlog waits for a quieter moment, its segments kept. The trace ids follow from the
-group's, so a pass repeated after a crash stores nothing twice; the mark and the
-segment go in the transaction that stores the trajectories.
+A pass makes the trajectories of at most `batch` groups, and the stage passes again
+while groups wait, but makes none while more than `batch` groups arrived in the last
+poll_seconds: the envs' groups can arrive faster than eight trajectories each are
+made, and /scored_data keeps the CPU and the writer; a backlog waits for a quieter
+moment (or `atropos worker --burst`), its segments kept. The trajectories are stored
+through the traces' group commit, in the writer's turn, so that a GET /batch waits
+for one short transaction rather than for a pass. The trace ids follow from the
+group's, so a pass repeated after a crash stores nothing twice; a group's mark and
+segment are deleted once its trajectories are committed (or refused for good), a
+group with one not stored for now (503) stays marked for the next pass.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -38,16 +42,19 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.atropos.segments import Segment, inflate
 from app.atropos.tables import ENV_GROUPS, ENVS, GROUPS, SEGMENTS
+from app.db.dialect import writing
 from app.db.types import utcnow
 from app.errors import HubError
-from app.ingest.inserter import PreparedTrace
-from app.stages.assembly import stored_trajectories, write_trajectories
+from app.ingest.ingestor import Ingestor
+from app.ingest.inserter import Stored
+from app.stages.assembly import stored_trajectories
 from app.training.chat_template import ChatTokenizer, load_tokenizer
 
 log = logging.getLogger("atropos.groups")
 
-Prepare = Callable[[list[Any], str | None], Awaitable[list[PreparedTrace | HubError]]]
-FORMAT = "atropos"  # how the ingest metrics count these trajectories
+# Groups a pass makes trajectories of, at most; and groups arrived in the last
+# poll_seconds past which it makes none.
+BATCH = 8
 TOKEN_ONLY_TASK = "(an Atropos rollout sent as tokens only)"
 MASKED = -100
 
@@ -59,12 +66,14 @@ def group_id(segment_id: int, received_at: datetime) -> str:
 class EnvGroupStage:
     name = "env groups"
     poll_seconds = 1.0
+    gives_way = True  # to /scored_data (runner.GivesWay)
 
-    def __init__(self, engine: AsyncEngine, prepare: Prepare, tokenizer: str | None, *,
-                 batch: int = 8, on_advance: Callable[[], None] | None = None) -> None:
-        """`tokenizer`: tinker.tokenizer, for rollouts sent without messages."""
+    def __init__(self, engine: AsyncEngine, ingestor: Ingestor, tokenizer: str | None, *,
+                 batch: int = BATCH, on_advance: Callable[[], None] | None = None) -> None:
+        """`ingestor`: the hub's, which prepares the trajectories in its processes and
+        stores them; `tokenizer`: tinker.tokenizer, for rollouts sent without messages."""
         self._engine = engine
-        self._prepare = prepare  # Ingestor.prepare: the ingest pipeline but the insert
+        self._ingestor = ingestor
         self._tokenizer_name = tokenizer
         self._tokenizer: ChatTokenizer | None = None
         self._batch = batch
@@ -75,11 +84,10 @@ class EnvGroupStage:
         async with self._engine.connect() as conn:
             # Envs sending faster than this stage makes trajectories: /scored_data comes
             # first, and the backlog is made once they slow down.
-            recent = (await conn.execute(
+            if self.gives_way and (await conn.execute(
                 sa.select(sa.func.count()).where(
                     e.received_at >= utcnow() - timedelta(seconds=self.poll_seconds))
-            )).scalar_one()
-            if recent > self._batch:
+            )).scalar_one() > self._batch:
                 return 0
             marks = (await conn.execute(
                 sa.select(e.segment_id, e.env_id, e.step, e.received_at, SEGMENTS.c.deflated,
@@ -91,32 +99,41 @@ class EnvGroupStage:
             )).all()
         if not marks:
             return 0
-        items = await asyncio.to_thread(lambda: [i for m in marks for i in self._items(m)])
-        ids = [item["trace_id"] for item in items]
+        groups = await asyncio.to_thread(lambda: [self._items(m) for m in marks])
+        ids = [item["trace_id"] for items in groups for item in items]
         async with self._engine.connect() as conn:
             stored = await stored_trajectories(conn, ids)
-        todo = [item for item in items if item["trace_id"] not in stored]
-        made = await self._prepare(todo, None)
-        segment_ids = [m.segment_id for m in marks]
-        async with self._engine.begin() as conn:
-            written = await write_trajectories(
-                conn, ids, [t["trace_id"] for t in todo], made, stored, FORMAT)
-            await conn.execute(sa.delete(ENV_GROUPS).where(e.segment_id.in_(segment_ids)))
-            # The segments of groups already served: nothing needs them now.
-            in_use = sa.select(GROUPS.c.id).where(GROUPS.c.segment_id == SEGMENTS.c.id)
-            await conn.execute(sa.delete(SEGMENTS).where(
-                SEGMENTS.c.id.in_(segment_ids), ~in_use.exists()))
-        for trace_id, (_, error) in zip(ids, written.outcomes):
-            if error is not None:
-                log.warning("rollout %s of an env's group makes no trajectory: %s",
-                            trace_id, error)
-        log.info("%d env groups became %d trajectories", len(marks), len(written.new))
-        if written.new and self._on_advance is not None:
+        todo = [item for items in groups for item in items if item["trace_id"] not in stored]
+        made = dict(zip([t["trace_id"] for t in todo],
+                        await self._ingestor.prepare(todo, None)))
+        # Through the traces' group commit, in the writer's turn like every write, a
+        # group's at a time: a GET /batch waits for one group's transaction at most.
+        outcomes: dict[str, Stored | HubError] = {}
+        for items in groups:
+            due = [i["trace_id"] for i in items if i["trace_id"] in made]
+            outcomes |= zip(due, await self._ingestor.store([made[t] for t in due]))
+        done = []
+        for mark, items in zip(marks, groups):
+            errors = [(i["trace_id"], outcomes.get(i["trace_id"])) for i in items]
+            if any(isinstance(o, HubError) and o.status == 503 for _, o in errors):
+                continue  # not stored for now: the group stays marked, for the next pass
+            done.append(mark.segment_id)
+            for trace_id, error in errors:
+                if isinstance(error, HubError):
+                    log.warning("rollout %s of an env's group makes no trajectory: %s",
+                                trace_id, error.message)
+        if done:
+            async with writing(self._engine) as conn:
+                await conn.execute(sa.delete(ENV_GROUPS).where(e.segment_id.in_(done)))
+                # The segments of groups already served: nothing needs them now.
+                in_use = sa.select(GROUPS.c.id).where(GROUPS.c.segment_id == SEGMENTS.c.id)
+                await conn.execute(sa.delete(SEGMENTS).where(
+                    SEGMENTS.c.id.in_(done), ~in_use.exists()))
+        new = sum(1 for o in outcomes.values() if not isinstance(o, HubError) and not o.duplicate)
+        log.info("%d env groups became %d trajectories", len(done), new)
+        if new and self._on_advance is not None:
             self._on_advance()
-        # One pass per poll_seconds, whatever is left: at full load the envs' groups
-        # arrive faster than eight trajectories each can be made, and making them may
-        # not take the CPU and the writer /scored_data answers with. A backlog waits.
-        return 0
+        return len(done)
 
     def _items(self, mark: Any) -> list[dict[str, Any]]:
         group = orjson.loads(inflate(Segment(mark.deflated, 0, 0)))

@@ -48,6 +48,15 @@ class Concurrent(Protocol):
         ...
 
 
+@runtime_checkable
+class GivesWay(Protocol):
+    """A stage that makes no progress while requests keep the hub busy (its work can
+    wait for a quieter moment): running beside the API it gives way; drained
+    (`--burst`), it does not, since draining is asking for that work now."""
+
+    gives_way: bool
+
+
 class StageRunner:
     def __init__(self, flush_interval: float, outage: Outage, lease_seconds: float = 30) -> None:
         """`outage`: where a stage that fails for the database's sake says so;
@@ -95,15 +104,23 @@ class StageRunner:
         """Run every stage until none has work left, in flight included (`--burst`).
         Returns items advanced."""
         total = 0
-        while True:
-            advanced = 0
-            for stage in self.stages:
-                advanced += max(0, await self._run_stage(stage))
-                if isinstance(stage, Concurrent):
-                    await stage.settle()
-            total += advanced
-            if advanced == 0:
-                return total
+        yielding: list[GivesWay] = [
+            s for s in self.stages if isinstance(s, GivesWay) and s.gives_way]
+        for giving in yielding:
+            giving.gives_way = False
+        try:
+            while True:
+                advanced = 0
+                for stage in self.stages:
+                    advanced += max(0, await self._run_stage(stage))
+                    if isinstance(stage, Concurrent):
+                        await stage.settle()
+                total += advanced
+                if advanced == 0:
+                    return total
+        finally:
+            for giving in yielding:
+                giving.gives_way = True
 
     def start(self) -> None:
         for stage in self.stages:

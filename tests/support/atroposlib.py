@@ -1,9 +1,11 @@
 """atroposlib from PyPI, installed where the upstream tests and bench/atropos.py can
 use it: `pip install --no-deps --target DIR atroposlib==0.4.0`.
 
-Only its API server (fastapi, pydantic, uvicorn: the hub's own dependencies) and
-its API tests (requests, pytest) are used, so the heavy dependencies it declares
-(torch, transformers, wandb, ...) are not installed."""
+Its API server (fastapi, pydantic, uvicorn: the hub's own dependencies) and its API
+tests (requests, pytest) need nothing more. Its example trainer (`example_trainer`, a
+package of the same wheel) and its `BaseEnv` need what `install_trainer_and_env` adds:
+torch and transformers come from the test extra; the rest (wandb, ...) from PyPI into
+the target, never into the hub's environment."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 VERSION = "0.4.0"
@@ -32,6 +35,19 @@ class RegistryUnreachable(RuntimeError):
     """pip could not reach the package index."""
 
 
+def installed_for_tests(install: Callable[[Path], Path], target: Path) -> Path:
+    """`install(target)` for a test fixture: a test that needs it is skipped when the
+    package index is unreachable, unless CI is set (there it must be reachable)."""
+    import pytest  # only tests call this; bench/atropos.py imports this module too
+
+    try:
+        return install(target)
+    except RegistryUnreachable as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"the package index is unreachable (and CI is unset): {exc}")
+
+
 def install_atroposlib(target: Path) -> Path:
     """Install atroposlib (and requests, if this interpreter lacks it) into target;
     returns target, to put on PYTHONPATH."""
@@ -49,6 +65,17 @@ def install_server_classes(target: Path) -> Path:
     install_atroposlib(target)
     _pip(target, "aiohttp")
     _pip(target, "--no-deps", "tenacity", "pydantic-cli")
+    return target
+
+
+def install_trainer_and_env(target: Path) -> Path:
+    """atroposlib with what its example trainer (`example_trainer.api`, `.data`: its
+    package imports every trainer, and so wandb) and `atroposlib.envs.base.BaseEnv`
+    import besides the hub's dependencies and the test extra's torch and transformers:
+    the server classes', wandb (with its own dependencies, which stay in the target),
+    jsonlines and markdown."""
+    install_server_classes(target)
+    _pip(target, "wandb", "jsonlines", "markdown")
     return target
 
 

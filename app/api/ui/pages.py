@@ -439,7 +439,8 @@ async def groups(request: Request, conn: ConnDep, visitor: VisitorDep, _: Reader
     return render(request, visitor, "groups.html", {
         "groups": await group_queries.recent_groups(conn, env),
         "env": env,
-        "envs": await trace_queries.distinct_values(conn, "env"),
+        "envs": sorted({*await trace_queries.distinct_values(conn, "env"),
+                        *await group_queries.group_envs(conn)}),
     }, nav="atropos", title="Groups")
 
 
