@@ -95,9 +95,17 @@ def test_every_view_shows_it_and_the_list_filters_on_it(
         assert bad.status_code == 422 and "min_env_reward" in bad.text
 
         stats = client.get("/v1/stats").json()
-        assert stats["env_reward"]["traces"] == 3
-        assert abs(stats["env_reward"]["mean"] - (0.01 + 0.5 + 1.0) / 3) < 1e-9
+        env = stats["env_reward"]
+        assert env["traces"] == 3
+        assert abs(env["mean"] - (0.01 + 0.5 + 1.0) / 3) < 1e-9
         assert stats["rule_firings"]["env_reward"] == 3
+        # mid (40) and high (20 x 1) reach the threshold; low (0.2) does not.
+        assert (env["passing"], env["threshold"]) == (2, 5)
+        assert abs(env["passing_share"] - 2 / 3) < 1e-9
+        histogram = env["histogram"]
+        assert len(histogram) == 10 and histogram[0]["from"] == 0.01
+        assert histogram[-1]["to"] == 1.0  # the highest is in the last bucket
+        assert [b["traces"] for b in histogram] == [1, 0, 0, 0, 1, 0, 0, 0, 0, 1]
 
 
 def test_the_weight_is_configurable(start_hub: Any, trace_server: dict[str, Any]) -> None:
@@ -246,6 +254,8 @@ def test_extreme_and_infinite_stored_rewards_keep_ui_and_stats_small_and_200(
         assert stats.status_code == 200, stats.text
         buckets = stats.json()["reward_histogram"]
         assert sum(b["traces"] for b in buckets) == 2  # the infinite ones are in none
+        env_buckets = stats.json()["env_reward"]["histogram"]
+        assert sum(b["traces"] for b in env_buckets) == 2 and len(env_buckets) == 10
         page = client.get("/ui")
         assert page.status_code == 200
         assert len(page.content) < 200_000

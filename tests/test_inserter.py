@@ -82,8 +82,9 @@ async def test_rows_read_back_as_prepared_and_sqlite_keeps_the_seed_timestamp_te
             await inserter.insert(PreparedTrace.of(row))
         async with engine.connect() as conn:
             read = {r.trace_id: r._mapping for r in await conn.execute(sa.select(TRACES))}
-            texts = dict((await conn.execute(
-                sa.select(TRACE_SEARCH.c.trace_id, TRACE_SEARCH.c.text))).all())
+            texts = {r.trace_id: tuple(r)[1:] for r in await conn.execute(sa.select(
+                TRACE_SEARCH.c.trace_id, TRACE_SEARCH.c.text, TRACE_SEARCH.c.task,
+                TRACE_SEARCH.c.final_answer))}
             ages: dict[str, Any] = dict((await conn.execute(sa.text(
                 "SELECT trace_id, created_at FROM traces WHERE created_at < "
                 + ("datetime('now', '+1 minute')" if engine.dialect.name == "sqlite"
@@ -144,11 +145,15 @@ async def test_a_search_text_written_again_replaces_the_stored_one(
             await conn.run_sync(insert_traces, rows)
             await conn.execute(sa.delete(TRACE_SEARCH).where(TRACE_SEARCH.c.trace_id == "b"))
         async with engine.begin() as conn:
-            await conn.run_sync(search.index, [("a", "written again"), ("b", "new")])
+            await conn.run_sync(search.index, [
+                ("a", search.SearchText("written again", "Written again", None)),
+                ("b", search.SearchText("new", "New", "Done"))])
         async with engine.connect() as conn:
-            texts = dict((await conn.execute(
-                sa.select(TRACE_SEARCH.c.trace_id, TRACE_SEARCH.c.text))).all())
-        assert texts == {"a": "written again", "b": "new"}
+            texts = {r.trace_id: tuple(r)[1:] for r in await conn.execute(sa.select(
+                TRACE_SEARCH.c.trace_id, TRACE_SEARCH.c.text, TRACE_SEARCH.c.task,
+                TRACE_SEARCH.c.final_answer))}
+        assert texts == {"a": ("written again", "Written again", None),
+                         "b": ("new", "New", "Done")}
     finally:
         await engine.dispose()
 

@@ -206,6 +206,38 @@ async def test_the_search_text_is_filled_for_stored_and_new_traces(engine: Any) 
     assert await found("by hand") == ["by hand again"]
 
 
+async def test_0023_fills_the_task_and_final_answer_the_list_shows(engine: Any) -> None:
+    """Traces stored before 0023 get their task and last final answer as written (the
+    trace list shows them), every search row kept; down again, the texts stay."""
+    await migrate.upgrade(engine, "0022")
+    async with engine.begin() as conn:
+        traces: dict[str, dict[str, Any]] = {
+            "answered": {"task": "Find the Capital", "steps": [
+                {"type": "final", "content": "First try"},
+                {"type": "final", "content": "It is Paris"}]},
+            "unanswered": {"task": "Count LINES", "steps": [{"type": "thought", "content": "hm"}]},
+        }
+        for trace_id, trace in traces.items():
+            await conn.execute(sa.text(
+                "INSERT INTO traces (trace_id, created_at, updated_at, status, stage, "
+                "total_tokens, source_format, content_hash, original, trace, attempts) VALUES "
+                "(:id, '2026-01-01 00:00:00', '2026-01-01 00:00:00', 'success', 'accepted', 3, "
+                "'native', 'h', '{}', :trace, 0)"), {"id": trace_id, "trace": json.dumps(trace)})
+            await conn.execute(sa.text(
+                "INSERT INTO trace_search (trace_id, text) VALUES (:id, :text)"),
+                {"id": trace_id, "text": trace["task"].lower()})
+    await migrate.upgrade(engine)
+    async with engine.connect() as conn:
+        rows = {r.trace_id: tuple(r)[1:] for r in await conn.execute(sa.text(
+            "SELECT trace_id, text, task, final_answer FROM trace_search"))}
+    assert rows == {"answered": ("find the capital", "Find the Capital", "It is Paris"),
+                    "unanswered": ("count lines", "Count LINES", None)}
+    await migrate.downgrade(engine, "0022")
+    async with engine.connect() as conn:
+        kept = dict((await conn.execute(sa.text("SELECT trace_id, text FROM trace_search"))).all())
+    assert kept == {"answered": "find the capital", "unanswered": "count lines"}
+
+
 async def test_postgresql_compresses_the_large_trace_values_with_lz4(engine: Any) -> None:
     """0014: a trace's large JSON is TOASTed with lz4 (faster than pglz, the default), a
     value stored before it reads back as stored, and down from it pglz is back."""

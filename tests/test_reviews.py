@@ -221,3 +221,41 @@ def test_the_list_searches_sorts_and_pages(client: httpx.Client) -> None:
     wrong = client.get("/v1/traces", params={"cursor": params["cursor"]})
     assert wrong.status_code == 400 and wrong.json()["error"]["field"] == "cursor"
     assert client.get("/v1/traces", params={"sort": "tokens"}).status_code == 422
+
+
+def test_the_list_shows_task_and_answer_and_a_search_where_it_matched(
+    client: httpx.Client,
+) -> None:
+    long_task = "Rename   the\nmodule " + "and its imports " * 40
+    plain = native_trace(trace_id="p0", task=long_task)
+    unanswered = native_trace(trace_id="p1", task="Fix the FLAKY test")
+    unanswered["steps"] = unanswered["steps"][:-1]
+    answered = native_trace(trace_id="p2", task="Say hi")
+    answered["steps"][-1]["content"] = ("It took a while. " * 10 + "The answer is "
+                                        "Kilimanjaro, the highest mountain. " + "Done. " * 20)
+    for trace in (plain, unanswered, answered):
+        assert client.post("/v1/traces", json=trace).status_code == 202
+
+    listed = {t["trace_id"]: t for t in client.get("/v1/traces").json()["traces"]}
+    task = listed["p0"]["task"]
+    assert task.startswith("Rename the module and its imports") and task.endswith("…")
+    assert len(task) == 120 and "\n" not in task and "  " not in task
+    assert listed["p0"]["final_answer"] == "notes.txt has 12 lines."
+    assert listed["p1"] == {**listed["p1"], "task": "Fix the FLAKY test", "final_answer": None}
+    assert listed["p2"]["final_answer"].endswith("…") and "snippet" in listed["p2"]
+    assert listed["p2"]["snippet"] is None  # no search, no snippet
+
+    page = client.get("/v1/traces", params={"q": "kilimanjaro"}).json()
+    [found] = page["traces"]
+    assert page["matches"] == 1
+    # The words around the match, in the text's own case, cut on both sides.
+    assert found["snippet"].startswith("…") and found["snippet"].endswith("…")
+    assert "The answer is Kilimanjaro, the highest mountain." in found["snippet"]
+    assert client.get("/v1/traces", params={"q": "flaky"}).json()["traces"][0]["snippet"] == (
+        "Fix the FLAKY test")
+    # The count is of every match, not of the page.
+    counted = client.get("/v1/traces", params={"q": "the", "limit": 1}).json()
+    assert len(counted["traces"]) == 1 and counted["matches"] == 3
+    assert client.get("/v1/traces").json()["matches"] is None
+    record = client.get("/v1/traces/p1").json()
+    assert record["task"] == "Fix the FLAKY test" and record["final_answer"] is None

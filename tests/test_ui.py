@@ -22,6 +22,7 @@ import pytest
 from tests.support import REAL, ROOT
 from tests.support.hubs import write_config
 from tests.support.processes import HubProcess, run_cli
+from tests.support.waiting import wait_until
 
 playwright = pytest.importorskip("playwright.sync_api")
 CHROMIUM = Path("/usr/bin/chromium")
@@ -175,6 +176,56 @@ def test_the_overview_counts_are_the_stats(visit: Visit, hub: HubProcess) -> Non
     page.select_option("select[name=range]", "24h")
     page.click("form.filters button")
     expect(page).to_have_url(re.compile(r"range=24h"))
+
+
+def test_the_overview_shows_the_environments_reward(visit: Visit, hub: HubProcess) -> None:
+    """Most imported traces are `unknown` by design: beside them, what the environments
+    said (their reward's spread, its mean, the share that reaches the threshold)."""
+    page = visit.page
+    page.goto("/ui")
+    env = httpx.get(f"{hub.url}/v1/stats").json()["env_reward"]
+    assert env["traces"] > 0 and len(env["histogram"]) == 10
+    section = page.locator("#env-reward")
+    expect(section.locator("[data-stat=env_traces]")).to_have_text(f"{env['traces']:,}")
+    expect(section.locator("[data-stat=env_passing]")).to_contain_text(
+        f"{100 * env['passing_share']:.1f}%")
+    expect(section.locator("[data-stat=env_passing]")).to_contain_text(f"({env['passing']:,})")
+    expect(section).to_contain_text(f"Reach the threshold ({THRESHOLD:g})")
+    expect(section).to_contain_text("not a failure")  # the unknown ones, explained
+    bars = section.locator("#env-histogram tbody tr")
+    expect(bars).to_have_count(10)
+    shown = sum(int(bars.nth(i).locator(".figure").inner_text().replace(",", ""))
+                for i in range(10))
+    assert shown == env["traces"] == sum(b["traces"] for b in env["histogram"])
+    visit.shot("overview-env-reward")
+
+
+def test_the_list_shows_task_and_answer_and_a_search_its_matches(
+    visit: Visit, hub: HubProcess
+) -> None:
+    page = visit.page
+    page.goto("/ui/traces?limit=25")
+    api = httpx.get(f"{hub.url}/v1/traces", params={"limit": 25}).json()["traces"]
+    rows = page.locator("tr.trace")
+    expect(rows).to_have_count(25)
+    for i in (0, 24):
+        expect(rows.nth(i).locator("td.gist .task")).to_have_text(api[i]["task"] or "—")
+        answer = api[i]["final_answer"]
+        expect(rows.nth(i).locator("td.gist .answer")).to_have_text(
+            f"→ {answer if answer is not None else 'no final answer'}")
+    assert all(len(t["task"] or "") <= 120 for t in api)
+
+    page.fill("input[name=q]", "the")
+    page.click("form.filters button[type=submit]")
+    expect(page).to_have_url(re.compile(r"q=the"))
+    found = httpx.get(f"{hub.url}/v1/traces", params={"q": "the", "limit": 25}).json()
+    assert found["matches"] > 25  # more than a page: the count is of all of them
+    expect(page.locator("#matches")).to_contain_text(f"{found['matches']:,} traces match")
+    snippets = page.locator("td.gist .snippet")
+    expect(snippets.first).to_be_visible()
+    for i in range(snippets.count()):
+        assert "the" in snippets.nth(i).inner_text().lower()
+    visit.shot("traces-search")
 
 
 def test_filtering_to_timeouts_shows_the_openhands_run(
@@ -337,6 +388,48 @@ def test_the_review_queue_hands_out_the_next_trace(visit: Visit) -> None:
     assert page.locator("h1 code").inner_text() != first
     page.click("#review button:has-text('Skip')")
     expect(page).to_have_url(re.compile(r"/ui/traces/.+queue="))
+
+
+def test_the_queue_shows_what_to_judge_says_what_waits_and_lets_go_when_left(
+    visit: Visit, store: dict[str, Any]
+) -> None:
+    page = visit.page
+    waiting = one(store, "SELECT count(*) FROM traces WHERE status = 'success' AND trace_id "
+                  "NOT IN (SELECT trace_id FROM reviews) AND trace_id NOT IN "
+                  "(SELECT trace_id FROM review_claims WHERE expires_at >= datetime('now'))")
+    page.goto("/ui/review?status=success")
+    expect(page.locator("#queue-waiting")).to_have_text(
+        f"{waiting:,} traces wait for review with these filters.")
+    page.click("text=Start reviewing")
+    expect(page).to_have_url(re.compile(r"/ui/traces/.+queue="))
+    held = page.locator("h1 code").inner_text()
+    review = page.locator("#review")
+    # The task, the final answer and the form, together.
+    task = one(store, "SELECT json_extract(trace, '$.task') FROM traces WHERE trace_id = ?", held)
+    expect(review.locator("#queue-task pre").first).to_contain_text(task.strip()[:40])
+    expect(review.locator("#queue-answer")).to_be_visible()
+    expect(review.locator("form.review-form input[name=label]").first).to_be_visible()
+    expect(review.locator("#queue-waiting")).to_contain_text(
+        f"{waiting - 1:,} more traces wait in this queue after this one.")
+    visit.shot("review-queue-trace")
+
+    def holders() -> int:
+        return int(one(store, "SELECT count(*) FROM review_claims WHERE trace_id = ?", held))
+
+    assert holders() == 1
+    page.goto("/ui/batches")  # the page is left: the hold goes with it
+    wait_until(lambda: holders() == 0 or None, what="the hold to be released")
+    page.goto("/ui/review?status=success")
+    expect(page.locator("#queue-waiting")).to_contain_text(f"{waiting:,} traces wait")
+
+
+def test_with_auth_off_no_page_speaks_of_keys(visit: Visit) -> None:
+    page = visit.page
+    for path in ("/ui", "/ui/traces?label=good", "/ui/review", "/ui/batches", "/ui/runs",
+                 "/ui/atropos", "/ui/login"):
+        page.goto(path)
+        text = page.locator("body").inner_text()
+        assert not re.search(r"\b(api )?keys?\b", text, re.IGNORECASE), (path, text[:500])
 
 
 def test_batches_runs_and_atropos_pages(visit: Visit, hub: HubProcess, store: dict[str, Any]) -> None:

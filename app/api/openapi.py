@@ -5,19 +5,24 @@ Routes declare their errors with `responses=errors(404, 409)`. `install_openapi`
 puts the `Error` schema in the components, swaps FastAPI's own 422 model (which the
 hub never sends) for it, and adds 401/403/429 to the operations the auth guard
 protects (those with a `security` requirement, app/api/auth.py). It also refuses a
-/v1 operation without a guard.
+/v1 operation without a guard, at once; the document itself is built when first asked
+for, since building it takes longer than the rest of start-up together.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, routing
+from fastapi.dependencies.models import Dependant
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from fastapi.security.base import SecurityBase
+from pydantic import TypeAdapter
 
 from app.config import AuthConfig
+from app.errors import Error
 
 ERROR_REF = "#/components/schemas/Error"
 PROTOBUF = "application/x-protobuf"
@@ -36,18 +41,6 @@ _WHY: dict[int, str] = {
     429: "Over auth.rate_limit_per_second; see Retry-After",
     503: "Overloaded or unavailable; see Retry-After",
 }
-
-
-class ErrorDetail(BaseModel):
-    code: str
-    message: str
-    field: str | None = None
-
-
-class Error(BaseModel):
-    """Every 4xx/5xx the hub answers."""
-
-    error: ErrorDetail
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -71,8 +64,16 @@ def error_response(status: int) -> dict[str, Any]:
 
 
 def install_openapi(app: FastAPI, auth: AuthConfig) -> None:
-    """Replace app.openapi, and build the document once now: a /v1 operation without
-    a scope guard stops start-up here (RuntimeError)."""
+    """Replace app.openapi with the hub's document, built on first use. A /v1 operation
+    without a scope guard stops start-up here (RuntimeError)."""
+    unguarded = [f"{method} {route.path}" for route in _routes(app)
+                 if _is_v1(route.path or "") and not _guarded(route.dependant)
+                 for method in sorted(route.methods or ())]
+    if unguarded:
+        raise RuntimeError(
+            "these /v1 operations have no scope guard; add "
+            "dependencies=[requires(Scope....)] (app/api/auth.py): " + ", ".join(unguarded)
+        )
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -80,7 +81,25 @@ def install_openapi(app: FastAPI, auth: AuthConfig) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
-    openapi()
+
+
+def _routes(app: FastAPI) -> Iterator[Any]:
+    """The app's API routes as the document lists them: each with its path, methods
+    and dependencies as the routers that include it make them."""
+    # FastAPI from 0.160 keeps an included router whole and resolves its routes lazily.
+    contexts = getattr(routing, "iter_route_contexts", None)
+    routes = contexts(app.routes) if contexts is not None else app.routes
+    return (r for r in routes if getattr(r, "dependant", None) is not None)
+
+
+def _is_v1(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def _guarded(dependant: Dependant) -> bool:
+    """Whether a security scheme (the guard's HTTPBearer) is among the dependencies:
+    what gives an operation its `security` requirement in the document."""
+    return any(isinstance(d.call, SecurityBase) or _guarded(d) for d in dependant.dependencies)
 
 
 def _document(app: FastAPI, auth: AuthConfig) -> dict[str, Any]:
@@ -93,16 +112,15 @@ def _document(app: FastAPI, auth: AuthConfig) -> dict[str, Any]:
     )
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
-    error = Error.model_json_schema(ref_template="#/components/schemas/{model}")
+    error = TypeAdapter(Error).json_schema(ref_template="#/components/schemas/{model}")
     schemas.update(error.pop("$defs", {}))
     schemas["Error"] = error
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     guard_errors = errors(*([401, 403] if auth.enabled else []),
                           *([429] if auth.rate_limit_per_second else []))
-    unguarded = []
-    for path, operations in schema.get("paths", {}).items():
-        for method, operation in operations.items():
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
             responses = operation.setdefault("responses", {})
             for response in responses.values():
                 for media in response.get("content", {}).values():
@@ -113,8 +131,6 @@ def _document(app: FastAPI, auth: AuthConfig) -> dict[str, Any]:
                 for status, response in errors(400).items():
                     responses.setdefault(str(status), response)
             if "security" not in operation:
-                if path == "/v1" or path.startswith("/v1/"):
-                    unguarded.append(f"{method.upper()} {path}")
                 _protobuf_errors(operation)
                 continue
             for status, response in guard_errors.items():
@@ -123,11 +139,6 @@ def _document(app: FastAPI, auth: AuthConfig) -> dict[str, Any]:
                 # Not enforced, so not advertised: a client must not think it needs a key.
                 del operation["security"]
             _protobuf_errors(operation)
-    if unguarded:
-        raise RuntimeError(
-            "these /v1 operations have no scope guard; add "
-            "dependencies=[requires(Scope....)] (app/api/auth.py): " + ", ".join(unguarded)
-        )
     if not auth.enabled:
         components.pop("securitySchemes", None)
     return schema

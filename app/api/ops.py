@@ -67,7 +67,7 @@ def _not_ready(reason: str, failing: dict[str, str]) -> JSONResponse:
 
 @router.get("/v1/stats", dependencies=[requires(Scope.READ)])
 async def stats(conn: ConnDep, hub: HubDep) -> TraceStats:
-    figures = await trace_queries.stats(conn)
+    figures = await trace_queries.stats(conn, hub.config.distributor.min_reward_threshold)
     atropos = {"envs": await hub.atropos.env_stats(), **await hub.atropos.queue_figures(),
                "hub_env": await hub.atropos.hub_env_figures()}
     return TraceStats.model_validate(

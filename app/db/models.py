@@ -166,8 +166,9 @@ class ReviewClaimRow(Base):
 
 
 class TraceSearchRow(Base):
-    """The searchable text of a trace (task and final answer, lowercased), written with
-    the trace (app/db/search.py), so that a search never reads the payloads."""
+    """The searchable text of a trace (task and final answer, lowercased), and the two
+    as written for the trace list to show, written with the trace (app/db/search.py),
+    so that neither a search nor the list reads the payloads."""
 
     __tablename__ = "trace_search"
 
@@ -176,6 +177,8 @@ class TraceSearchRow(Base):
         sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), unique=True
     )
     text: Mapped[str] = mapped_column(sa.Text)
+    task: Mapped[str] = mapped_column(sa.Text, server_default="")
+    final_answer: Mapped[str | None] = mapped_column(sa.Text)
 
 
 REVIEWS: sa.Table = ReviewRow.__table__  # type: ignore[assignment]

@@ -163,6 +163,25 @@ async def _claim(
     return (await conn.execute(stmt)).first() is not None
 
 
+async def waiting(conn: AsyncConnection, where: TraceFilter) -> int:
+    """How many traces the queue has left to serve for `where`: unreviewed, and held
+    by nobody (a trace being reviewed now is not counted)."""
+    held = sa.select(REVIEW_CLAIMS.c.trace_id).where(
+        REVIEW_CLAIMS.c.trace_id == TRACES.c.trace_id, REVIEW_CLAIMS.c.expires_at >= utcnow())
+    query = sa.select(sa.func.count()).select_from(TRACES).where(
+        *where.clauses(dialect_of(conn)), labelled("unreviewed"), ~held.exists())
+    return int(await conn.scalar(query) or 0)
+
+
+async def release(engine: AsyncEngine, trace_id: str, holder: str) -> bool:
+    """End `holder`'s claim on the trace, if it has one (its page was left): the queue
+    serves it to the next reviewer at once. Whether there was one to end."""
+    async with engine.begin() as conn:
+        ended = await conn.execute(sa.delete(REVIEW_CLAIMS).where(
+            REVIEW_CLAIMS.c.trace_id == trace_id, REVIEW_CLAIMS.c.holder == holder))
+    return bool(ended.rowcount)
+
+
 async def claim_of(conn: AsyncConnection, trace_id: str) -> dict[str, Any] | None:
     """The live claim on a trace, if any: who holds it and until when."""
     row = (await conn.execute(

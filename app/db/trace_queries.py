@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -60,6 +61,15 @@ SUMMARY_COLUMNS = (
     TRACES.c.agent_name,
     TRACES.c.policy_version,
 )
+# What a listing shows beside the columns: the review label, and the task and final
+# answer from the narrow search row (app/db/search.py), not from the payloads.
+LISTED_COLUMNS = (
+    *SUMMARY_COLUMNS,
+    REVIEWS.c.label.label("review_label"),
+    TRACE_SEARCH.c.task.label("search_task"),
+    TRACE_SEARCH.c.final_answer.label("search_final_answer"),
+)
+LISTED = TRACES.outerjoin(REVIEWS).outerjoin(TRACE_SEARCH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,9 +164,11 @@ async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[st
                 TRACES.c.stage_error,
                 payload.label("payload"),
                 *REVIEW_COLUMNS,
+                TRACE_SEARCH.c.task.label("search_task"),
+                TRACE_SEARCH.c.final_answer.label("search_final_answer"),
                 MEMBERS.c.batch_id,
             )
-            .select_from(TRACES.outerjoin(REVIEWS).outerjoin(MEMBERS))
+            .select_from(LISTED.outerjoin(MEMBERS))
             .where(TRACES.c.trace_id == trace_id)
         )
     ).one_or_none()
@@ -187,19 +199,30 @@ async def list_traces(
     cursor: str | None,
     sort: Sort = "-created_at",
 ) -> tuple[list[dict[str, Any]], str | None]:
-    """One page in `sort` order, and the cursor of the next."""
+    """One page in `sort` order, and the cursor of the next. With a search (`q`), each
+    record says where it matched (`snippet`)."""
     order = _order(sort)
-    query = (
-        sa.select(*SUMMARY_COLUMNS, REVIEWS.c.label.label("review_label"))
-        .select_from(TRACES.outerjoin(REVIEWS))
-    )
-    if where.words is None:
+    query = sa.select(*LISTED_COLUMNS).select_from(LISTED)
+    words = where.words
+    if words is None:
         page = await keyset_page(
             conn, query.where(*where.clauses(dialect_of(conn))), order, limit, cursor)
     else:
         page = await _search_page(conn, query, where, order, limit, cursor)
     rows, next_cursor = page
-    return [_summary(row._mapping) for row in rows], next_cursor
+    records = [_summary(row._mapping) for row in rows]
+    if words is not None:
+        for record, row in zip(records, rows, strict=True):
+            record["snippet"] = search.snippet(words, row.search_task, row.search_final_answer)
+    return records, next_cursor
+
+
+async def count_traces(conn: AsyncConnection, where: TraceFilter) -> int:
+    """How many traces match `where`, all pages together (a search's matches: a read
+    of the narrow search table, as a search that finds few does)."""
+    query = sa.select(sa.func.count()).select_from(TRACES).where(
+        *where.clauses(dialect_of(conn)))
+    return int(await conn.scalar(query) or 0)
 
 
 # A search first reads this many traces in page order and checks each one's text: a
@@ -224,13 +247,8 @@ async def _search_page(
     if cursor:
         window = window.where(_after(order, decode_cursor(cursor, order.name)))
     window = window.order_by(*_order_by(order)).limit(SEARCH_PROBE)
-    text_has = (
-        sa.select(TRACE_SEARCH.c.trace_id)
-        .where(TRACE_SEARCH.c.trace_id == TRACES.c.trace_id,
-               search.has_words(words))
-        .exists()
-    )
-    probed = query.where(*others, TRACES.c.trace_id.in_(window), text_has)
+    # The listing joins each trace's search row: its text is checked where it stands.
+    probed = query.where(*others, TRACES.c.trace_id.in_(window), search.has_words(words))
     rows, next_cursor = await keyset_page(conn, probed, order, limit, cursor)
     if next_cursor is not None:
         return rows, next_cursor
@@ -296,9 +314,12 @@ def _order_by(order: Order) -> list[sa.UnaryExpression[Any]]:
     return [order.column.asc(), order.key.asc()]
 
 
-async def stats(conn: AsyncConnection, *, rule_firings: bool = True) -> dict[str, Any]:
-    """The figures of GET /v1/stats. `rule_firings` (a read of every breakdown, the
-    dearest part) may be left out by a caller that does not show them."""
+async def stats(
+    conn: AsyncConnection, threshold: float, *, rule_firings: bool = True
+) -> dict[str, Any]:
+    """The figures of GET /v1/stats; `threshold`: distributor.min_reward_threshold.
+    `rule_firings` (a read of every breakdown, the dearest part) may be left out by a
+    caller that does not show them."""
     c = TRACES.c
     totals = (
         await conn.execute(
@@ -309,6 +330,9 @@ async def stats(conn: AsyncConnection, *, rule_firings: bool = True) -> dict[str
                 sa.func.avg(c.reward),
                 sa.func.count(c.env_reward),
                 sa.func.avg(c.env_reward),
+                sa.func.count().filter(c.env_reward.is_not(None), c.reward >= threshold),
+                sa.func.min(c.env_reward).filter(_finite(c.env_reward)),
+                sa.func.max(c.env_reward).filter(_finite(c.env_reward)),
             )
         )
     ).one()
@@ -321,10 +345,16 @@ async def stats(conn: AsyncConnection, *, rule_firings: bool = True) -> dict[str
         "total_tokens": int(totals[1]),
         "compressed_tokens": int(totals[2]),
         "mean_reward": float(totals[3]) if totals[3] is not None else None,
-        # Traces that carry the environment's own reward, and its mean over them.
+        # Traces that carry the environment's own reward: its mean and spread over
+        # them, and how many of them pass the threshold (their reward, which the env's
+        # enters weighted): what an imported corpus, mostly of status unknown, holds.
         "env_reward": {
             "traces": totals[4],
             "mean": float(totals[5]) if totals[5] is not None else None,
+            "passing": totals[6],
+            "passing_share": totals[6] / totals[4] if totals[4] else None,
+            "threshold": threshold,
+            "histogram": await _env_reward_histogram(conn, totals[7], totals[8]),
         },
         "batches": await batch_counts(conn),
         "compression": await _compression_stats(conn, by_stage),
@@ -390,8 +420,7 @@ async def distinct_values(conn: AsyncConnection, column: str, limit: int = 200) 
 async def summaries(conn: AsyncConnection, trace_ids: list[str]) -> list[dict[str, Any]]:
     """The listing records of these traces, in the order given (a batch's members)."""
     rows = await conn.execute(
-        sa.select(*SUMMARY_COLUMNS, REVIEWS.c.label.label("review_label"))
-        .select_from(TRACES.outerjoin(REVIEWS))
+        sa.select(*LISTED_COLUMNS).select_from(LISTED)
         .where(TRACES.c.trace_id.in_(trace_ids))
     )
     found = {row.trace_id: _summary(row._mapping) for row in rows}
@@ -429,6 +458,41 @@ async def _reward_histogram(conn: AsyncConnection) -> list[dict[str, Any]]:
         {"from": low, "to": low + HISTOGRAM_BUCKET, "traces": buckets[low]}
         for low in sorted(buckets)
     ]
+
+
+# The environment's rewards are any numbers an env sends (often 0..1, or a few
+# values): their range is cut into this many buckets of equal width.
+ENV_REWARD_BUCKETS = 10
+
+
+def _finite(column: sa.ColumnElement[float]) -> sa.ColumnElement[bool]:
+    """Rows stored before rewards were bounded may hold an infinity: in no bucket."""
+    return column.between(-sys.float_info.max, sys.float_info.max)
+
+
+async def _env_reward_histogram(
+    conn: AsyncConnection, low: float | None, high: float | None
+) -> list[dict[str, Any]]:
+    """Traces per bucket of env_reward, ENV_REWARD_BUCKETS equal buckets from the lowest
+    to the highest (the last includes the highest); one bucket when all are equal."""
+    if low is None or high is None or not (math.isfinite(low) and math.isfinite(high)):
+        return []
+    width = (high - low) / ENV_REWARD_BUCKETS
+    if width <= 0:
+        return [{"from": low, "to": high, "traces": await conn.scalar(
+            sa.select(sa.func.count()).where(TRACES.c.env_reward == low))}]
+    env = TRACES.c.env_reward
+    # CASE rather than floor(): the same SQL on both databases.
+    bucket = sa.case(
+        *((env < low + (i + 1) * width, i) for i in range(ENV_REWARD_BUCKETS - 1)),
+        else_=ENV_REWARD_BUCKETS - 1,
+    ).label("bucket")
+    rows = await conn.execute(
+        sa.select(bucket, sa.func.count()).where(_finite(env)).group_by(bucket))
+    counts = {int(i): n for i, n in rows}
+    return [{"from": low + i * width, "to": high if i == ENV_REWARD_BUCKETS - 1
+             else low + (i + 1) * width, "traces": counts.get(i, 0)}
+            for i in range(ENV_REWARD_BUCKETS)]
 
 
 async def _compression_stats(conn: AsyncConnection, by_stage: dict[str, int]) -> dict[str, Any]:
@@ -518,6 +582,8 @@ def _summary(row: Any) -> dict[str, Any]:
         "agent": row["agent_name"],
         "policy_version": row["policy_version"],
         "label": row["review_label"],
+        "task": search.preview(row["search_task"]),
+        "final_answer": search.preview(row["search_final_answer"]),
     }
 
 

@@ -334,7 +334,7 @@ async def write_trajectories(
     texts = {trace_id: r.search_text for trace_id, r in prepared.items()
              if not isinstance(r, HubError)}
     new = await conn.run_sync(insert_traces, [r for r in made if not isinstance(r, HubError)])
-    outcomes = [await outcome(conn, trace_id, rows.get(trace_id), texts.get(trace_id, ""),
+    outcomes = [await outcome(conn, trace_id, rows.get(trace_id), texts.get(trace_id),
                               stored.get(trace_id), new, fmt) for trace_id in due]
     return Written(outcomes, new, prepared)
 
@@ -343,7 +343,7 @@ async def outcome(
     conn: AsyncConnection,
     trace_id: str,
     row: dict[str, Any] | HubError | None,
-    text: str,
+    text: search.SearchText | None,
     stored: Any,
     new: set[str],
     fmt: str = NAME,
@@ -384,7 +384,8 @@ async def outcome(
         update.where(c.trace_id == trace_id).values(**content, **_STARTED_OVER)
     )
     if replaced.rowcount == 1:
-        await conn.run_sync(search.index, [(trace_id, text)])
+        if text is not None:
+            await conn.run_sync(search.index, [(trace_id, text)])
         return "replaced", None
     # Its stage moved since the look above: batched (then these spans are late), or on
     # through the pipeline (then the next round replaces it).

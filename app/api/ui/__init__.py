@@ -1,7 +1,8 @@
 """The web dashboard under /ui: server-rendered pages (Jinja2) and their stylesheet,
-all shipped in this package and served by the hub. No JavaScript of its own: charts
-are SVG drawn on the server, long outputs fold with <details>, and every action is a
-form (docs/dashboard.md).
+all shipped in this package and served by the hub. One script of its own (the review
+queue's, static/queue.js, which releases a hold when its page is left); charts are SVG
+drawn on the server, long outputs fold with <details>, and every action is a form
+(docs/dashboard.md).
 
 Also here: /docs and /redoc served from assets installed with the hub (the
 fastapi-offline package ships Swagger UI and ReDoc), so both work without internet.

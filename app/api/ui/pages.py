@@ -11,6 +11,7 @@ from urllib.parse import parse_qsl, urlencode
 import orjson
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import AsyncConnection
 from starlette.responses import RedirectResponse, Response
 
 from app.access.guard import Principal
@@ -34,7 +35,14 @@ from app.api.ui.session import (
 from app.api.ui.traces import trace_view
 from app.db import group_queries, trace_queries
 from app.db.batch_queries import get_batch, list_batches, retry_batch
-from app.db.review_queries import ReviewInput, claim_next, claim_of, save_review
+from app.db.review_queries import (
+    ReviewInput,
+    claim_next,
+    claim_of,
+    release,
+    save_review,
+    waiting,
+)
 from app.db.trace_queries import SORTS, TraceFilter, View, get_trace
 from app.domain import BatchState, Stage, Status
 from app.errors import Forbidden, HubError, Invalid, NotFound
@@ -57,7 +65,8 @@ VIEWS: tuple[View, ...] = ("canonical", "original", "compressed")
 async def overview(
     request: Request, conn: ConnDep, hub: HubDep, visitor: VisitorDep, _: Reader
 ) -> Response:
-    stats = await trace_queries.stats(conn, rule_firings=False)
+    threshold = hub.config.distributor.min_reward_threshold
+    stats = await trace_queries.stats(conn, threshold, rule_firings=False)
     chosen = {k: request.query_params.get(k) or None
               for k in ("env", "model", "policy_version")}
     span = request.query_params.get("range", "all")
@@ -85,6 +94,9 @@ async def overview(
             sorted(stats["rejections_by_filter"].items(), key=lambda kv: -kv[1]),
             {f: f"/ui/traces?rejected_by={f}" for f in stats["rejections_by_filter"]}),
         "histogram": charts.bars(charts.histogram(stats["reward_histogram"])),
+        "env_histogram": charts.bars([
+            (f"{b['from']:.3g} to {b['to']:.3g}", b["traces"])
+            for b in stats["env_reward"]["histogram"]]),
         "over_time": charts.charts_over_time(buckets),
         "bucket": _duration(bucket),
         "chosen": chosen,
@@ -132,10 +144,14 @@ async def traces(
 ) -> Response:
     params = {k: v for k, v in request.query_params.items() if v != ""}
     error = None
+    matches = None
     try:
         query = TraceQuery.model_validate(params)
+        where = query.filter()
         records, next_cursor = await trace_queries.list_traces(
-            conn, query.filter(), query.limit, query.cursor, query.sort)
+            conn, where, query.limit, query.cursor, query.sort)
+        if where.words is not None:
+            matches = await trace_queries.count_traces(conn, where)
     except ValidationError as exc:
         first = exc.errors()[0]
         error = f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
@@ -149,6 +165,7 @@ async def traces(
         "query": query,
         "params": shown,
         "records": records,
+        "matches": matches,
         "next_href": next_href,
         "first_href": f"/ui/traces?{urlencode(shown)}" if "cursor" in params else None,
         "api_href": hub.config.trace_server.endpoint + (f"?{urlencode(params)}" if params else ""),
@@ -190,6 +207,7 @@ async def trace(
             compressed = None
     queue = request.query_params.get("queue")
     return render(request, visitor, "trace.html", {
+        "waiting": None if queue is None else await _waiting(conn, parse_qsl(queue)),
         "record": record,
         "view": trace_view(record, compressed),
         "claim": await claim_of(conn, trace_id),
@@ -246,11 +264,23 @@ def _filter_names(hub: Hub) -> list[str]:
 # --- the review queue --------------------------------------------------------------
 
 
+async def _waiting(conn: AsyncConnection, params: list[tuple[str, str]]) -> int | None:
+    """How many traces wait in the queue these filters make (None: filters that make
+    no queue, which the queue itself will say)."""
+    try:
+        where = TraceQuery.model_validate(
+            {k: v for k, v in params if v != "" and k != "empty"}).filter()
+    except ValidationError:
+        return None
+    return await waiting(conn, where)
+
+
 @router.get("/review")
 async def review_queue(
     request: Request, conn: ConnDep, hub: HubDep, visitor: VisitorDep, _: Reader
 ) -> Response:
     return render(request, visitor, "review.html", {
+        "waiting": await _waiting(conn, list(request.query_params.items())),
         "params": dict(request.query_params),
         "empty": request.query_params.get("empty"),
         "stages": [s.value for s in Stage],
@@ -271,6 +301,24 @@ async def review_next(
     return await _next_in_queue(hub, visitor, principal, query, after=skip)
 
 
+@router.post("/review/release")
+async def release_hold(
+    request: Request, hub: HubDep, visitor: VisitorDep, principal: Reviewer
+) -> Response:
+    """The queue's page was left (static/queue.js sends this as the page goes): the
+    trace it held goes back to the queue now rather than when the hold expires."""
+    form = await read_form(request, visitor)
+    await release(hub.engine, form.get("trace_id", ""), _holder(visitor, principal))
+    return Response(status_code=204)
+
+
+def _holder(visitor: Visitor, principal: Principal) -> str:
+    """Who holds the queue's claims from the dashboard: the key, or with auth off the
+    browser's session."""
+    return (f"key:{principal.key.key_id}" if principal.key is not None
+            else f"session:{visitor.session}")
+
+
 async def _next_in_queue(
     hub: Hub, visitor: Visitor, principal: Principal, query: str, after: str | None
 ) -> Response:
@@ -281,9 +329,7 @@ async def _next_in_queue(
         where = TraceQuery.model_validate(params).filter()
     except ValidationError as exc:
         raise Invalid(f"the queue's filters: {exc.errors()[0]['msg']}") from None
-    holder = (f"key:{principal.key.key_id}" if principal.key is not None
-              else f"session:{visitor.session}")
-    claim = await claim_next(hub.engine, where, holder, skip=after)
+    claim = await claim_next(hub.engine, where, _holder(visitor, principal), skip=after)
     if claim is None:
         return RedirectResponse(f"/ui/review?{urlencode({**params, 'empty': '1'})}",
                                 status_code=303)

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 from datetime import datetime
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
 import orjson
 from fastapi import Request
 from starlette.responses import HTMLResponse, Response
 
 from app.api.ui.session import CSRF_FIELD, Visitor, remember
+
+if TYPE_CHECKING:
+    import jinja2
 
 NAV = [("overview", "/ui", "Overview"), ("traces", "/ui/traces", "Traces"),
        ("review", "/ui/review", "Review"), ("batches", "/ui/batches", "Batches"),
@@ -21,6 +23,9 @@ NAV = [("overview", "/ui", "Overview"), ("traces", "/ui/traces", "Traces"),
 
 @cache
 def environment() -> jinja2.Environment:
+    # Imported with the first page asked for: a hub that restarts answers the API first.
+    import jinja2
+
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("app.api.ui", "templates"),
         autoescape=True,

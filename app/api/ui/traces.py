@@ -93,10 +93,11 @@ def trace_view(record: dict[str, Any], compressed: dict[str, Any] | None) -> dic
             unplaced.append(reason)
     breakdown = record["reward_breakdown"] or {}
     computed = breakdown_total(breakdown) if breakdown else None
-    task_head, task_rest = fold(trace.get("task") or "")
+    final = next((s.get("content") for s in reversed(raw_steps) if s.get("type") == "final"),
+                 None)
     return {
-        "task": {"head": task_head, "rest": task_rest,
-                 "rest_lines": task_rest.count("\n") + 1 if task_rest else 0},
+        "task": _folded(trace.get("task") or ""),
+        "final_answer": None if final is None else _folded(final),
         "outcome": trace.get("outcome") or {},
         "tools": trace.get("tools"),
         "steps": steps,
@@ -107,6 +108,11 @@ def trace_view(record: dict[str, Any], compressed: dict[str, Any] | None) -> dic
         "compare": (_compare(raw_steps, compressed, record.get("compression") or {})
                     if compressed is not None else None),
     }
+
+
+def _folded(text: str) -> dict[str, Any]:
+    head, rest = fold(text)
+    return {"head": head, "rest": rest, "rest_lines": rest.count("\n") + 1 if rest else 0}
 
 
 def _compare(original: list[dict[str, Any]], compressed: dict[str, Any],
