@@ -30,6 +30,7 @@ from app.db.migrate import open_database
 from app.db.schedule import claim_if_due
 from app.evaluation.environment import Environment
 from app.gateway.service import Gateway
+from app.gateway.upstream import Upstreams
 from app.gateway.writer import CallWriter
 from app.ingest.ingestor import EntryStage, Ingestor, ingest_processes, running_ingest
 from app.ingest.inserter import TraceInserter
@@ -231,19 +232,19 @@ async def running_gateway(settings: Settings, engine: AsyncEngine, writer: OneHo
     if not config.gateway.enabled:
         yield None
         return
-    limits = httpx.Limits(max_connections=config.trace_server.max_connections,
-                          max_keepalive_connections=256)
-    async with httpx.AsyncClient(limits=limits, trust_env=True) as http:
-        limits_ = config.limits
-        captures = CallWriter(writer, outages.database, max_wait=limits_.max_write_wait_seconds,
-                              retry_after=limits_.retry_after_seconds)
-        captures.start()
-        gateway = Gateway(engine, config.gateway, settings.tinker.tinker, config.privacy, http,
-                          captures, limits_.retry_after_seconds)
-        try:
-            yield gateway
-        finally:
-            await captures.close()
+    upstreams = Upstreams(config.trace_server.max_connections,
+                          settings.tinker.tinker.timeout_seconds)
+    upstreams.start()
+    limits = config.limits
+    captures = CallWriter(writer, outages.database, max_wait=limits.max_write_wait_seconds,
+                          retry_after=limits.retry_after_seconds)
+    captures.start()
+    try:
+        yield Gateway(engine, config.gateway, settings.tinker.tinker, config.privacy,
+                      upstreams, captures, limits.retry_after_seconds)
+    finally:
+        await captures.close()
+        await upstreams.close()
 
 
 @asynccontextmanager

@@ -559,6 +559,27 @@ def test_the_responses_api_is_forwarded_and_its_conversation_captured(
     assert [(c["kind"], c["status"]) for c in calls] == [("responses", 200)] * 2
 
 
+def test_a_streamed_responses_call_reaches_the_agent_and_is_captured_whole(
+    hub: InProcessHub, fake: FakeVllm
+) -> None:
+    with openai.OpenAI(base_url=f"{hub.url}/v1/rollouts/responses-stream", api_key="k",
+                       max_retries=0) as client, client.responses.stream(
+            model="policy", instructions="Be brief.", input="What is 6 x 7?") as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == "The answer is 42."
+    assert fake.received[-1]["stream"] is True
+    assert finish(hub, "responses-stream", reward=1.0).status_code == 200
+    record = trace(hub, "responses-stream")
+    assert record["trace"]["task"] == "What is 6 x 7?"
+    assert [s.get("content") for s in record["trace"]["steps"]] == [
+        "Be brief.", "The answer is 42."]
+    [call] = trace(hub, "responses-stream", view="original")["trace"]["calls"]
+    assert (call["kind"], call["stream"], call["status"]) == ("responses", True, 200)
+    assert call["response"]["status"] == "completed"
+    assert call["usage"] == {"input_tokens": 3, "output_tokens": 17, "total_tokens": 20}
+
+
 def test_responses_function_calls_are_the_agents_actions_and_an_image_adds_no_step() -> None:
     from app.formats import gateway
 

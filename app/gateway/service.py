@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -52,6 +51,7 @@ from app.gateway import calls as capture
 from app.gateway import store
 from app.gateway.calls import Kind, StreamAssembly
 from app.gateway.store import Captured
+from app.gateway.upstream import Answer, UpstreamBroken, Upstreams
 from app.gateway.writer import CallWriter
 from app.llm import api_url, shown
 
@@ -62,7 +62,7 @@ RESOURCES: dict[Kind, str] = {"chat": "chat/completions", "completion": "complet
 ROLLOUT_HEADER = "X-Rollout-Id"
 _ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}")
 # Response headers of the upstream's that reach the agent; hop-by-hop ones and those
-# the hub sets itself (length, encoding: httpx has decoded the body) do not.
+# the hub sets itself (length, encoding: the body was decoded) do not.
 _PASSED = ("content-type", "retry-after", "x-request-id", "openai-model",
            "openai-processing-ms", "x-ratelimit-limit-requests",
            "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
@@ -81,18 +81,17 @@ class Upstream:
 
 class Gateway:
     def __init__(self, engine: AsyncEngine, config: GatewayConfig, tinker: TinkerConfig,
-                 privacy: PrivacyConfig, http: httpx.AsyncClient, writer: CallWriter,
+                 privacy: PrivacyConfig, upstreams: Upstreams, writer: CallWriter,
                  retry_after: int) -> None:
         self._engine = engine
         self._config = config
         self._tinker = tinker
-        self._http = http
+        self._upstreams = upstreams
         self._redactor = Redactor(privacy)
         self._writer = writer
         # Why the hub cannot store now (the hub's write_problem, set once it exists).
         self.write_problem: Callable[[], str | None] = lambda: None
         self._retry_after = retry_after
-        self._timeout = httpx.Timeout(tinker.timeout_seconds)
         self._step: tuple[float, str | None] = (-1e9, None)
 
     @property
@@ -112,46 +111,47 @@ class Gateway:
         rollout_id = _rollout_id(rollout_id or headers.get(ROLLOUT_HEADER))
         messages = body.get("messages") if kind == "chat" else None
         messages = messages if isinstance(messages, list) else []
-        if rollout_id is None:
-            rollout_id = await self._stitched(messages)
         upstream = self._upstream(body.get("model"))
         sent = _rewritten(body, upstream.route)
         version = await self._version(upstream.route)
-        stream = bool(body.get("stream"))
-        request = self._http.build_request(
-            "POST", api_url(upstream.url, RESOURCES[kind]), content=orjson.dumps(sent),
-            headers=self._headers(upstream, headers), timeout=self._timeout,
-        )
-        call = _Call(self, kind, body, sent.get("model"), rollout_id, started, started_at,
-                     messages, version, stream)
+        # The conversation's rollout is looked up while the upstream answers.
+        lookup = None if rollout_id is not None else asyncio.create_task(
+            self._stitched(messages))
         try:
-            answer = await self._http.send(request, stream=stream)
-        except httpx.TimeoutException as exc:
-            raise await call.failed(GatewayTimeout(
-                f"the upstream ({shown(upstream.url)}) did not answer within "
-                f"{self._tinker.timeout_seconds:g} s (tinker.timeout_seconds): "
-                f"{type(exc).__name__}",
-                field="tinker.timeout_seconds")) from None
-        except httpx.TransportError as exc:
-            raise await call.failed(BadGateway(
-                f"the upstream ({shown(upstream.url)}) could not be reached: "
-                f"{type(exc).__name__}: {exc}", field="gateway.upstream.base_url")) from None
-        if stream and answer.is_success:
+            answer = await self._upstreams.send(
+                "POST", api_url(upstream.url, RESOURCES[kind]),
+                self._headers(upstream, headers), orjson.dumps(sent))
+        except (BadGateway, GatewayTimeout) as exc:
+            failure: BadGateway | GatewayTimeout | None = exc
+        except BaseException:
+            if lookup is not None:
+                lookup.cancel()
+            raise
+        else:
+            failure = None
+        if lookup is not None:
+            rollout_id = await lookup
+        assert rollout_id is not None
+        call = _Call(self, kind, body, sent.get("model"), rollout_id, started, started_at,
+                     messages, version, bool(body.get("stream")))
+        if failure is not None:
+            raise await call.failed(failure) from None
+        if call.stream and answer.is_success:
             return call.streamed(answer)
-        if stream:
-            await answer.aread()
         return await call.whole(answer)
 
     async def _stitched(self, messages: list[Any]) -> str:
-        """The rollout a call without one continues (by conversation), or a new one."""
+        """The rollout a call without one continues (by conversation), or a new one:
+        also when the captures cannot be read, since the upstream is already paid."""
         digests = stitching.prefixes(messages)
         if digests:
             try:
                 async with self._engine.connect() as conn:
                     found = await store.rollout_of(conn, digests)
-            except sa.exc.SQLAlchemyError:
-                raise Unavailable("the hub cannot read its captures now; retry",
-                                  retry_after=self._retry_after) from None
+            except sa.exc.SQLAlchemyError as exc:
+                log.warning("a call's conversation could not be looked up (%s): it starts "
+                            "a rollout of its own", type(exc).__name__)
+                found = None
             if found is not None:
                 return found
         return f"gw-{uuid.uuid4().hex}"
@@ -199,12 +199,12 @@ class Gateway:
         upstream = self._upstream(None)
         listed: dict[str, Any] = {"object": "list", "data": []}
         try:
-            answer = await self._http.get(api_url(upstream.url, "models"),
-                                          headers=self._headers(upstream, {}),
-                                          timeout=self._timeout)
+            answer = await self._upstreams.send("GET", api_url(upstream.url, "models"),
+                                                self._headers(upstream, {}))
+            content = await answer.read()
             if answer.is_success:
-                listed = answer.json()
-        except (httpx.HTTPError, ValueError):
+                listed = orjson.loads(content)
+        except (BadGateway, GatewayTimeout, UpstreamBroken, orjson.JSONDecodeError):
             log.info("the upstream %s lists no models; the routes' are listed",
                      shown(upstream.url))
         data: list[Any] = listed["data"] if isinstance(listed.get("data"), list) else []
@@ -278,8 +278,13 @@ class _Call:
         await self.gateway._writer.write(self._record(error.status, None, error.to_json()))
         return error
 
-    async def whole(self, answer: httpx.Response) -> Response:
-        content = answer.content
+    async def whole(self, answer: Answer) -> Response:
+        try:
+            content = await answer.read()
+        except UpstreamBroken as exc:
+            raise await self.failed(BadGateway(
+                f"the upstream's answer broke off: {exc}",
+                field="gateway.upstream.base_url")) from None
         parsed = _parsed(content)
         if answer.is_success:
             captured = self._record(answer.status_code, parsed)
@@ -289,11 +294,11 @@ class _Call:
         return Response(content, status_code=answer.status_code,
                         headers=_passed(answer.headers, self.rollout_id))
 
-    def streamed(self, answer: httpx.Response) -> Response:
+    def streamed(self, answer: Answer) -> Response:
         return StreamingResponse(self._events(answer), status_code=answer.status_code,
                                  headers=_passed(answer.headers, self.rollout_id))
 
-    async def _events(self, answer: httpx.Response) -> AsyncIterator[bytes]:
+    async def _events(self, answer: Answer) -> AsyncIterator[bytes]:
         assembly = StreamAssembly(self.kind)
         pending = b""
         held: list[bytes] = []  # the events that end the answer, sent after the commit
@@ -301,7 +306,7 @@ class _Call:
         error: Any = None
         finished = False
         try:
-            async for data in answer.aiter_bytes():
+            async for data in answer.chunks():
                 if first_byte is None:
                     first_byte = time.monotonic()
                 pending += data
@@ -315,18 +320,18 @@ class _Call:
                 if out:
                     yield b"".join(out)
             finished = True
-        except httpx.HTTPError as exc:
+        except UpstreamBroken as exc:
             error = {"error": {"code": "upstream_stream_broken",
-                               "message": f"the upstream's stream broke: {type(exc).__name__}"}}
+                               "message": f"the upstream's stream broke: {exc}"}}
         except BaseException:
             # The agent went (the response task is cancelled): capture what came,
             # marked, without awaiting here.
             self.gateway._writer.detach(self._record(
                 answer.status_code, assembly.response(), first_byte=first_byte,
                 disconnected=True))
-            asyncio.get_running_loop().create_task(answer.aclose())
+            answer.close()
             raise
-        await answer.aclose()
+        answer.close()
         captured = self._record(answer.status_code, assembly.response(), error=error,
                                 first_byte=first_byte)
         try:
@@ -366,7 +371,7 @@ def _ends(assembly: StreamAssembly, event: bytes) -> bool:
     return ends
 
 
-def _passed(headers: httpx.Headers, rollout_id: str) -> dict[str, str]:
+def _passed(headers: Mapping[str, str], rollout_id: str) -> dict[str, str]:
     out = {k: v for k, v in headers.items() if k.lower() in _PASSED}
     out[ROLLOUT_HEADER] = rollout_id
     return out

@@ -4,6 +4,7 @@ and what the assembly made of them."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -13,7 +14,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.dialect import dialect_of, insert, insert_ignoring_conflicts
+from app.db.dialect import Dialect, dialect_of, insert, insert_ignoring_conflicts
 from app.db.models import GATEWAY_CALLS, GATEWAY_ROLLOUTS
 from app.db.moves import StateMachine
 from app.domain import Stage
@@ -58,10 +59,8 @@ def write(conn: sa.Connection, calls: Sequence[Captured]) -> None:
     their rollouts. A synchronous connection: the writer runs it in one hop."""
     if not calls:
         return
-    dialect = dialect_of(conn)
-    once = insert_ignoring_conflicts(dialect, GATEWAY_CALLS, "rollout_id", "call_id")
     new = conn.execute(
-        once.returning(GATEWAY_CALLS.c.rollout_id),
+        _statements(dialect_of(conn)).insert_calls,
         [{"rollout_id": c.rollout_id, "call_id": c.call_id, "started_at": c.started_at,
           "continues": c.continues, "call": c.call} for c in calls],
     ).scalars().all()
@@ -80,8 +79,35 @@ def _touch(conn: sa.Connection, rows: list[dict[str, Any]], *,
     """Open each rollout (inserted, or reopened) with its new calls and changes."""
     if not rows:
         return
+    statements = _statements(dialect_of(conn))
+    conn.execute(
+        statements.open_rollouts if finish is None else statements.finish_rollouts,
+        [{"rollout_id": row["rollout_id"], "state": ROLLOUT_STATES.enter(RolloutState.OPEN),
+          "calls": row["calls"], "changes": row["changes"], "seen_changes": 0,
+          "late_changes": 0, "finished": finish is not None, "finish": finish,
+          "first_call_at": row["at"], "last_change_at": row["at"], "error": None}
+         for row in rows],
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Statements:
+    insert_calls: Any
+    open_rollouts: Any
+    finish_rollouts: Any
+
+
+@functools.cache
+def _statements(dialect: Dialect) -> _Statements:
+    """Built once per dialect: every captured call runs them."""
+    once = insert_ignoring_conflicts(dialect, GATEWAY_CALLS, "rollout_id", "call_id")
+    return _Statements(once.returning(GATEWAY_CALLS.c.rollout_id),
+                       _open(dialect, finish=False), _open(dialect, finish=True))
+
+
+def _open(dialect: Dialect, *, finish: bool) -> Any:
     r = GATEWAY_ROLLOUTS.c
-    upsert = insert(dialect_of(conn), GATEWAY_ROLLOUTS)
+    upsert = insert(dialect, GATEWAY_ROLLOUTS)
     excluded = upsert.excluded
     set_: dict[str, Any] = {
         "state": RolloutState.OPEN.value,
@@ -90,16 +116,9 @@ def _touch(conn: sa.Connection, rows: list[dict[str, Any]], *,
         "last_change_at": excluded.last_change_at,
         "error": None,
     }
-    if finish is not None:
+    if finish:
         set_.update(finished=True, finish=excluded.finish)
-    conn.execute(
-        upsert.on_conflict_do_update(index_elements=["rollout_id"], set_=set_),
-        [{"rollout_id": row["rollout_id"], "state": ROLLOUT_STATES.enter(RolloutState.OPEN),
-          "calls": row["calls"], "changes": row["changes"], "seen_changes": 0,
-          "late_changes": 0, "finished": finish is not None, "finish": finish,
-          "first_call_at": row["at"], "last_change_at": row["at"], "error": None}
-         for row in rows],
-    )
+    return upsert.on_conflict_do_update(index_elements=["rollout_id"], set_=set_)
 
 
 async def finish(conn: AsyncConnection, rollout_id: str, body: dict[str, Any],

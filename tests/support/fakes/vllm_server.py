@@ -242,20 +242,47 @@ class FakeVllm:
                                 "total_tokens": len(prompt) + len(completion)}})
 
     async def _responses(self, request: Request) -> Response:
-        """The Responses API, plain: the reply as one output message."""
+        """The Responses API: the reply as one output message, whole or streamed."""
         body, refused = await self._admit(request)
         if refused is not None:
             return refused
         said = self.reply({"messages": [{"role": "user", "content": body.get("input")}]})
         text = said if isinstance(said, str) else str(said.get("content") or "")
-        return _json({"id": "resp-fake", "object": "response", "created_at": 1,
-                      "status": "completed", "model": body.get("model") or self.model,
-                      "output": [{"type": "message", "id": "msg-fake", "role": "assistant",
-                                  "status": "completed",
-                                  "content": [{"type": "output_text", "text": text,
-                                               "annotations": []}]}],
-                      "usage": {"input_tokens": 3, "output_tokens": len(text_ids(text)),
-                                "total_tokens": 3 + len(text_ids(text))}})
+        message = {"type": "message", "id": "msg-fake", "role": "assistant",
+                   "status": "completed",
+                   "content": [{"type": "output_text", "text": text, "annotations": []}]}
+        answer = {"id": "resp-fake", "object": "response", "created_at": 1,
+                  "status": "completed", "model": body.get("model") or self.model,
+                  "output": [message],
+                  "usage": {"input_tokens": 3, "output_tokens": len(text_ids(text)),
+                            "total_tokens": 3 + len(text_ids(text))}}
+        if body.get("stream"):
+            return StreamingResponse(self._responses_stream(answer, message, text),
+                                     media_type="text/event-stream")
+        return _json(answer)
+
+    async def _responses_stream(self, answer: dict[str, Any], message: dict[str, Any],
+                                text: str) -> AsyncIterator[bytes]:
+        """The events OpenAI streams for one output message, each `event:` + `data:`."""
+        begun = {**answer, "status": "in_progress", "output": []}
+        part = {"type": "output_text", "text": "", "annotations": []}
+        item = {"item_id": message["id"], "output_index": 0, "content_index": 0}
+        events: list[dict[str, Any]] = [
+            {"type": "response.created", "response": begun},
+            {"type": "response.in_progress", "response": begun},
+            {"type": "response.output_item.added", "output_index": 0,
+             "item": {**message, "status": "in_progress", "content": []}},
+            {"type": "response.content_part.added", **item, "part": part},
+            *({"type": "response.output_text.delta", **item, "delta": text[i:i + 4],
+               "logprobs": []} for i in range(0, len(text), 4)),
+            {"type": "response.output_text.done", **item, "text": text, "logprobs": []},
+            {"type": "response.content_part.done", **item, "part": {**part, "text": text}},
+            {"type": "response.output_item.done", "output_index": 0, "item": message},
+            {"type": "response.completed", "response": answer},
+        ]
+        for n, event in enumerate(events):
+            yield (f"event: {event['type']}\n").encode() + _event(
+                {**event, "sequence_number": n})
 
 
 def _token_logprob(token: int, position: int) -> dict[str, Any]:
