@@ -82,7 +82,7 @@ class Formed:
 
 
 @dataclass(frozen=True, slots=True)
-class _Env:
+class _HubEnvRegistration:
     env_id: int
     name: str | None
 
@@ -189,13 +189,13 @@ class HubEnv:
                         f"{pending} of group_size {size} after group_timeout_seconds "
                         f"{self._config.group_timeout_seconds:g}", now))
 
-    def _env(self, conn: sa.Connection, run: AtroposRunState, now: datetime) -> _Env:
+    def _env(self, conn: sa.Connection, run: AtroposRunState, now: datetime) -> _HubEnvRegistration:
         """The hub's env (registered now if it is not yet)."""
         row = conn.execute(
             sa.select(ENVS.c.env_id, ENVS.c.real_name).where(ENVS.c.hub_owned)).first()
         if row is not None:
             record(conn, [row.env_id], now)  # the hub's env is alive while it has work
-            return _Env(int(row.env_id), row.real_name)
+            return _HubEnvRegistration(int(row.env_id), row.real_name)
         config = self._config
         answer = register_env_in(conn, RegisterEnv(
             max_token_length=run.max_token_len, desired_name=config.atropos_env,
@@ -204,7 +204,7 @@ class HubEnv:
         ), hub_owned=True)
         log.info("the hub's env registered as %s (env_id %s)", answer["wandb_name"],
                  answer["env_id"])
-        return _Env(int(answer["env_id"]), answer["wandb_name"])
+        return _HubEnvRegistration(int(answer["env_id"]), answer["wandb_name"])
 
     def _drop_unfit(self, conn: sa.Connection, run: AtroposRunState, formed: Formed,
                     now: datetime) -> None:
@@ -220,7 +220,7 @@ class HubEnv:
                 f"policy_version more than {lag} steps behind the trainer's step {run.step}",
                 now))
 
-    def _group(self, conn: sa.Connection, key: str, size: int, env: _Env,
+    def _group(self, conn: sa.Connection, key: str, size: int, env: _HubEnvRegistration,
                formed: Formed, now: datetime) -> bool:
         c = ROLLOUTS.c
         rows = conn.execute(

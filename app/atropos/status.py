@@ -34,7 +34,7 @@ MIN_ENV_WEIGHT = 0.01
 
 
 @dataclass(frozen=True, slots=True)
-class _Env:
+class _RegisteredEnv:
     env_id: int
     real_name: str
     max_token_length: int
@@ -72,7 +72,9 @@ async def status_env(db: AtroposDb, presence: Presence, env_id: int) -> dict[str
     if presence.due([env_id]):  # the env asking is alive
         await db.write(lambda conn: record(conn, [env_id], utcnow()))
 
-    def work(conn: sa.Connection) -> tuple[AtroposRunState, list[_Env], dict[int | None, _Queued]]:
+    def work(
+        conn: sa.Connection,
+    ) -> tuple[AtroposRunState, list[_RegisteredEnv], dict[int | None, _Queued]]:
         return run_state(conn), _envs(conn), _queued_by_env(conn)
 
     run, envs, queue = await db.read(work)
@@ -170,7 +172,7 @@ async def queue_figures(db: AtroposDb) -> dict[str, Any]:
     return await db.read(work)
 
 
-def _envs(conn: sa.Connection) -> list[_Env]:
+def _envs(conn: sa.Connection) -> list[_RegisteredEnv]:
     rows = conn.execute(
         sa.select(
             ENVS.c.env_id,
@@ -183,7 +185,7 @@ def _envs(conn: sa.Connection) -> list[_Env]:
             ENVS.c.last_seen_at,
         ).order_by(ENVS.c.env_id)
     )
-    return [_Env(**row._mapping) for row in rows]
+    return [_RegisteredEnv(**row._mapping) for row in rows]
 
 
 def _queued_by_env(conn: sa.Connection) -> dict[int | None, _Queued]:

@@ -125,7 +125,7 @@ class ExportQuery:
 
 
 @dataclass
-class Tally:
+class Exported:
     """What an export wrote (per split) and what it left out (per reason)."""
 
     written: Counter[str] = field(default_factory=Counter)
@@ -191,7 +191,7 @@ async def _pages(engine: AsyncEngine, query: ExportQuery) -> AsyncIterator[list[
 
 
 async def _selected(
-    engine: AsyncEngine, query: ExportQuery, tally: Tally, progress: Progress | None
+    engine: AsyncEngine, query: ExportQuery, tally: Exported, progress: Progress | None
 ) -> AsyncIterator[_Row]:
     """The selected traces, oldest first, less duplicates and contaminated ones."""
     seen: set[str] = set()
@@ -214,9 +214,9 @@ async def _selected(
 
 async def export_traces(
     engine: AsyncEngine, query: ExportQuery, out: IO[bytes], progress: Progress | None = None
-) -> Tally:
+) -> Exported:
     """Every selected trace as one JSON line in `query.fmt`."""
-    tally = Tally()
+    tally = Exported()
     async for row in _selected(engine, query, tally, progress):
         try:
             record = formats.export(row.trace, query.fmt)
@@ -231,12 +231,12 @@ async def export_traces(
 async def export_parquet(
     engine: AsyncEngine, query: ExportQuery, directory: Path, eval_fraction: float,
     progress: Progress | None = None,
-) -> Tally:
+) -> Exported:
     """A `datasets`-ready directory: `train-*.parquet` (and, with an eval fraction,
     `test-*.parquet`), split by task so that runs of one task never sit in both.
     `parquet` holds OpenAI records with JSON text; `messages` its own records, whose
     arguments and tool schemas `datasets` decodes into objects."""
-    tally = Tally()
+    tally = Exported()
     sft = dataset.SFT[query.fmt]
     with _ParquetSplits(directory, sft.schema()) as splits:
         rows: dict[str, list[dict[str, Any]]] = {s: [] for s in SPLITS}
@@ -261,10 +261,10 @@ async def export_dpo(
     engine: AsyncEngine, query: ExportQuery, output: str, *, margin: float,
     max_pairs_per_run: int, eval_fraction: float, progress: Progress | None = None,
     across_agents: bool = False,
-) -> Tally:
+) -> Exported:
     """Preference pairs of runs of one task (rewards `margin` apart); JSONL to a
     `.jsonl` file or stdout, else a parquet directory like `export_parquet`'s."""
-    tally = Tally()
+    tally = Exported()
     runs: list[dataset.Attempt] = []
     async for row in _selected(engine, query, tally, progress):
         if row.scores.reward is None:
@@ -391,7 +391,7 @@ _COLUMNS = {
 }
 
 
-def _card(directory: Path, args: argparse.Namespace, query: ExportQuery, tally: Tally,
+def _card(directory: Path, args: argparse.Namespace, query: ExportQuery, tally: Exported,
           fingerprint: str) -> None:
     """README.md: the dataset card, saying what is in the directory and how it was made."""
     now = datetime.now(UTC).isoformat(timespec="seconds")
@@ -522,7 +522,7 @@ async def _export_groups(config: HubConfig, output: str) -> int:
 
 
 async def _write(engine: AsyncEngine, query: ExportQuery, args: argparse.Namespace,
-                 progress: Progress) -> Tally:
+                 progress: Progress) -> Exported:
     try:
         return await _write_format(engine, query, args, progress)
     except OSError as exc:
@@ -533,7 +533,7 @@ async def _write(engine: AsyncEngine, query: ExportQuery, args: argparse.Namespa
 
 
 async def _write_format(engine: AsyncEngine, query: ExportQuery, args: argparse.Namespace,
-                        progress: Progress) -> Tally:
+                        progress: Progress) -> Exported:
     if args.format == "parquet" or (args.format == "messages" and _to_directory(args)):
         return await export_parquet(engine, query, Path(args.output), args.eval_fraction, progress)
     if args.format == "dpo":

@@ -132,7 +132,7 @@ class Gateway:
         if lookup is not None:
             rollout_id = await lookup
         assert rollout_id is not None
-        call = _Call(self, kind, body, sent.get("model"), rollout_id, started, started_at,
+        call = _InFlight(self, kind, body, sent.get("model"), rollout_id, started, started_at,
                      messages, version, bool(body.get("stream")))
         if failure is not None:
             raise await call.failed(failure) from None
@@ -228,7 +228,7 @@ class Gateway:
 
     # --- capture --------------------------------------------------------------------
 
-    def captured(self, call: _Call, record: dict[str, Any]) -> Captured:
+    def captured(self, call: _InFlight, record: dict[str, Any]) -> Captured:
         """The record redacted (secrets in what the agent sent or the model said); a
         call whose content held one keeps no token ids, which would spell it out."""
         encoded = orjson.dumps(record)
@@ -244,7 +244,7 @@ class Gateway:
                         stitching.continuation(call.messages, answer), record)
 
 
-class _Call:
+class _InFlight:
     """One call in flight: what its capture is made of."""
 
     def __init__(self, gateway: Gateway, kind: Kind, body: dict[str, Any],
