@@ -33,7 +33,22 @@ clients catches them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NotRequired
+
+from typing_extensions import TypedDict  # pydantic needs this one on 3.11
+
+
+class ErrorDetail(TypedDict):
+    code: str
+    message: str
+    field: NotRequired[str]
+
+
+class Error(TypedDict):
+    """Every 4xx/5xx the hub answers: a HubError's body (`to_json`), and the schema the
+    OpenAPI document declares for it (app/api/openapi.py)."""
+
+    error: ErrorDetail
 
 
 class HubError(Exception):
@@ -51,8 +66,8 @@ class HubError(Exception):
         """Response headers that belong to this error (Retry-After, WWW-Authenticate)."""
         return {}
 
-    def to_json(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"code": self.code, "message": self.message}
+    def to_json(self) -> Error:
+        body: ErrorDetail = {"code": self.code, "message": self.message}
         if self.field is not None:
             body["field"] = self.field
         return {"error": body}

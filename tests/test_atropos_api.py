@@ -11,7 +11,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from app.atropos.tables import ATROPOS_BATCHES, AtroposBatchState
+from app.atropos.tables import ATROPOS_BATCHES, GROUPS, WAITING, AtroposBatchState
 from app.db.types import utcnow
 from tests.support.databases import (
     PG_ADMIN_URL,
@@ -391,9 +391,17 @@ def test_latest_example_is_the_group_as_sent(api: httpx.Client) -> None:
 # --- the ack lease --------------------------------------------------------------------
 
 
+def set_lease_deadlines(trace_server: dict[str, Any], deadline: datetime) -> None:
+    """The stored deadline of every lease held now, as if the hub's clock had moved:
+    a lease runs out (a deadline in the past) without the test waiting for it."""
+    db_execute(trace_server, sa.update(ATROPOS_BATCHES)
+               .where(ATROPOS_BATCHES.c.state == AtroposBatchState.LEASED)
+               .values(lease_expires_at=deadline))
+
+
 @pytest.mark.process
 def test_ack_lease_and_redelivery(start_hub_process: Any, trace_server: dict[str, Any]) -> None:
-    hub: HubProcess = start_hub_process(trace_server, atropos={"ack_timeout_seconds": 0.5})
+    hub: HubProcess = start_hub_process(trace_server, atropos={"ack_timeout_seconds": 600})
     client = hub.client()
     register(client, batch_size=2)
     start(client)
@@ -413,13 +421,13 @@ def test_ack_lease_and_redelivery(start_hub_process: Any, trace_server: dict[str
     lost = client.get("/batch", params={"ack": "true"}).json()
     assert [marker(g) for g in lost["batch"]] == [marker(second)]
     client = restart(hub, client)
-    time.sleep(0.6)  # not a wait for anything: ack_timeout_seconds passes
+    set_lease_deadlines(trace_server, utcnow() - timedelta(seconds=1))  # run out
     # Back at the front of the queue: served again before anything else.
     assert batch_markers(client) == [marker(second)]
     r = client.post("/batch/ack", json={"batch_id": lost["batch_id"]})
     assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_batch"
     late = client.get("/batch", params={"ack": 1}).json()
-    time.sleep(0.6)  # not a wait for anything: the ack below comes after the lease ran out
+    set_lease_deadlines(trace_server, utcnow() - timedelta(seconds=1))  # run out
     # Acknowledged after its lease ran out, but before anyone else got it: taken.
     assert client.post("/batch/ack", json={"batch_id": late["batch_id"]}).status_code == 200
     assert batch_markers(client) is None
@@ -441,9 +449,7 @@ def test_a_backward_clock_step_holds_a_leased_batch_no_longer_than_its_lease(
         post(client, sent)
         leased = client.get("/batch", params={"ack": 1}).json()
         assert [marker(g) for g in leased["batch"]] == [marker(sent)]
-        db_execute(trace_server, sa.update(ATROPOS_BATCHES)
-                   .where(ATROPOS_BATCHES.c.state == AtroposBatchState.LEASED)
-                   .values(lease_expires_at=utcnow() + timedelta(minutes=10)))
+        set_lease_deadlines(trace_server, utcnow() + timedelta(minutes=10))
         assert batch_markers(client) is None  # still leased
         assert wait_until(lambda: batch_markers(client), timeout=15,
                           what="the batch served again") == [marker(sent)]
@@ -708,7 +714,7 @@ def test_kill_9_under_load_loses_no_group_and_acks_each_once(
             while not stop_training.is_set():
                 r = call(c, "GET", "/batch", params={"ack": 1})
                 if r is None or r.json()["batch"] is None:
-                    time.sleep(0.02)
+                    stop_training.wait(0.02)  # a trainer polling an empty queue
                     continue
                 leased = r.json()
                 got = [marker(g) for g in leased["batch"]]
@@ -726,12 +732,18 @@ def test_kill_9_under_load_loses_no_group_and_acks_each_once(
     stop_posting.set()
     for t in workers:
         t.join()
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        acked = Counter(m for got, ok in deliveries if ok for m in got)
-        if set(posted) <= set(acked):
-            break
-        time.sleep(0.1)
+
+    def settled() -> bool:
+        """Every posted group acknowledged; or else, with none waiting to be served
+        (nothing more will be), each in a batch whose ack got no answer."""
+        if set(posted) <= {m for got, ok in deliveries if ok for m in got}:
+            return True
+        waiting = db_execute(trace_server, sa.select(sa.func.count()).select_from(GROUPS)
+                             .where(GROUPS.c.state.in_(WAITING)))[0]
+        delivered = {m for got, ok in deliveries if ok is not False for m in got}
+        return not next(iter(waiting.values())) and set(posted) <= delivered
+
+    wait_until(settled, 20, what="every posted group delivered", poll=0.2)
     stop_training.set()
     for t in trainers:
         t.join()

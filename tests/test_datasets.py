@@ -6,10 +6,12 @@ preference pairs from the tau-bench runs (app/formats/dataset.py, app/cli/export
 from __future__ import annotations
 
 import json
+import math
 import re
 import sqlite3
 import stat
 from collections import Counter
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +200,86 @@ def test_messages_export_renders_with_real_chat_templates(
     assert rendered_calls > 3000
 
 
+@pytest.mark.process
+@pytest.mark.training
+def test_one_sft_step_on_the_messages_export(corpus_config: Path, tmp_path: Path) -> None:
+    """TRL's SFTTrainer takes the `messages` export as `datasets` loads it, from JSONL
+    and from parquet (the same sequences and labels), and runs one step on a tiny
+    random Qwen2 model with Qwen2.5's template and assistant-only loss: the loss is
+    finite, and it covers exactly what the model wrote (each assistant turn, its calls
+    and its end-of-turn token), nothing the model was given. Runs of several agents,
+    each its shortest with calls."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+    from trl.trainer.sft_config import SFTConfig
+    from trl.trainer.sft_trainer import SFTTrainer
+
+    from tests.support.chat_tokenizer import chat_tokenizer
+
+    export(corpus_config, tmp_path / "messages.jsonl", "--format", "messages", "--all")
+    export(corpus_config, tmp_path / "dataset", "--format", "messages", "--all")
+    from_parquet = load(tmp_path / "dataset", tmp_path / "cache")["train"]
+    from_jsonl = datasets.load_dataset("json", data_files=str(tmp_path / "messages.jsonl"),
+                                       cache_dir=str(tmp_path / "cache"))["train"]
+    picked = _shortest_runs_with_calls(lines(tmp_path / "messages.jsonl"), from_parquet)
+    assert len(picked) >= 4
+
+    # Qwen2.5's template as its tokenizer has it: TRL swaps in its training variant
+    # (the same template with generation markers) for assistant-only loss.
+    tokenizer = AutoTokenizer.from_pretrained(
+        chat_tokenizer(tmp_path / "tokenizer", chat_templates.template("qwen2_5")))
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=8192, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    models: Any = AutoModelForCausalLM  # from_config is untyped
+    trainers: dict[str, Any] = {}
+    for name, loaded in (("jsonl", from_jsonl), ("parquet", from_parquet)):
+        torch.manual_seed(0)
+        rows = loaded.select(picked)
+        args = SFTConfig(output_dir=str(tmp_path / name), max_steps=1, report_to="none",
+                         use_cpu=True, assistant_only_loss=True, max_length=None,
+                         per_device_train_batch_size=1, gradient_accumulation_steps=len(rows),
+                         save_strategy="no", activation_checkpointing=False, disable_tqdm=True)
+        trainers[name] = SFTTrainer(model=models.from_config(config), args=args,
+                                    train_dataset=rows, processing_class=tokenizer)
+        for i, row, tokens in zip(picked, rows, trainers[name].train_dataset):
+            trained = [tokenizer.decode([t for t, _ in run]) for taken, run in
+                       groupby(zip(tokens["input_ids"], tokens["labels"]),
+                               key=lambda pair: pair[1] != -100) if taken]
+            assert trained == _assistant_output(row["messages"]), (name, i)
+    # Whichever file, the same sequences and labels: one step on either is the same step.
+    sequences = [trainer.train_dataset.select_columns(["input_ids", "labels"]).to_list()
+                 for trainer in trainers.values()]
+    assert sequences[0] == sequences[1]
+    done = trainers["parquet"].train()
+    assert done.global_step == 1 and math.isfinite(done.training_loss)
+
+
+def _shortest_runs_with_calls(records: list[dict[str, Any]],
+                              rows: datasets.Dataset) -> list[int]:
+    """Per agent source, the row of its shortest record (under 4,000 characters) that
+    calls a tool and has more than one assistant turn."""
+    shortest: dict[str, tuple[int, int]] = {}
+    for i, (record, source) in enumerate(zip(records, rows["source_format"])):
+        size = len(json.dumps(record))
+        turns = [m for m in record["messages"] if m["role"] == "assistant"]
+        if size < 4000 and len(turns) > 1 and any("tool_calls" in m for m in turns):
+            shortest[source] = min(shortest.get(source, (size, i)), (size, i))
+    return sorted(i for _, i in shortest.values())
+
+
+def _assistant_output(messages: list[dict[str, Any]]) -> list[str]:
+    """What Qwen2.5's template writes inside each assistant turn: the model's output."""
+    said = []
+    for m in messages:
+        if m["role"] == "assistant":
+            content = f"\n{m['content']}" if m.get("content") or not m.get("tool_calls") else ""
+            calls = "".join(f"\n{_qwen2_5_call(c['function'])}" for c in m.get("tool_calls") or [])
+            said.append(f"{content}{calls}<|im_end|>\n")
+    return said
+
+
 def _set_keys(message: dict[str, Any]) -> dict[str, Any]:
     """A parquet message as the JSONL record has it: Arrow gives every row every key."""
     return {k: v for k, v in message.items() if v is not None}
@@ -277,6 +359,9 @@ def test_dpo_pairs_from_the_tau_bench_runs(corpus_config: Path, tmp_path: Path) 
         assert [m["role"] for m in pair["prompt"]] == ["system", "user"]
         assert pair["chosen"][0]["role"] == pair["rejected"][0]["role"] == "assistant"
         assert pair["chosen"][-1]["role"] == pair["rejected"][-1]["role"] == "assistant"
+        # The shape chat templates take: arguments as objects, tools with descriptions.
+        check_messages({"messages": pair["prompt"] + pair["chosen"], "tools": pair.get("tools", [])})
+        check_messages({"messages": pair["prompt"] + pair["rejected"], "tools": pair.get("tools", [])})
     assert f"exported {len(pairs)} pairs" in said and "in no pair" in said
 
     more = export(corpus_config, tmp_path / "more.jsonl", "--format", "dpo",
@@ -289,10 +374,38 @@ def test_dpo_pairs_from_the_tau_bench_runs(corpus_config: Path, tmp_path: Path) 
     export(corpus_config, tmp_path / "dpo", "--format", "dpo", "--eval-fraction", "0.3")
     loaded = load(tmp_path / "dpo", tmp_path / "cache")
     assert set(loaded) == {"train", "test"}
-    assert len(loaded["train"]) + len(loaded["test"]) == len(pairs)
-    row = loaded["train"][0]
-    assert {"prompt", "chosen", "rejected"} <= set(row)
-    assert row["chosen"][0]["role"] == "assistant"
+    rows = [*loaded["train"], *loaded["test"]]
+    assert len(rows) == len(pairs)
+    # Parquet holds the JSONL pairs, structured: calls and tool schemas load as objects.
+    by_chosen = {p["chosen_trace_id"]: p for p in pairs}
+    for row in rows:
+        pair = by_chosen[row["chosen_trace_id"]]
+        for side in ("prompt", "chosen", "rejected"):
+            assert [_set_keys(m) for m in row[side]] == pair[side]
+        assert row["tools"] == pair.get("tools", [])
+    _render_preferences(rows)
+
+
+def _render_preferences(rows: list[dict[str, Any]]) -> None:
+    """Each pair as TRL's DPOTrainer renders it (`trl.apply_chat_template`), with
+    Qwen2.5's template: the prompt ends where both answers begin, and each call of an
+    answer is written once, its arguments the object the model wrote."""
+    from trl.data_utils import apply_chat_template
+
+    tokenizer, template = chat_templates.renderer(), chat_templates.template("qwen2_5")
+    rendered_calls = 0
+    for row in rows:
+        example = {side: row[side] for side in ("prompt", "chosen", "rejected")}
+        text = apply_chat_template(example, tokenizer, tools=row["tools"],
+                                   chat_template=template)
+        assert text["prompt"].endswith("<|im_start|>assistant\n")
+        for side in ("chosen", "rejected"):
+            calls = Counter(_qwen2_5_call(c["function"]) for m in row[side]
+                            for c in m["tool_calls"] or [])
+            for call, times in calls.items():
+                assert text[side].count(call) == times, (row["chosen_trace_id"], call)
+            rendered_calls += sum(calls.values())
+    assert rendered_calls > 100
 
 
 def test_preference_pairs_take_the_clearest_first() -> None:

@@ -28,28 +28,35 @@ ASSISTANT_KEYS = {"role", "content", "tool_calls", "reasoning_content", "name", 
 
 def check_openai(record: dict[str, Any], arguments: type = str) -> None:
     """OpenAI chat fine-tuning JSONL: messages (+ tools); one system message, first;
-    every tool message answers a call of the assistant message before it; arguments
-    are JSON text; the record ends on an assistant message. `reasoning_content` is
-    allowed on assistant messages (the DeepSeek/Hermes convention for reasoning)."""
+    every tool message answers a call of the assistant message before it, and every
+    call has exactly one result, but those of the last message (the record ends on the
+    model's last turn, its results trimmed); arguments are JSON text; no assistant
+    message is empty. `reasoning_content` is allowed on assistant messages (the
+    DeepSeek/Hermes convention for reasoning)."""
     assert set(record) <= {"messages", "tools", "parallel_tool_calls"}
-    calls: set[str] = set()
+    waiting: set[str] = set()  # calls of the last assistant message without a result yet
     messages = record["messages"]
     assert messages and messages[-1]["role"] == "assistant"
     assert all(m["role"] != "system" for m in messages[1:])
     for before, m in zip([None, *messages], messages):
         assert m["role"] in OPENAI_ROLES
+        if m["role"] != "tool":
+            assert not waiting, f"calls without a result: {waiting}"
         if m["role"] == "assistant":
             assert set(m) <= ASSISTANT_KEYS and ("content" in m or "tool_calls" in m)
             assert m.get("content") or m.get("tool_calls") or m.get("reasoning_content")
-            calls = set()
             for call in m.get("tool_calls", []):
                 assert call["type"] == "function" and isinstance(call["id"], str)
                 assert isinstance(call["function"]["name"], str)
                 assert isinstance(call["function"]["arguments"], arguments)
-                calls.add(call["id"])
+                assert call["id"] not in waiting
+                waiting.add(call["id"])
+            if m is messages[-1]:
+                waiting.clear()
         elif m["role"] == "tool":
             assert before is not None and before["role"] in ("assistant", "tool")
-            assert m["tool_call_id"] in calls and isinstance(m["content"], str)
+            assert m["tool_call_id"] in waiting and isinstance(m["content"], str)
+            waiting.remove(m["tool_call_id"])
         else:
             assert isinstance(m["content"], str)
             assert not (m["role"] == "user" and before is not None and before["role"] == "user")

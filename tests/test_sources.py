@@ -125,7 +125,13 @@ def test_toolbench(corpus: list[Record]) -> None:
     assert wins == {"G1_answer_10", "G1_answer_57", "G3_answer_15"}
     [g1_57] = _traces(corpus, "toolbench", "G1_answer_57")
     assert _errors(g1_57) == ["Message error..."]
-    assert g1_57.steps[-1].type is StepType.FINAL
+    # The model's last act is its Finish call, kept as it wrote it: no result (the
+    # search stops there) and no assistant text it never wrote.
+    finish = g1_57.steps[-1]
+    assert finish.type is StepType.ACTION and finish.tool == "Finish"
+    assert finish.arguments["return_type"] == "give_answer"
+    assert finish.arguments["final_answer"].startswith("I found a phone case")
+    assert not any(s.type is StepType.FINAL for s in g1_57.steps)
     assert g1_57.tools is not None and "Finish" in g1_57.tools
     [g1_69] = _traces(corpus, "toolbench", "G1_answer_69")
     assert g1_69.outcome.status is Status.FAILURE and g1_69.metadata["from"] == "tree"
@@ -133,6 +139,7 @@ def test_toolbench(corpus: list[Record]) -> None:
     [g2_10] = _traces(corpus, "toolbench", "G2_answer_10")
     assert g2_10.metadata["finish_type"] == "give_up"
     assert not any(s.type is StepType.FINAL for s in g2_10.steps)
+    assert g2_10.steps[-1].arguments == {"return_type": "give_up_and_restart"}
 
 
 def test_swe_agent(corpus: list[Record]) -> None:

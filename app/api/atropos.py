@@ -6,10 +6,11 @@ Keys: /reset_data needs an admin key whenever auth.enabled is on. With
 atropos.require_key the others need one too: an environment's paths `ingest`, a
 trainer's `train`, and the run's read-only figures (which both sides read) any key.
 
-The run's figures (/status, /info, /wandb_info) and /batch/ack return their models, as
-the /v1 routes do. The others answer the bytes atroposlib's clients expect (a 128-bit
-uuid, batches joined from stored JSON, keys left out rather than null), rendered here;
-`response_model=` declares those for the document only (app/api/schemas.py)."""
+Most routes return their models, as the /v1 routes do. POST /scored_data(_list) render
+their receipts, built as the TypedDicts the document declares; /register, /batch,
+/latest_example and / answer the bytes atroposlib's clients expect (a 128-bit uuid,
+batches joined from stored JSON), rendered here, with `response_model=` declaring
+them for the document only (app/api/schemas.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import json
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 
 from app.access.keys import Scope
@@ -35,8 +36,6 @@ from app.api.schemas import (
     BatchAcked,
     EnvDisconnected,
     EnvRegistered,
-    GroupReceived,
-    GroupsReceived,
     NoExample,
     TrainerBatch,
     TrainerNotRegistered,
@@ -49,6 +48,8 @@ from app.atropos.models import (
     INT32_MIN,
     BatchAck,
     EnvIdentifier,
+    GroupReceived,
+    GroupsReceived,
     RegisterEnv,
     Registration,
     ScoredData,
@@ -64,6 +65,8 @@ _ROOT_REDIRECT: dict[int | str, dict[str, Any]] = {
 }
 _ACK_ERRORS = errors(400, 404, 413, 415, 422, 503)
 M = TypeVar("M", bound=BaseModel)
+_ENV_REGISTERED: TypeAdapter[EnvRegistered | WaitForTrainer] = TypeAdapter(
+    EnvRegistered | WaitForTrainer)
 
 
 def submission_routes(require_key: bool = False) -> list[DirectRoute]:
@@ -122,24 +125,23 @@ def router(require_key: bool = False) -> APIRouter:
     @api.post(
         "/register-env",
         dependencies=env,
-        response_model=EnvRegistered | WaitForTrainer,
         openapi_extra=_body_doc(RegisterEnv),
         responses=_BODY_ERRORS,
     )
-    async def register_env(request: Request, hub: HubDep) -> JSONResponse:
+    async def register_env(request: Request, hub: HubDep) -> EnvRegistered | WaitForTrainer:
         body = _parse(RegisterEnv, await _body(request, hub))
-        return JSONResponse(await hub.atropos.register_env(body))
+        return _ENV_REGISTERED.validate_python(await hub.atropos.register_env(body))
 
     @api.post(
         "/disconnect-env",
         dependencies=env,
-        response_model=EnvDisconnected,
         openapi_extra=_body_doc(EnvIdentifier),
         responses=_BODY_ERRORS,
+        response_model_exclude_unset=True,  # atroposlib leaves out `error` on success
     )
-    async def disconnect_env(request: Request, hub: HubDep) -> JSONResponse:
+    async def disconnect_env(request: Request, hub: HubDep) -> EnvDisconnected:
         body = _parse(EnvIdentifier, await _body(request, hub))
-        return JSONResponse(await hub.atropos.disconnect_env(body.env_id))
+        return EnvDisconnected.model_validate(await hub.atropos.disconnect_env(body.env_id))
 
     @api.get(
         "/batch",
@@ -184,7 +186,6 @@ def router(require_key: bool = False) -> APIRouter:
     @api.get(
         "/status-env",
         dependencies=env,
-        response_model=AtroposEnvStatus,
         openapi_extra=_body_doc(EnvIdentifier, required=False),
         responses=errors(400, 404, 413, 415, 422),
     )
@@ -192,14 +193,14 @@ def router(require_key: bool = False) -> APIRouter:
         request: Request,
         hub: HubDep,
         env_id: Annotated[int | None, Query(ge=INT32_MIN, le=INT32_MAX)] = None,
-    ) -> JSONResponse:
+    ) -> AtroposEnvStatus:
         # atroposlib's env client sends {"env_id": n} as the body of this GET;
         # ?env_id=n works too.
         raw = await _body(request, hub, optional=env_id is not None)
         if raw is not None:
             env_id = _parse(EnvIdentifier, raw).env_id
         assert env_id is not None
-        return JSONResponse(await hub.atropos.status_env(env_id))
+        return AtroposEnvStatus.model_validate(await hub.atropos.status_env(env_id))
 
     @api.get("/info", dependencies=anyone, response_model=AtroposInfo)
     async def info(hub: HubDep) -> AtroposInfo:

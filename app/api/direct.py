@@ -5,8 +5,8 @@ A `DirectRoute` is an APIRoute like any other for the OpenAPI document, the app'
 exception handlers and the middleware around the router; but each request goes
 straight to its endpoint, with the scope guard checked by the same code as the
 `requires` dependency (app/api/auth.py), instead of through FastAPI's dependency
-solving and exit stacks (which cost ~70% of the route's time on the serving
-process: bench/ingest.py, docs/decisions.md). Its endpoint takes exactly the
+solving and exit stacks (most of the route's time on the serving process:
+docs/ingest.md, "Where the time goes"). Its endpoint takes exactly the
 request and the hub, and answers a Response.
 """
 

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from app.api import otlp
 from app.api.responses import JSONResponse
 from app.db.errors import database_error, database_refusal
-from app.errors import BadRequest, HubError, Invalid, NotFound, Unavailable
+from app.errors import BadRequest, Error, HubError, Invalid, NotFound, Unavailable
 
 # Renders an error as a web page for the requests that asked for a page (the
 # dashboard's), None for the others, which get the JSON body.
@@ -44,10 +44,7 @@ def install_error_handlers(app: FastAPI, page: PageRenderer | None = None) -> No
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
         invalid = Invalid.from_pydantic(exc.errors())
-        shown = await as_page(request, invalid)
-        # "field" is always present here, null when the error has no location.
-        body = {"error": {"code": invalid.code, "message": invalid.message, "field": invalid.field}}
-        return shown or JSONResponse(body, status_code=invalid.status)
+        return await as_page(request, invalid) or error_response(invalid)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> Response:
@@ -58,7 +55,7 @@ def install_error_handlers(app: FastAPI, page: PageRenderer | None = None) -> No
             shown = await as_page(request, kind(str(exc.detail), code=code))
             if shown is not None:
                 return shown
-        body = {"error": {"code": code, "message": str(exc.detail)}}
+        body: Error = {"error": {"code": code, "message": str(exc.detail)}}
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(SQLAlchemyError)
@@ -96,11 +93,13 @@ def install_error_handlers(app: FastAPI, page: PageRenderer | None = None) -> No
         log.info("%s %s from %s: the body stopped before its end (the client disconnected, "
                  "or stalled past trace_server.body_timeout_seconds); nothing of it was "
                  "stored", request.method, request.url.path, peer)
-        body = {"error": {"code": "client_disconnected", "message": "the client went away"}}
+        body: Error = {"error": {"code": "client_disconnected",
+                                 "message": "the client went away"}}
         return JSONResponse(body, status_code=400)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        body = {"error": {"code": "internal", "message": "internal error; see the server log"}}
+        body: Error = {"error": {"code": "internal",
+                                 "message": "internal error; see the server log"}}
         return JSONResponse(body, status_code=500)

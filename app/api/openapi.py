@@ -15,9 +15,10 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import TypeAdapter
 
 from app.config import AuthConfig
+from app.errors import Error
 
 ERROR_REF = "#/components/schemas/Error"
 PROTOBUF = "application/x-protobuf"
@@ -36,18 +37,6 @@ _WHY: dict[int, str] = {
     429: "Over auth.rate_limit_per_second; see Retry-After",
     503: "Overloaded or unavailable; see Retry-After",
 }
-
-
-class ErrorDetail(BaseModel):
-    code: str
-    message: str
-    field: str | None = None
-
-
-class Error(BaseModel):
-    """Every 4xx/5xx the hub answers."""
-
-    error: ErrorDetail
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -93,7 +82,7 @@ def _document(app: FastAPI, auth: AuthConfig) -> dict[str, Any]:
     )
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
-    error = Error.model_json_schema(ref_template="#/components/schemas/{model}")
+    error = TypeAdapter(Error).json_schema(ref_template="#/components/schemas/{model}")
     schemas.update(error.pop("$defs", {}))
     schemas["Error"] = error
     for name in ("HTTPValidationError", "ValidationError"):

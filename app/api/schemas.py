@@ -5,14 +5,17 @@ Two ways a route answers, one per kind of route:
 - The /v1 routes but POST /v1/traces, and the ops routes, return their model (the return
   annotation, as in full-stack-fastapi-template); FastAPI validates it and pydantic-core
   writes the JSON, so a body cannot drift from its schema unnoticed.
-- POST /v1/traces (the ingest hot path) and the Atropos routes but the run's figures
-  and /batch/ack render their JSON themselves and declare the model for the document
-  only (`responses=` / `response_model=`): ingest answers thousands of traces a second,
-  and those Atropos routes answer the bytes atroposlib's clients expect (a 128-bit
-  trainer uuid, batches joined from stored JSON, keys absent rather than null).
-  tests/test_openapi.py checks those bodies against the document.
+- The hot paths, POST /v1/traces and POST /scored_data(_list), render their JSON
+  themselves (thousands of answers a second), built as TypedDicts that are also their
+  schemas: `IngestResult` (app/ingest/inserter.py), `IngestResults` here, `Error`
+  (app/errors.py), `GroupReceived` and `GroupsReceived` (app/atropos/models.py). mypy
+  checks what is built against the type the document is made from.
+- The Atropos routes that answer the bytes atroposlib's clients expect (a 128-bit
+  trainer uuid, batches joined from stored JSON, keys absent rather than null) declare
+  their model for the document only (`response_model=`).
+  tests/test_openapi.py checks the bodies of the last two kinds against the document.
 
-Errors have their one shape in app/api/openapi.py (`Error`).
+Errors have their one shape, `Error` (app/errors.py), which app/api/openapi.py declares.
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from typing_extensions import TypedDict  # pydantic needs this one on 3.11
 
-from app.api.openapi import Error
 from app.atropos.models import ScoredData
 from app.db.trace_queries import View
 from app.domain import MAX_REWARD, BatchState, Label, Stage, Status
+from app.errors import Error
 from app.evaluation.filters import RejectReason
 from app.evaluation.scoring import RuleResult
+from app.ingest.inserter import IngestResult
 from app.runs import RunStatus
 
 # Timestamps are written by the services as `datetime.isoformat()` (UTC, "+00:00");
@@ -37,36 +42,11 @@ Timestamp = Annotated[str, WithJsonSchema({"type": "string", "format": "date-tim
 # --- traces ------------------------------------------------------------------------
 
 
-class IngestResult(BaseModel):
-    """One trace as stored (or as found, when the same content was resent)."""
+class IngestResults(TypedDict):
+    """A batch or NDJSON body's answer: one per item, in the order sent."""
 
-    trace_id: str = Field(description="The trace's id: the one sent, or one the hub assigned")
-    stage: Stage = Field(description="Where the trace is in the pipeline")
-    status: Status = Field(description="The task's outcome as the agent reported it")
-    total_tokens: int = Field(description="Tokens of the canonical trace (cl100k_base)")
-    reward: float | None = Field(
-        description="The sum of the reward rules' points and the weighted env_reward"
-    )
-    env_reward: float | None = Field(
-        description="The environment's own reward as the agent sent it; null when none"
-    )
-    reward_breakdown: dict[str, RuleResult] | None = Field(
-        description="Each reward rule's result, by name"
-    )
-    reject_reasons: list[RejectReason] = Field(
-        description="Why it was rejected: one entry per filter it failed; empty when accepted"
-    )
-    duplicate: bool = Field(
-        description="True when this trace_id was already stored with the same content"
-    )
-
-
-class IngestResults(BaseModel):
-    """A batch or NDJSON body: one answer per item, in the order sent."""
-
-    results: list[IngestResult | Error] = Field(
-        description="Each item's result, or its error; one bad item does not fail the others"
-    )
+    results: Annotated[list[IngestResult | Error], Field(
+        description="Each item's result, or its error; one bad item does not fail the others")]
 
 
 class ReviewBody(BaseModel):
@@ -427,22 +407,6 @@ class WaitForTrainer(BaseModel):
 class EnvDisconnected(BaseModel):
     status: Literal["success", "failure"]
     error: str | None = Field(None, description="Present on failure: no env with that env_id")
-
-
-class GroupReceived(BaseModel):
-    status: Literal["received", "buffered"] = Field(
-        description="buffered: held until its env has a full group size (see buffer_size)"
-    )
-    buffer_size: int | None = Field(
-        None, description="Present when buffered: sequences its env's buffer holds"
-    )
-
-
-class GroupsReceived(BaseModel):
-    status: Literal["received"]
-    groups_processed: int
-    buffered: int | None = Field(None, description="Present when some were buffered: how many")
-    last_buffer_size: int | None = Field(None, description="Present when some were buffered")
 
 
 class TrainerBatch(BaseModel):

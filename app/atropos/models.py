@@ -1,5 +1,7 @@
 """Request bodies of the Atropos API: the fields, types and defaults of atroposlib
-0.4.0's `api/server.py`, so that what its clients send validates the same way.
+0.4.0's `api/server.py`, so that what its clients send validates the same way; and
+the receipts of POST /scored_data(_list), built as these TypedDicts, which are also
+their schemas in the OpenAPI document (keys absent, not null, as atroposlib answers).
 
 Constraints that are ours, each refusing with 422 what atroposlib would crash or
 loop on, or what a database column cannot hold: batch_size and group_size are at
@@ -15,9 +17,10 @@ error (3 GB for a million `{}`)."""
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, NotRequired
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from typing_extensions import TypedDict  # pydantic needs this one on 3.11
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 MAX_ERRORS = 20
@@ -109,6 +112,26 @@ class ScoredData(BaseModel):
 # The fields of a group that take any JSON: the only ones that hold strings (so secrets)
 # or numbers that are not checked as they are parsed. The others are numbers.
 ANY_JSON_FIELDS = ("messages", "generation_params", "overrides", "group_overrides", "images")
+
+
+class GroupReceived(TypedDict):
+    """The receipt of POST /scored_data: the group is stored."""
+
+    status: Annotated[Literal["received", "buffered"], Field(
+        description="buffered: held until its env has a full group size (see buffer_size)")]
+    buffer_size: NotRequired[Annotated[int, Field(
+        description="Present when buffered: sequences its env's buffer holds")]]
+
+
+class GroupsReceived(TypedDict):
+    """The receipt of POST /scored_data_list: every group is stored."""
+
+    status: Literal["received"]
+    groups_processed: int
+    buffered: NotRequired[Annotated[int, Field(
+        description="Present when some were buffered: how many")]]
+    last_buffer_size: NotRequired[Annotated[int, Field(
+        description="Present when some were buffered")]]
 
 
 class InvalidGroups(ValueError):

@@ -9,7 +9,7 @@ import orjson
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.atropos import hub_env, lease, queue, registration, status, trainer_batches
-from app.atropos.models import RegisterEnv, Registration
+from app.atropos.models import GroupReceived, GroupsReceived, RegisterEnv, Registration
 from app.atropos.presence import Presence
 from app.atropos.queue import GroupWriter, Placed, prepare
 from app.atropos.segments import Segment, literal
@@ -117,17 +117,17 @@ class Atropos:
 
     # --- data in -------------------------------------------------------------------
 
-    async def scored_data(self, body: bytes) -> dict[str, Any]:
+    async def scored_data(self, body: bytes) -> GroupReceived:
         """POST /scored_data: one group, as JSON."""
         (placed,) = await self._submit(body, many=False)
         if placed.buffered:
             return {"status": "buffered", "buffer_size": placed.buffer_size}
         return {"status": "received"}
 
-    async def scored_data_list(self, body: bytes) -> dict[str, Any]:
+    async def scored_data_list(self, body: bytes) -> GroupsReceived:
         """POST /scored_data_list: a JSON list of groups."""
         placed = await self._submit(body, many=True)
-        reply: dict[str, Any] = {"status": "received", "groups_processed": len(placed)}
+        reply: GroupsReceived = {"status": "received", "groups_processed": len(placed)}
         buffered = [p for p in placed if p.buffered]
         if buffered:
             reply["buffered"] = len(buffered)

@@ -282,8 +282,9 @@ async def export_dpo(
     for chosen, rejected in pairs:
         try:
             record = dataset.dpo_record(traces[chosen.trace_id], traces[rejected.trace_id])
-        except Unexportable:
-            tally.left_out["pairs with a run that has no assistant turn"] += 1
+        except Unexportable as exc:
+            reason = exc.message.split(":")[0]
+            tally.left_out[f"pairs with a run the format cannot hold ({reason})"] += 1
             continue
         records.append((dataset.split_of(chosen.task, eval_fraction), record, chosen, rejected))
     if output == "-" or output.endswith(".jsonl"):

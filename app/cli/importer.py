@@ -9,7 +9,7 @@ import asyncio
 import re
 import sys
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -44,7 +44,8 @@ class Summary:
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (location, reason)
 
     def count(self, location: str, result: Stored | HubError | dict[str, Any]) -> None:
-        answer = result.to_json() if isinstance(result, (Stored, HubError)) else result
+        answer: Mapping[str, Any] = (
+            result.to_json() if isinstance(result, (Stored, HubError)) else result)
         if "error" in answer:
             self.refused.append((location, answer["error"]["message"]))
         elif answer.get("duplicate"):

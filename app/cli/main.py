@@ -74,8 +74,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 def _imported(module: str) -> Any:
     # Importing the hub allocates hundreds of thousands of objects and frees none: the
-    # collector's passes meanwhile are ~15% of the time to start (a restarted hub must
-    # answer within a second).
+    # collector's passes meanwhile are time lost from start-up (a restarted hub must
+    # answer within a second; docs/atropos.md, "Start-up").
     gc.disable()
     try:
         return importlib.import_module(f"app.cli.{module}")

@@ -31,8 +31,8 @@ from app.evaluation.params import BuiltIn, Param, config_error, read_params, sho
 
 __all__ = ["ENV_REWARD", "MATCH_WINDOW", "RewardRules", "Rule", "RuleResult", "Score", "score"]
 
-# Enum member lookup costs ~130 ns on Python 3.11 and the rules test a type per step,
-# so the hot loops read these module-level aliases instead.
+# Enum member lookup is a class attribute lookup each time, and the rules test a type
+# per step, so the hot loops read these module-level aliases instead.
 _ACTION, _OBSERVATION, _THOUGHT, _FINAL = (
     StepType.ACTION,
     StepType.OBSERVATION,

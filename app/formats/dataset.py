@@ -13,6 +13,8 @@ Rows of the `messages` export (`openai.export_messages`) keep the tool calls as 
 list of structs and store what varies between rows, each call's `arguments` and each
 tool schema, as Arrow's JSON type: `datasets` (4.8 and later) loads those as objects
 (its `Json` feature), byte for byte, so a row goes to `apply_chat_template` as it is.
+DPO pairs are conversations of that shape too (`prompt`, `chosen`, `rejected`): TRL
+renders each with the model's chat template.
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ def messages_schema() -> Any:
     schemas as JSON."""
     import pyarrow as pa
 
+    return pa.schema([("messages", _template_conversation()), ("tools", _template_tools()),
+                      *_score_columns()])
+
+
+def _template_conversation() -> Any:
+    """Messages as chat templates take them: tool calls as structs, each call's
+    arguments as JSON."""
+    import pyarrow as pa
+
     call = pa.struct([
         ("id", pa.string()),
         ("type", pa.string()),
@@ -54,8 +65,14 @@ def messages_schema() -> Any:
         ("tool_calls", pa.list_(call)),
         ("tool_call_id", pa.string()),
     ])
-    return pa.schema([("messages", pa.list_(message)), ("tools", pa.list_(pa.json_())),
-                      *_score_columns()])
+    return pa.list_(message)
+
+
+def _template_tools() -> Any:
+    """Tool schemas, each as JSON: their parameters differ from tool to tool."""
+    import pyarrow as pa
+
+    return pa.list_(pa.json_())
 
 
 def storage_schema(schema: Any) -> Any:
@@ -89,14 +106,15 @@ def _score_columns() -> list[tuple[str, Any]]:
 
 
 def dpo_schema() -> Any:
+    """The `dpo` export's columns: three conversations as the `messages` export's."""
     import pyarrow as pa
 
     return pa.schema(
         [
-            ("prompt", _conversation()),
-            ("chosen", _conversation()),
-            ("rejected", _conversation()),
-            ("tools", pa.string()),
+            ("prompt", _template_conversation()),
+            ("chosen", _template_conversation()),
+            ("rejected", _template_conversation()),
+            ("tools", _template_tools()),
             ("chosen_reward", pa.float64()),
             ("rejected_reward", pa.float64()),
             ("chosen_trace_id", pa.string()),
@@ -153,10 +171,19 @@ def messages_row(record: dict[str, Any], scores: Scores) -> dict[str, Any]:
     """One row of the `messages` dataset (a record of `openai.export_messages`), on
     `storage_schema(messages_schema())`: the JSON columns as their text."""
     return {
-        "messages": [_message(m, _stored_calls) for m in record["messages"]],
-        "tools": [_json_text(tool) for tool in record.get("tools", [])],
+        "messages": _template_messages(record["messages"]),
+        "tools": _template_tool_texts(record),
         **_scores(scores),
     }
+
+
+def _template_messages(messages: Messages) -> list[dict[str, Any]]:
+    """Messages on `storage_schema(_template_conversation())`: arguments as JSON text."""
+    return [_message(m, _stored_calls) for m in messages]
+
+
+def _template_tool_texts(record: dict[str, Any]) -> list[str]:
+    return [_json_text(tool) for tool in record.get("tools", [])]
 
 
 def _scores(scores: Scores) -> dict[str, Any]:
@@ -320,8 +347,9 @@ def preference_pairs(runs: Iterable[Attempt], margin: float, max_per_run: int, *
 def dpo_record(chosen: Trace, rejected: Trace) -> dict[str, Any]:
     """TRL's conversational preference form: the prompt (the chosen run's system and
     user messages up to its first assistant turn), and each run's messages from its
-    first assistant turn on. Raises Unexportable for a run with no assistant turn."""
-    good, bad = openai.export(chosen), openai.export(rejected)
+    first assistant turn on, in the shape chat templates take (`openai.export_messages`).
+    Raises Unexportable for a run that has no such record."""
+    good, bad = openai.export_messages(chosen), openai.export_messages(rejected)
     prompt, chosen_turns = _split_prompt(good["messages"])
     _, rejected_turns = _split_prompt(bad["messages"])
     record: dict[str, Any] = {"prompt": prompt, "chosen": chosen_turns, "rejected": rejected_turns}
@@ -341,12 +369,12 @@ def pair_scores(chosen: Attempt, rejected: Attempt) -> dict[str, Any]:
 
 
 def dpo_row(record: dict[str, Any], chosen: Attempt, rejected: Attempt) -> dict[str, Any]:
-    """One parquet row of a pair (tool calls and schemas as JSON text)."""
+    """One parquet row of a pair, on `storage_schema(dpo_schema())`."""
     return {
-        "prompt": [_message(m) for m in record["prompt"]],
-        "chosen": [_message(m) for m in record["chosen"]],
-        "rejected": [_message(m) for m in record["rejected"]],
-        "tools": _json_text(record.get("tools", [])),
+        "prompt": _template_messages(record["prompt"]),
+        "chosen": _template_messages(record["chosen"]),
+        "rejected": _template_messages(record["rejected"]),
+        "tools": _template_tool_texts(record),
         **pair_scores(chosen, rejected),
     }
 

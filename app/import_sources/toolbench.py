@@ -8,23 +8,26 @@ there is no valid chain (`valid_data: false`, no train_messages) the trace is th
 deepest branch of the search `tree`, which is what the agent last tried.
 
 Success is `win`. A `function` result whose JSON `error` is non-empty is a tool
-error; a `Finish` call with `return_type: give_answer` carries the final answer.
+error. The model ends every chain with a call to `Finish` (its system prompt says to):
+`return_type: give_answer` with its `final_answer`, or `give_up_and_restart`. That
+call is kept as the model wrote it, as its last step: the environment answers nothing
+to it (the search stops), so it has no result, and its answer is not repeated as an
+assistant text the model never wrote.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
 
-from app.domain import Outcome, Status, Step, StepType, Trace
+from app.domain import Outcome, Status, Step, Trace
 from app.import_sources._common import (
     CallIds,
     action,
     chat_steps,
-    final,
     observation,
     parse_arguments,
     take_task,
@@ -54,7 +57,7 @@ def parse(obj: dict[str, Any]) -> Iterator[Trace]:
     yield Trace(
         task=generation.get("query") or first_user.strip(),
         tools=[f["name"] for f in generation.get("function") or []] or None,
-        steps=list(_with_final(steps)),
+        steps=steps,
         outcome=Outcome(
             status=Status.SUCCESS if win else Status.FAILURE, reason=_reason(win, generation)
         ),
@@ -86,15 +89,6 @@ def _tool_error(content: str) -> str | None:
         return (match.group(1) or None) if match else None
     error = decoded.get("error") if isinstance(decoded, dict) else None
     return str(error) if error else None
-
-
-def _with_final(steps: Iterable[Step]) -> Iterator[Step]:
-    for step in steps:
-        yield step
-        if step.type is StepType.ACTION and step.tool == "Finish":
-            args = step.arguments if isinstance(step.arguments, dict) else {}
-            if args.get("return_type") == "give_answer":
-                yield final(str(args.get("final_answer", "")))
 
 
 def _tree_steps(tree: dict[str, Any]) -> Iterator[Step]:

@@ -13,18 +13,23 @@ import asyncio
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 import sqlalchemy as sa
+from pydantic import Field
 from sqlalchemy.ext.asyncio import AsyncEngine
+from typing_extensions import TypedDict  # pydantic needs this one on 3.11
 
 from app.db import search
 from app.db.dialect import BulkInsert, OneHop
 from app.db.errors import outage_of
 from app.db.group_commit import GroupCommit
 from app.db.models import TRACES
+from app.domain import Stage, Status
 from app.errors import Conflict, HubError
+from app.evaluation.filters import RejectReason
+from app.evaluation.scoring import RuleResult
 from app.outage import Outage
 
 # What a resent trace is answered with: the stored result.
@@ -41,26 +46,47 @@ RESULT_COLUMNS = (
 )
 
 
+class IngestResult(TypedDict):
+    """One trace as stored (or as found, when the same content was resent): the answer
+    of POST /v1/traces, and its schema in the OpenAPI document."""
+
+    trace_id: Annotated[str, Field(
+        description="The trace's id: the one sent, or one the hub assigned")]
+    stage: Annotated[Stage, Field(description="Where the trace is in the pipeline")]
+    status: Annotated[Status, Field(description="The task's outcome as the agent reported it")]
+    total_tokens: Annotated[int, Field(description="Tokens of the canonical trace (cl100k_base)")]
+    reward: Annotated[float | None, Field(
+        description="The sum of the reward rules' points and the weighted env_reward")]
+    env_reward: Annotated[float | None, Field(
+        description="The environment's own reward as the agent sent it; null when none")]
+    reward_breakdown: Annotated[dict[str, RuleResult] | None, Field(
+        description="Each reward rule's result, by name")]
+    reject_reasons: Annotated[list[RejectReason], Field(
+        description="Why it was rejected: one entry per filter it failed; empty when accepted")]
+    duplicate: Annotated[bool, Field(
+        description="True when this trace_id was already stored with the same content")]
+
+
 @dataclass(frozen=True, slots=True)
 class Stored:
     """The answer for one trace: the row as committed (or as found, if resent)."""
 
     trace_id: str
-    stage: str
-    status: str
+    stage: Stage
+    status: Status
     total_tokens: int
     reward: float | None
     env_reward: float | None
-    reward_breakdown: dict[str, Any] | None
-    reject_reasons: list[dict[str, Any]] | None
+    reward_breakdown: dict[str, RuleResult] | None
+    reject_reasons: list[RejectReason] | None
     duplicate: bool = False
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Rows travel back from the ingest processes pickled; a slots dataclass's own
-        # pickling walks dataclasses.fields() on every load (~5 us each).
+        # pickling walks dataclasses.fields() on every load.
         return (Stored, tuple(getattr(self, name) for name in self.__slots__))
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> IngestResult:
         return {
             "trace_id": self.trace_id,
             "stage": self.stage,
@@ -268,8 +294,8 @@ def _duplicate(stored: Stored) -> Stored:
 def _stored(row: Mapping[Any, Any], *, duplicate: bool) -> Stored:
     return Stored(
         trace_id=row["trace_id"],
-        stage=row["stage"],
-        status=row["status"],
+        stage=Stage(row["stage"]),
+        status=Status(row["status"]),
         total_tokens=row["total_tokens"],
         reward=row["reward"],
         env_reward=row["env_reward"],

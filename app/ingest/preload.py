@@ -1,6 +1,6 @@
 """Imported by the ingest processes' fork server alone (app/ingest/processes.py): the
 tokenizer, loaded once there, is shared by every process forked from it instead of
-each loading its own (~0.3 s and ~60 MB apiece).
+each loading its own (its load time and its memory, apiece).
 
 Imported first, so that the fork server ignores SIGINT and SIGTERM from the start of
 its imports (they are blocked until then), as its processes do: systemd, Docker and a

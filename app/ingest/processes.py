@@ -127,8 +127,8 @@ class IngestProcesses:
         return [proc.process.pid for proc in self._processes]
 
     def start(self) -> None:
-        """Starts the processes in the background (~1 s: the fork server imports the hub
-        and loads the tokenizer first), so that the first trace does not wait."""
+        """Starts the processes in the background (the fork server imports the hub and
+        loads the tokenizer first), so that the first trace does not wait."""
         self._filling()
 
     def _filling(self) -> asyncio.Task[None]:
@@ -524,10 +524,11 @@ def _serve(sock: socket.socket, preparer: Preparer, progress: Any) -> None:
 # bench/wrk_ingest.py: docs/decisions.md, docs/ingest.md). Batches and large traces
 # pass it and use every process.
 _SPILL_BYTES = 256 * 1024
-# A process on one item for longer than this (a 50 KB trace takes ~3 ms) is passed over.
+# A process on one item for longer than this (far longer than a large trace takes) is
+# passed over.
 _LONG_ITEM_SECONDS = 0.05
 # How long answers may wait for the others that arrived with them: a few small traces
-# go back in one write, while a batch's chunks, each ~10 ms of work, go back as they
+# go back in one write, while a batch's chunks, each far more work, go back as they
 # are done (the group commit takes the first while the others are prepared).
 _HOLD_SECONDS = 0.002
 # How much a process reads at once: a large batch arrives in few reads.

@@ -1,7 +1,7 @@
 """A chat tokenizer built on this machine (nothing downloaded): byte-level BPE trained
 on a few sentences, so that any text encodes and decodes back as it was, with a
-ChatML chat template, saved as a Hugging Face tokenizer directory (what
-tinker.tokenizer names)."""
+ChatML chat template (or another one with ChatML's special tokens, such as Qwen's),
+saved as a Hugging Face tokenizer directory (what tinker.tokenizer names)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ _CORPUS = [
 ]
 
 
-def chat_tokenizer(directory: Path) -> Path:
+def chat_tokenizer(directory: Path, template: str = CHATML) -> Path:
     """Build the tokenizer and save it in `directory`; returns `directory`."""
     bpe = Tokenizer(models.BPE(unk_token=None))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -32,6 +32,6 @@ def chat_tokenizer(directory: Path) -> Path:
     bpe.train_from_iterator(_CORPUS, trainer)
     fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHATML
+    fast.chat_template = template
     fast.save_pretrained(directory)
     return directory

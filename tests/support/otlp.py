@@ -215,3 +215,37 @@ def otlp_stats(client: httpx.Client) -> dict[str, int]:
     counts: dict[str, int] = {k: v for k, v in client.get("/v1/stats").json()["otlp"].items()
                               if k != "refusals"}
     return counts
+
+
+def megabyte(kind: str, hostile: bool) -> dict[str, Any]:
+    """About 1 MB of spans where assembly does the most work per byte, and, as the
+    yardstick, the same trajectory sent as instrumentations usually send it.
+
+    calls: thousands of model calls, each saying something new (each is merged into
+    the conversation so far), or one call saying it all, beside as many spans without
+    messages. runs: thousands of tool runs without their call id (each looks for its
+    call), or their results in the conversation, beside as many plain spans."""
+    t = trace_id()
+    if kind == "calls":
+        said = [{"role": "user", "parts": [{"type": "text", "content": f"and now {i}?"}]}
+                for i in range(3300)]
+        # The model answers once, at the end: a trajectory needs an assistant turn.
+        if hostile:
+            return document([span(t, "chat", 100 + i, {"gen_ai.input.messages": [m]})
+                             for i, m in enumerate(said)] + [chat(t, 5000, [], [SAYS])])
+        return document([span(t, "chat", 100, {"gen_ai.input.messages": said,
+                                               "gen_ai.output.messages": [SAYS]})] + [
+            span(t, "chat", 101 + i, {"gen_ai.operation.name": "chat"}) for i in range(3299)])
+    calls = [{"type": "tool_call", "name": "s", "id": f"c{i}", "arguments": {"q": i}}
+             for i in range(2200)]
+    asked = chat(t, 10, [USER], [{"role": "assistant", "parts": calls}])
+    if hostile:
+        return document([asked] + [span(t, "t", 100 + i, {
+            "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "s",
+            "gen_ai.tool.call.arguments": {"q": i}}) for i in range(2200)])
+    results = [{"role": "tool", "parts": [{"type": "tool_call_response", "id": f"c{i}",
+                                           "response": None}]} for i in range(2200)]
+    answered = chat(t, 20, [USER, {"role": "assistant", "parts": calls}, *results], [SAYS])
+    return document([asked, answered] + [
+        span(t, "t", 100 + i, {"db.system": "s", "db.query.text": f"q={i}"})
+        for i in range(2200)])
