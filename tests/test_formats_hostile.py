@@ -1,11 +1,10 @@
 """Hostile and random input to every parser: it fails only with the hub's errors, and
-in linear time."""
+what it stores holds what was sent."""
 
 from __future__ import annotations
 
 import copy
 import json
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from tests.support.format_examples import (
     EXAMPLES,
     NATIVE,
 )
+from tests.support.hostile import FORMATS, MB, adversarial, five_kb_native
 
 # --- robustness -----------------------------------------------------------------------
 
@@ -348,26 +348,15 @@ def test_valid_traces_with_one_odd_value(body: dict[str, Any]) -> None:
     _prepare_fails_only_with_hub_errors(body, None, LimitsConfig())
 
 
-def test_native_parse_is_fast() -> None:
-    """Not a benchmark: a gross regression guard (the target is well under 200 µs)."""
-    import time
-
-    item = _five_kb_native()
-    formats.parse(item)
-    start = time.perf_counter()
-    for _ in range(200):
-        formats.parse(item)
-    assert (time.perf_counter() - start) / 200 < 0.002
-
-
-def _five_kb_native() -> dict[str, Any]:
-    item = copy.deepcopy(NATIVE)
-    item["steps"] = copy.deepcopy(item["steps"] * 2)
-    for step in item["steps"]:
-        if step["type"] == "observation":
-            step["content"] += "\ncollected 1 item, log line" * 4
-    assert 4500 < len(json.dumps(item)) < 6000
-    return item
+def test_a_native_trace_parses_to_its_steps_as_sent() -> None:
+    """Each step in its place with its text whole, and the body left as it was. (How
+    fast: bench/formats_hostile.py.)"""
+    item = five_kb_native()
+    sent = copy.deepcopy(item)
+    trace = formats.parse(item)
+    assert item == sent
+    assert [(s.type.value, s.content, s.call_id) for s in trace.steps] == [
+        (s["type"], s.get("content"), s.get("call_id")) for s in sent["steps"]]
 
 
 def test_arguments_that_are_not_an_object_are_kept_for_scoring() -> None:
@@ -380,75 +369,49 @@ def test_arguments_that_are_not_an_object_are_kept_for_scoring() -> None:
     assert [s.arguments for s in trace.steps if s.type == "action"] == [4]
 
 
-# --- linear time on hostile text ----------------------------------------------
-
-_MB = 1_000_000
-_PROSE = ("the agent reads the file, counts its lines and reports the number it found. ",
-          "a tool call failed twice; the model retried with a smaller input and it passed. ")
+# --- hostile text ------------------------------------------------------------
 
 
-def _fill(pattern: str, size: int = _MB) -> str:
-    return (pattern * (size // len(pattern) + 1))[:size]
-
-
-def _adversarial(fmt: str, text: Any) -> dict[str, Any]:
-    """A trace of `fmt` carrying about 1 MB of `text(pattern, size)` where its parser
-    scans text; `text` is given the hostile pattern of that place. (Not long runs of
-    blanks: tiktoken counts those at ~2 s per MB, a cost of the tokenizer, which
-    limits.max_item_seconds bounds.)"""
-    if fmt == "sharegpt":  # the issue's attack: many tags that never close
-        return {"conversations": [
-            {"from": "human", "value": "go"},
-            {"from": "gpt", "value": text("<tool_call> ", _MB // 2)},
-            {"from": "tool", "value": text("<tool_response> ", _MB // 2)}]}
+def _texts(fmt: str, body: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """The canonical steps (type, content) the hostile body of `fmt` makes: every text
+    in its place, no tag left open made into a call or a result of its own."""
+    if fmt == "sharegpt":
+        _, gpt, tool = (turn["value"] for turn in body["conversations"])
+        return [("final", gpt), ("observation", tool)]
     if fmt == "openai":
-        return {"messages": [
-            {"role": "user", "content": "go"},
-            {"role": "assistant", "content": text("</think><think> ", _MB // 2)},
-            {"role": "tool", "tool_call_id": "c", "content": text("<think> error:", _MB // 2)}]}
+        # Its think blocks are blank, which say nothing (Hermes pads turns with them):
+        # the answer is the text outside them, the stray close tag it starts with.
+        tool = body["messages"][2]["content"]
+        return [("final", "</think>"), ("observation", tool)]
     if fmt == "atif":
-        return {"schema_version": "ATIF-v1.4", "session_id": uuid.uuid4().hex,
-                "agent": {"name": "a", "version": "1"},
-                "steps": [{"step_id": 1, "source": "user", "message": "go"},
-                          {"step_id": 2, "source": "agent", "message": text("<think>", _MB // 2),
-                           "observation": {"results": [{"content": text("error:<", _MB // 2)}]}}]}
-    # native: near-duplicate thoughts and repeated calls, for the filters and rules.
-    thought = text("think again about the same thing ", 250)
-    steps = [step for i in range(2200) for step in (
-        {"type": "thought", "content": thought[: 200 + i % 50]},
-        {"type": "action", "tool": "t", "arguments": {"same": thought[:50]}, "call_id": f"c{i}"},
-        {"type": "observation", "call_id": f"c{i}", "content": "error: again", "error": True})]
-    return {"task": "go", "steps": steps}
+        agent = body["steps"][1]
+        return [("final", agent["message"]),
+                ("observation", agent["observation"]["results"][0]["content"])]
+    return [(step["type"], step.get("content")) for step in body["steps"]]
 
 
-@pytest.mark.parametrize("fmt", ["sharegpt", "openai", "atif", "native"])
-def test_a_hostile_megabyte_is_answered_in_linear_time(
-    fmt: str, start_hub: Any, tmp_path: Path
-) -> None:
-    """Through the real ingest path: a 144 KB ShareGPT turn of "<tool_call> " took 49 s;
-    at 1 MB, 40 min. Here each format's hostile megabyte must be answered in under 1 s,
-    or, on a machine too loaded for that, in under 4 times what a megabyte of prose
-    in the same shape takes (quadratic work would take minutes either way)."""
-    import time
-
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_hostile_megabyte_is_stored_whole(fmt: str, start_hub: Any, tmp_path: Path) -> None:
+    """Through the real ingest path, each format's megabyte of its parser's worst text
+    (tags that never close, near-duplicate thoughts) is stored: the original as sent,
+    and the trajectory with every text in its place. A parser whose work grows with the
+    square of its input (a 144 KB ShareGPT turn of "<tool_call> " once took 49 s) runs
+    past limits.max_item_seconds, which refuses the item. How long a hostile megabyte
+    takes beside one of prose: bench/formats_hostile.py."""
     hub = start_hub({"storage_backend": "sqlite", "db_path": str(tmp_path / "t.db")},
-                    "--no-workers", limits={"max_step_chars": 2 * _MB})
-    texts = {
-        "warm-up": lambda _, n: _fill(_PROSE[0], n),  # the tokenizer and caches
-        "prose": lambda _, n: _fill(_PROSE[1], n),
-        "hostile": _fill,
-    }
-    took = {}
+                    "--no-workers", limits={"max_step_chars": 2 * MB})
+    body = adversarial(fmt)
+    sent = orjson.dumps(body)
+    assert len(sent) > 0.9 * MB
     with hub.client() as client:
-        for kind, text in texts.items():
-            body = orjson.dumps(_adversarial(fmt, text))
-            started = time.monotonic()
-            r = client.post("/v1/traces", content=body,
-                            headers={"content-type": "application/json"})
-            took[kind] = time.monotonic() - started
-            assert r.status_code == 202, (kind, r.text[:300])
-            assert len(body) > 0.9 * _MB
-    assert took["hostile"] < max(1.0, 4 * took["prose"]), took
+        r = client.post("/v1/traces", content=sent, headers={"content-type": "application/json"})
+        assert r.status_code == 202, r.text[:300]
+        trace_id = r.json()["trace_id"]
+        original = client.get(f"/v1/traces/{trace_id}", params={"view": "original"})
+        canonical = client.get(f"/v1/traces/{trace_id}")
+    assert original.json()["trace"] == body
+    steps = canonical.json()["trace"]["steps"]
+    assert [(step["type"], step.get("content")) for step in steps] == _texts(fmt, body)
 
 
 def _nul_replaced(value: Any) -> Any:

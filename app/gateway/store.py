@@ -14,10 +14,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.dialect import Dialect, dialect_of, insert, insert_ignoring_conflicts
+from app.db.assembly import AssemblyTable, Due
+from app.db.dialect import Dialect, dialect_of, insert_ignoring_conflicts
 from app.db.models import GATEWAY_CALLS, GATEWAY_ROLLOUTS
 from app.db.moves import StateMachine
-from app.domain import Stage
 
 
 class RolloutState(StrEnum):
@@ -39,8 +39,15 @@ TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
 ROLLOUT_STATES: StateMachine[RolloutState] = StateMachine(
     "gateway rollout", GATEWAY_ROLLOUTS.c.state, TRANSITIONS, entries={RolloutState.OPEN}
 )
-# A trajectory in these stages went to training: it is not replaced any more.
-FINAL_STAGES = (Stage.BATCHED.value, Stage.DELIVERED.value)
+# The rollouts' assembly (app/db/assembly.py): a rollout is assembled from its changes,
+# its calls and finishes. One whose trajectory was batched stays assembled, and a
+# finish is done with once a trajectory holds it.
+ROLLOUT_ASSEMBLY: AssemblyTable[RolloutState] = AssemblyTable(
+    ROLLOUT_STATES, id="rollout_id", parts="changes", seen="seen_changes",
+    late="late_changes", first="first_call_at", last="last_change_at", open=RolloutState.OPEN,
+    assembled=RolloutState.ASSEMBLED, refused=RolloutState.REFUSED,
+    batched=RolloutState.ASSEMBLED, settled={"finished": False},
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +89,8 @@ def _touch(conn: sa.Connection, rows: list[dict[str, Any]], *,
     statements = _statements(dialect_of(conn))
     conn.execute(
         statements.open_rollouts if finish is None else statements.finish_rollouts,
-        [{"rollout_id": row["rollout_id"], "state": ROLLOUT_STATES.enter(RolloutState.OPEN),
-          "calls": row["calls"], "changes": row["changes"], "seen_changes": 0,
-          "late_changes": 0, "finished": finish is not None, "finish": finish,
-          "first_call_at": row["at"], "last_change_at": row["at"], "error": None}
+        [{**ROLLOUT_ASSEMBLY.opened(row["rollout_id"], row["changes"], row["at"]),
+          "calls": row["calls"], "finished": finish is not None, "finish": finish}
          for row in rows],
     )
 
@@ -101,24 +106,13 @@ class _Statements:
 def _statements(dialect: Dialect) -> _Statements:
     """Built once per dialect: every captured call runs them."""
     once = insert_ignoring_conflicts(dialect, GATEWAY_CALLS, "rollout_id", "call_id")
-    return _Statements(once.returning(GATEWAY_CALLS.c.rollout_id),
-                       _open(dialect, finish=False), _open(dialect, finish=True))
-
-
-def _open(dialect: Dialect, *, finish: bool) -> Any:
     r = GATEWAY_ROLLOUTS.c
-    upsert = insert(dialect, GATEWAY_ROLLOUTS)
-    excluded = upsert.excluded
-    set_: dict[str, Any] = {
-        "state": RolloutState.OPEN.value,
-        "calls": r.calls + excluded.calls,
-        "changes": r.changes + excluded.changes,
-        "last_change_at": excluded.last_change_at,
-        "error": None,
-    }
-    if finish:
-        set_.update(finished=True, finish=excluded.finish)
-    return upsert.on_conflict_do_update(index_elements=["rollout_id"], set_=set_)
+    return _Statements(
+        once.returning(GATEWAY_CALLS.c.rollout_id),
+        ROLLOUT_ASSEMBLY.reopen(dialect, lambda excluded: {"calls": r.calls + excluded.calls}),
+        ROLLOUT_ASSEMBLY.reopen(dialect, lambda excluded: {
+            "calls": r.calls + excluded.calls, "finished": True, "finish": excluded.finish}),
+    )
 
 
 async def finish(conn: AsyncConnection, rollout_id: str, body: dict[str, Any],
@@ -148,24 +142,12 @@ async def rollout_of(conn: AsyncConnection, digests: Sequence[str]) -> str | Non
     return next((found[d] for d in digests if d in found), None)
 
 
-@dataclass(frozen=True, slots=True)
-class Due:
-    rollout_id: str
-    changes: int
-
-
 async def due(conn: AsyncConnection, now: datetime, quiet: float, limit: int) -> list[Due]:
     """Open rollouts that were finished, or have had no call for `quiet` seconds;
     oldest first."""
     r = GATEWAY_ROLLOUTS.c
-    rows = await conn.execute(
-        sa.select(r.rollout_id, r.changes)
-        .where(r.state == RolloutState.OPEN.value,
-               sa.or_(r.finished, r.last_change_at <= now - timedelta(seconds=quiet)))
-        .order_by(r.first_call_at)
-        .limit(limit)
-    )
-    return [Due(row.rollout_id, row.changes) for row in rows]
+    return await ROLLOUT_ASSEMBLY.due(
+        conn, sa.or_(r.finished, r.last_change_at <= now - timedelta(seconds=quiet)), limit)
 
 
 @dataclass(slots=True)
@@ -192,49 +174,9 @@ async def rollouts(conn: AsyncConnection, rollout_ids: list[str]) -> dict[str, R
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class Settled:
-    """What the assembly made of a rollout's first `seen` changes."""
-
-    rollout_id: str
-    seen: int
-    state: RolloutState
-    late: bool = False  # the changes since the last assembly came after it was batched
-    error: str | None = None
-
-
-async def settle(conn: AsyncConnection, settled: list[Settled]) -> None:
-    """Record each rollout's outcome. One that changed meanwhile stays open (and due),
-    with what was done counted; late changes are counted."""
-    r = GATEWAY_ROLLOUTS.c
-    for s in settled:
-        done = {
-            "seen_changes": s.seen,
-            "error": s.error,
-            "finished": False,
-            "late_changes": r.late_changes + (s.seen - r.seen_changes if s.late else 0),
-        }
-        this = r.rollout_id == s.rollout_id
-        moved = await conn.execute(
-            ROLLOUT_STATES.move(s.state, expected=[RolloutState.OPEN])
-            .where(this, r.changes == s.seen).values(done)
-        )
-        if moved.rowcount == 0:
-            await conn.execute(sa.update(GATEWAY_ROLLOUTS).where(this).values(
-                {k: v for k, v in done.items() if k != "finished"}))
-
-
 async def counts(conn: AsyncConnection) -> dict[str, int]:
     """For /v1/stats: rollouts by assembly state, calls captured, changes that came late."""
-    r = GATEWAY_ROLLOUTS.c
-    rows = await conn.execute(
-        sa.select(r.state, sa.func.count(), sa.func.sum(r.calls), sa.func.sum(r.late_changes))
-        .group_by(r.state)
-    )
-    out = {f"{state.value}_rollouts": 0 for state in RolloutState}
-    out.update(calls=0, late_changes=0)
-    for state, n, calls, late in rows:
-        out[f"{state}_rollouts"] = n
-        out["calls"] += int(calls or 0)
-        out["late_changes"] += int(late or 0)
+    states, calls, late = await ROLLOUT_ASSEMBLY.tally(conn, GATEWAY_ROLLOUTS.c.calls)
+    out = {f"{state.value}_rollouts": states[state.value] for state in RolloutState}
+    out.update(calls=calls, late_changes=late)
     return out

@@ -38,6 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import OtlpConfig
 from app.db import search
+from app.db.assembly import FINAL_STAGES, Due
 from app.db.dialect import writing
 from app.db.errors import database_error, refuses_row
 from app.db.models import REVIEWS, TRACES
@@ -51,7 +52,7 @@ from app.formats.otlp import NAME, wire
 from app.ingest.ingestor import count_outcome, count_stored
 from app.ingest.inserter import PreparedTrace, insert_traces
 from app.ingest.otlp import store
-from app.ingest.otlp.store import FINAL_STAGES, Due, Settled, TraceState
+from app.ingest.otlp.store import TRACE_ASSEMBLY
 
 log = logging.getLogger("atropos.otlp")
 
@@ -144,7 +145,7 @@ class AssemblyStage:
             if current is None:
                 return await self._forget()
         made = await current.made
-        self._next = await self._look(exclude=[d.trace_id for d in current.due])
+        self._next = await self._look(exclude=[d.id for d in current.due])
         try:
             await self._write(current, made)
         except SQLAlchemyError as exc:
@@ -201,17 +202,15 @@ class AssemblyStage:
             )
             if not due:
                 return None
-            stored = await stored_trajectories(conn, [d.trace_id for d in due])
-            todo = [d.trace_id for d in due if d.trace_id not in stored
-                    or (stored[d.trace_id].source_format == NAME
-                        and stored[d.trace_id].stage not in FINAL_STAGES)]
+            stored = await stored_trajectories(conn, [d.id for d in due])
+            todo = to_make([d.id for d in due], stored, NAME)
             config = self._config
             spans = await store.spans_of(
                 conn, todo, max_spans=config.max_spans_per_trace,
                 max_bytes=config.max_bytes_per_trace, budget=config.max_bytes_per_trace)
             # Those the pass has no room for are left open, and due: the next pass
             # reads them.
-            due = [d for d in due if d.trace_id in spans or d.trace_id not in todo]
+            due = [d for d in due if d.id in spans or d.id not in todo]
             todo = [trace_id for trace_id in todo if trace_id in spans]
             joins, calls = await _bare_calls(conn, todo, stored, spans)
             runs = [t for t in todo if t not in joins]
@@ -249,31 +248,21 @@ class AssemblyStage:
 
     async def _write(self, current: _Pass, made: list[PreparedTrace | HubError]) -> None:
         due = current.due
-        settled: list[Settled] = []
-        runs = [d.trace_id for d in due if d.trace_id not in current.joins]
+        runs = [d.id for d in due if d.id not in current.joins]
         runs += [r for r in current.todo if r not in runs]
         async with writing(self._engine) as conn:
             written = await write_trajectories(conn, runs, current.todo, made,
                                                current.stored, NAME)
             of_run = dict(zip(runs, written.outcomes))
-            for d in due:
-                what, error = of_run[current.joins.get(d.trace_id, d.trace_id)]
-                if what == "again":
-                    continue  # left open, and due: the next round takes it
-                if error is not None:
-                    self._refused(d.trace_id, error)
-                state = {"late": TraceState.SENT, "refused": TraceState.REFUSED}.get(
-                    what, TraceState.ASSEMBLED)
-                settled.append(Settled(d.trace_id, d.spans, state, late=what == "late",
-                                       error=error))
-            await store.settle(conn, settled)
-            await store.note_calls(conn, {s.trace_id: current.calls[s.trace_id]
-                                          for s in settled if s.trace_id in current.calls})
-        outcomes = written.counted(NAME)
-        log.info("OTLP: %d traces assembled (%s)", len(due),
-                 ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())))
-        if (outcomes["new"] or outcomes["replaced"]) and self._on_advance is not None:
-            self._on_advance()
+            settled = TRACE_ASSEMBLY.settled(
+                due, {d.id: of_run[current.joins.get(d.id, d.id)] for d in due})
+            for s in settled:
+                if s.error is not None:
+                    self._refused(s.id, s.error)
+            await TRACE_ASSEMBLY.settle(conn, settled)
+            await store.note_calls(conn, {s.id: current.calls[s.id]
+                                          for s in settled if s.id in current.calls})
+        written.report(log, f"OTLP: {len(due)} traces", NAME, self._on_advance)
 
     def _refused(self, trace_id: str, reason: str) -> None:
         """Every refusal in the log; a WARNING the first time a service's traces are
@@ -320,6 +309,25 @@ class Written:
         for _ in range(outcomes["refused"]):
             count_outcome(fmt, "refused")
         return outcomes
+
+    def report(self, log: logging.Logger, assembled: str, fmt: str,
+               on_advance: Callable[[], None] | None) -> None:
+        """The outcomes counted (`counted`) and logged (`assembled`: how many of
+        what); `on_advance` called when a trajectory was made or made again, for the
+        stages after this one."""
+        outcomes = self.counted(fmt)
+        log.info("%s assembled (%s)", assembled,
+                 ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())))
+        if (outcomes["new"] or outcomes["replaced"]) and on_advance is not None:
+            on_advance()
+
+
+def to_make(due: list[str], stored: dict[str, Any], fmt: str) -> list[str]:
+    """Those of `due` whose trajectory is to be made (again): none stored yet, or one
+    of `fmt` not batched yet (one of another format is not replaced; `outcome` says
+    why)."""
+    return [i for i in due if i not in stored
+            or (stored[i].source_format == fmt and stored[i].stage not in FINAL_STAGES)]
 
 
 async def write_trajectories(

@@ -16,25 +16,20 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import GatewayConfig
 from app.db.dialect import writing
 from app.db.types import utcnow
-from app.errors import HubError
 from app.evaluation.redaction import Redacted
 from app.formats.gateway import NAME, document
 from app.gateway import store
-from app.gateway.store import FINAL_STAGES, RolloutState, Settled
-from app.ingest.inserter import PreparedTrace
-from app.stages.assembly import stored_trajectories, write_trajectories
+from app.gateway.store import ROLLOUT_ASSEMBLY
+from app.stages.assembly import Prepare, stored_trajectories, to_make, write_trajectories
 
 log = logging.getLogger("atropos.gateway")
-
-Prepare = Callable[[list[Any], str | None], Awaitable[list[PreparedTrace | HubError]]]
 
 
 class RolloutStage:
@@ -58,30 +53,19 @@ class RolloutStage:
             due = await store.due(conn, utcnow(), self._config.quiet_seconds, self._batch)
             if not due:
                 return 0
-            ids = [d.rollout_id for d in due]
+            ids = [d.id for d in due]
             stored = await stored_trajectories(conn, ids)
-            todo = [i for i in ids if i not in stored
-                    or (stored[i].source_format == NAME and stored[i].stage not in FINAL_STAGES)]
+            todo = to_make(ids, stored, NAME)
             found = await store.rollouts(conn, todo)
         made = await self._prepare([_item(found[i]) for i in todo], NAME)
-        settled: list[Settled] = []
         async with writing(self._engine) as conn:
             written = await write_trajectories(conn, ids, todo, made, stored, NAME)
-            for d, (what, error) in zip(due, written.outcomes):
-                if what == "again":
-                    continue  # it moved meanwhile, and stays due: the next round takes it
-                if error is not None:
-                    log.warning("gateway rollout %s makes no trajectory: %s", d.rollout_id,
-                                error)
-                state = RolloutState.REFUSED if what == "refused" else RolloutState.ASSEMBLED
-                settled.append(Settled(d.rollout_id, d.changes, state, late=what == "late",
-                                       error=error))
-            await store.settle(conn, settled)
-        outcomes = written.counted(NAME)
-        log.info("gateway: %d rollouts assembled (%s)", len(due),
-                 ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())))
-        if (outcomes["new"] or outcomes["replaced"]) and self._on_advance is not None:
-            self._on_advance()
+            settled = ROLLOUT_ASSEMBLY.settled(due, dict(zip(ids, written.outcomes)))
+            for s in settled:
+                if s.error is not None:
+                    log.warning("gateway rollout %s makes no trajectory: %s", s.id, s.error)
+            await ROLLOUT_ASSEMBLY.settle(conn, settled)
+        written.report(log, f"gateway: {len(due)} rollouts", NAME, self._on_advance)
         return len(due)
 
 

@@ -13,10 +13,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.dialect import dialect_of, insert, insert_ignoring_conflicts
+from app.db.assembly import FINAL_STAGES, AssemblyTable, Due
+from app.db.dialect import dialect_of, insert_ignoring_conflicts
 from app.db.models import OTLP_SPANS, OTLP_TRACES, TRACES
 from app.db.moves import StateMachine
-from app.domain import Stage
 from app.formats.otlp.wire import SpanRecord
 
 _SPAN_COLUMNS = ("trace_id", "span_id", "start_ns", "resource", "scope", "span", "redactions")
@@ -49,15 +49,12 @@ TRANSITIONS: dict[TraceState, frozenset[TraceState]] = {
 TRACE_STATES: StateMachine[TraceState] = StateMachine(
     "OTLP trace", OTLP_TRACES.c.state, TRANSITIONS, entries={TraceState.OPEN}
 )
-
-# A trajectory in these stages went to training: it is not replaced any more.
-FINAL_STAGES = (Stage.BATCHED.value, Stage.DELIVERED.value)
-
-
-@dataclass(frozen=True, slots=True)
-class Due:
-    trace_id: str
-    spans: int
+# The traces' assembly (app/db/assembly.py): a trace is assembled from its spans.
+TRACE_ASSEMBLY: AssemblyTable[TraceState] = AssemblyTable(
+    TRACE_STATES, id="trace_id", parts="spans", seen="seen_spans", late="late_spans",
+    first="first_span_at", last="last_span_at", open=TraceState.OPEN,
+    assembled=TraceState.ASSEMBLED, refused=TraceState.REFUSED, batched=TraceState.SENT,
+)
 
 
 def add_spans(conn: sa.Connection, records: Sequence[SpanRecord], now: datetime) -> int:
@@ -77,25 +74,12 @@ def add_spans(conn: sa.Connection, records: Sequence[SpanRecord], now: datetime)
     fresh = {(row.trace_id, row.span_id) for row in new}
     roots = {r.trace_id for r in records if r.root and (r.trace_id, r.span_id) in fresh}
     t = OTLP_TRACES.c
-    upsert = insert(dialect, OTLP_TRACES)
-    excluded = upsert.excluded
     conn.execute(
-        upsert.on_conflict_do_update(
-            index_elements=["trace_id"],
-            set_={
-                "state": TraceState.OPEN.value,
-                "spans": t.spans + excluded.spans,
-                "root_ended": sa.or_(t.root_ended, excluded.root_ended),
-                "last_span_at": excluded.last_span_at,
-                "error": None,
-            },
+        TRACE_ASSEMBLY.reopen(
+            dialect, lambda excluded: {"root_ended": sa.or_(t.root_ended, excluded.root_ended)}
         ),
-        [
-            {"trace_id": trace_id, "state": TRACE_STATES.enter(TraceState.OPEN), "spans": count,
-             "seen_spans": 0, "late_spans": 0, "root_ended": trace_id in roots,
-             "first_span_at": now, "last_span_at": now, "error": None}
-            for trace_id, count in per_trace.items()
-        ],
+        [{**TRACE_ASSEMBLY.opened(trace_id, count, now), "root_ended": trace_id in roots}
+         for trace_id, count in per_trace.items()],
     )
     return len(new)
 
@@ -108,20 +92,10 @@ async def due(
     seconds, or whose first span came `max_wait` seconds ago; oldest first; but those
     in `exclude` (in preparation already)."""
     t = OTLP_TRACES.c
-    rows = await conn.execute(
-        sa.select(t.trace_id, t.spans)
-        .where(
-            t.trace_id.not_in(exclude),
-            t.state == TraceState.OPEN.value,
-            sa.or_(
-                sa.and_(t.root_ended, t.last_span_at <= now - timedelta(seconds=quiet)),
-                t.first_span_at <= now - timedelta(seconds=max_wait),
-            ),
-        )
-        .order_by(t.first_span_at)
-        .limit(limit)
-    )
-    return [Due(row.trace_id, row.spans) for row in rows]
+    return await TRACE_ASSEMBLY.due(conn, sa.or_(
+        sa.and_(t.root_ended, t.last_span_at <= now - timedelta(seconds=quiet)),
+        t.first_span_at <= now - timedelta(seconds=max_wait),
+    ), limit, exclude)
 
 
 async def oldest_due(
@@ -243,44 +217,6 @@ async def note_calls(conn: AsyncConnection, calls: dict[str, tuple[str | None, s
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Settled:
-    """What the assembly made of a trace's first `seen` spans."""
-
-    trace_id: str
-    seen: int
-    state: TraceState
-    late: bool = False  # the spans since the last assembly came after it was batched
-    error: str | None = None
-
-
-async def settle(conn: AsyncConnection, settled: list[Settled]) -> None:
-    """Record each trace's outcome. One that received spans meanwhile stays open (and
-    due), with what was done counted; late spans are counted."""
-    if not settled:
-        return
-    t = OTLP_TRACES.c
-    seen = sa.bindparam("b_seen", type_=sa.Integer)
-    done = {
-        "seen_spans": seen,
-        "error": sa.bindparam("b_error", type_=sa.Text),
-        "late_spans": t.late_spans + sa.case(
-            (sa.bindparam("b_late", type_=sa.Boolean), seen - t.seen_spans), else_=0
-        ),
-    }
-    this_trace = t.trace_id == sa.bindparam("b_trace_id", type_=sa.String)
-    params = {s.trace_id: {"b_trace_id": s.trace_id, "b_seen": s.seen, "b_error": s.error,
-                           "b_late": s.late} for s in settled}
-    for state in {s.state for s in settled}:
-        move = TRACE_STATES.move(state, expected=[TraceState.OPEN])
-        await conn.execute(move.where(this_trace, t.spans == seen).values(done),
-                           [params[s.trace_id] for s in settled if s.state is state])
-    await conn.execute(
-        sa.update(OTLP_TRACES).where(this_trace, t.spans != seen).values(done),
-        list(params.values()),
-    )
-
-
 async def forget(conn: AsyncConnection, now: datetime, max_wait: float, limit: int) -> int:
     """Delete the spans no trajectory needs any more: those of traces whose trajectory
     was batched or deleted (-> sent), and those of refused traces `max_wait` seconds
@@ -324,19 +260,12 @@ async def counts(conn: AsyncConnection) -> dict[str, Any]:
     """For /v1/stats: traces by assembly state, spans received, spans that came late,
     and why traces were refused (each reason says what the sender should change)."""
     t = OTLP_TRACES.c
-    rows = await conn.execute(
-        sa.select(t.state, sa.func.count(), sa.func.sum(t.spans), sa.func.sum(t.late_spans))
-        .group_by(t.state)
-    )
     # sent counts as assembled, dropped as refused: their spans are gone, not their fate.
-    shown = {TraceState.SENT.value: TraceState.ASSEMBLED.value,
-             TraceState.DROPPED.value: TraceState.REFUSED.value}
-    out = {f"{state}_traces": 0 for state in ("open", "assembled", "refused")}
-    out.update(spans=0, late_spans=0)
-    for state, traces, spans, late in rows:
-        out[f"{shown.get(state, state)}_traces"] += traces
-        out["spans"] += int(spans or 0)
-        out["late_spans"] += int(late or 0)
+    states, spans, late = await TRACE_ASSEMBLY.tally(
+        conn, t.spans, {TraceState.SENT: TraceState.ASSEMBLED,
+                        TraceState.DROPPED: TraceState.REFUSED})
+    out = {f"{state}_traces": states[state] for state in ("open", "assembled", "refused")}
+    out.update(spans=spans, late_spans=late)
     refused = (TraceState.REFUSED.value, TraceState.DROPPED.value)
     reasons = await conn.execute(
         sa.select(t.error, sa.func.count().label("traces"))
