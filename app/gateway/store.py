@@ -151,7 +151,7 @@ async def due(conn: AsyncConnection, now: datetime, quiet: float, limit: int) ->
 
 
 @dataclass(slots=True)
-class Rollout:
+class CapturedRollout:
     """A rollout's captured calls, in the order they started, and its finish."""
 
     rollout_id: str
@@ -159,9 +159,9 @@ class Rollout:
     finish: dict[str, Any] | None
 
 
-async def rollouts(conn: AsyncConnection, rollout_ids: list[str]) -> dict[str, Rollout]:
+async def rollouts(conn: AsyncConnection, rollout_ids: list[str]) -> dict[str, CapturedRollout]:
     c, r = GATEWAY_CALLS.c, GATEWAY_ROLLOUTS.c
-    out = {rollout_id: Rollout(rollout_id, [], None) for rollout_id in rollout_ids}
+    out = {rollout_id: CapturedRollout(rollout_id, [], None) for rollout_id in rollout_ids}
     for row in await conn.execute(
         sa.select(r.rollout_id, r.finish).where(r.rollout_id.in_(rollout_ids))
     ):

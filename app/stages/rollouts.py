@@ -69,7 +69,7 @@ class RolloutStage:
         return len(due)
 
 
-def _item(rollout: store.Rollout) -> Redacted:
+def _item(rollout: store.CapturedRollout) -> Redacted:
     """The rollout's document; its secrets went as each call was captured."""
     redactions: Counter[str] = Counter()
     for call in rollout.calls:
