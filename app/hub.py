@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -29,9 +29,6 @@ from app.db.group_commit import GroupCommit
 from app.db.migrate import open_database
 from app.db.schedule import claim_if_due
 from app.evaluation.environment import Environment
-from app.gateway.service import Gateway
-from app.gateway.upstream import Upstreams
-from app.gateway.writer import CallWriter
 from app.ingest.ingestor import EntryStage, Ingestor, ingest_processes, running_ingest
 from app.ingest.inserter import TraceInserter
 from app.ingest.otlp.receiver import SpanReceiver
@@ -50,6 +47,9 @@ from app.stages.retention import RetentionStage
 from app.stages.rollouts import RolloutStage
 from app.stages.runner import StageRunner
 from app.targets import build_target
+
+if TYPE_CHECKING:
+    from app.gateway.service import Gateway
 
 log = logging.getLogger("atropos")
 
@@ -232,6 +232,11 @@ async def running_gateway(settings: Settings, engine: AsyncEngine, writer: OneHo
     if not config.gateway.enabled:
         yield None
         return
+    # Imported only when enabled: its HTTP client (aiohttp) weighs on every start.
+    from app.gateway.service import Gateway
+    from app.gateway.upstream import Upstreams
+    from app.gateway.writer import CallWriter
+
     upstreams = Upstreams(config.trace_server.max_connections,
                           settings.tinker.tinker.timeout_seconds)
     upstreams.start()

@@ -5,7 +5,7 @@ as the ingest path is, since every agent step passes through them."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -18,9 +18,11 @@ from app.api.openapi import errors
 from app.api.schemas import RolloutFinish, RolloutFinished
 from app.errors import Forbidden
 from app.gateway.calls import Kind
-from app.gateway.service import Gateway
 from app.hub import Hub
 from app.ingest.body import read_body
+
+if TYPE_CHECKING:
+    from app.gateway.service import Gateway
 
 _PER_ROLLOUT = "/v1/rollouts/{rollout_id}"
 _CALLS: tuple[tuple[str, Kind, str], ...] = (
