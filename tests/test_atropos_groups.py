@@ -56,6 +56,14 @@ def chat(task: str, answer: str) -> list[dict[str, Any]]:
             {"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}]
 
 
+def atropos_hub(start_hub: StartHub, trace_server: dict[str, Any], tinker_args: list[str],
+                **distributor: Any) -> InProcessHub:
+    """A hub whose passing trajectories (every one passes) go to the `atropos` target."""
+    return start_hub(trace_server, *tinker_args,
+                     distributor={"target": "atropos", **distributor},
+                     environment=EVERY_TRACE_PASSES)
+
+
 def assistant_text(tokenizer: Any, tokens: list[int], masks: list[int]) -> str:
     return str(tokenizer.decode([t for t, m in zip(tokens, masks) if m != -100]))
 
@@ -63,9 +71,7 @@ def assistant_text(tokenizer: Any, tokens: list[int], masks: list[int]) -> str:
 def test_posted_chats_become_groups_rendered_with_the_chat_template(
     start_hub: StartHub, trace_server: dict[str, Any], tokenizer_dir: Path, tinker_args: list[str]
 ) -> None:
-    hub = start_hub(trace_server, *tinker_args,
-                    distributor={"target": "atropos", "group_size": 4},
-                    environment=EVERY_TRACE_PASSES)
+    hub = atropos_hub(start_hub, trace_server, tinker_args, group_size=4)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     with hub.client() as client:
         start_trainer(client)
@@ -124,11 +130,9 @@ def test_posted_chats_become_groups_rendered_with_the_chat_template(
 def test_a_group_short_of_group_size_is_released_at_its_timeout(
     start_hub: StartHub, trace_server: dict[str, Any], tinker_args: list[str]
 ) -> None:
-    hub = start_hub(trace_server, *tinker_args,
-                    # Both delivered at once: neither times out alone.
-                    distributor={"target": "atropos", "group_size": 8, "batch_size": 2,
-                                 "group_timeout_seconds": 0.5},
-                    environment=EVERY_TRACE_PASSES)
+    hub = atropos_hub(start_hub, trace_server, tinker_args,
+                      # Both delivered at once: neither times out alone.
+                      group_size=8, batch_size=2, group_timeout_seconds=0.5)
     with hub.client() as client:
         start_trainer(client, batch_size=2)
         for i, env_reward in enumerate((0.0, 0.1)):
@@ -213,9 +217,8 @@ def test_gateway_rollouts_become_groups_with_their_exact_ids_and_logprobs(
 def test_too_long_and_stale_trajectories_are_left_out_and_counted(
     start_hub: StartHub, trace_server: dict[str, Any], tinker_args: list[str]
 ) -> None:
-    hub = start_hub(trace_server, *tinker_args,
-                    distributor={"target": "atropos", "group_size": 2, "max_policy_lag": 2},
-                    environment=EVERY_TRACE_PASSES)
+    hub = atropos_hub(start_hub, trace_server, tinker_args, group_size=2,
+                      max_policy_lag=2)
     with hub.client() as client:
         # The trainer is at step 10 and takes sequences of at most 80 tokens.
         start_trainer(client, batch_size=2, max_token_len=80, starting_step=10)
@@ -235,9 +238,7 @@ def test_too_long_and_stale_trajectories_are_left_out_and_counted(
 def test_groups_an_env_sends_become_trajectories_listed_by_env_and_group(
     start_hub: StartHub, trace_server: dict[str, Any], tokenizer_dir: Path, tinker_args: list[str]
 ) -> None:
-    hub = start_hub(trace_server, *tinker_args,
-                    distributor={"target": "atropos", "group_size": 2},
-                    environment=EVERY_TRACE_PASSES)
+    hub = atropos_hub(start_hub, trace_server, tinker_args, group_size=2)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     prompt = tokenizer.encode("What is two plus two?")
     answers = [tokenizer.encode(" Four."), tokenizer.encode(" Five.")]
@@ -296,9 +297,7 @@ def test_groups_an_env_sends_become_trajectories_listed_by_env_and_group(
 def test_export_writes_the_groups_the_hub_formed_as_it_served_them(
     start_hub: StartHub, trace_server: dict[str, Any], tmp_path: Path, tinker_args: list[str]
 ) -> None:
-    hub = start_hub(trace_server, *tinker_args,
-                    distributor={"target": "atropos", "group_size": 2},
-                    environment=EVERY_TRACE_PASSES)
+    hub = atropos_hub(start_hub, trace_server, tinker_args, group_size=2)
     with hub.client() as client:
         start_trainer(client, batch_size=2)
         for i in range(4):
@@ -347,10 +346,8 @@ def test_kill_9_between_forming_a_group_and_get_batch_loses_nothing_and_sends_on
 def test_the_hubs_env_and_a_real_env_share_one_trainers_batches(
     start_hub: StartHub, trace_server: dict[str, Any], tinker_args: list[str]
 ) -> None:
-    hub = start_hub(trace_server, *tinker_args,
-                    distributor={"target": "atropos", "group_size": 2,
-                                 "atropos_env": "collected", "atropos_env_weight": 2.0},
-                    environment=EVERY_TRACE_PASSES)
+    hub = atropos_hub(start_hub, trace_server, tinker_args, group_size=2,
+                      atropos_env="collected", atropos_env_weight=2.0)
     with hub.client() as client:
         start_trainer(client, batch_size=4)
         r = client.post("/register-env", json={"max_token_length": 512, "desired_name": "math",
