@@ -133,3 +133,56 @@ async def test_a_stop_writes_and_answers_what_is_queued(trace_server: dict[str, 
                 commits.submit("after")
         finally:
             await writer.close()
+
+
+class _Levels:
+    """Notes that record the durability their transaction commits with."""
+
+    name = "levels"
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def write(self, conn: sa.Connection, items: Sequence[str]) -> list[str | HubError]:
+        asked = "PRAGMA synchronous" if conn.dialect.name == "sqlite" else "SHOW synchronous_commit"
+        self.seen.append(str(conn.exec_driver_sql(asked).scalar()))
+        conn.execute(sa.text("INSERT INTO gc_notes (note) VALUES (:note)"),
+                     [{"note": note} for note in items])
+        return list(items)
+
+
+async def test_an_unsynced_kind_commits_unsynced_and_leaves_the_others_synced(
+    trace_server: dict[str, Any],
+) -> None:
+    """The gateway's captures are answered before their commit reaches the disk; the
+    traces sharing the writer keep commits that do (SQLite 1 = NORMAL, 2 = FULL)."""
+    async with _notes_database(trace_server) as engine:
+        if engine.dialect.name == "postgresql":  # the test cluster's default is off
+            async with engine.begin() as conn:
+                await conn.exec_driver_sql(f"ALTER DATABASE {engine.url.database} "
+                                           "SET synchronous_commit = on")
+            await engine.dispose()
+        writer = OneHop(engine)
+        unsynced, synced = _Levels(), _Levels()
+        fast: GroupCommit[str, str] = GroupCommit(unsynced, writer, database_outage(),
+                                                  synced=False)
+        safe: GroupCommit[str, str] = GroupCommit(synced, writer, database_outage())
+        fast.start()
+        safe.start()
+        try:
+            for n in range(3):  # in turns on the one writer
+                assert await fast.submit(f"fast{n}") == f"fast{n}"
+                assert await safe.submit(f"safe{n}") == f"safe{n}"
+            assert await _stored(engine) == {f"{k}{n}" for k in ("fast", "safe") for n in range(3)}
+            if engine.dialect.name == "sqlite":
+                assert (unsynced.seen, synced.seen) == (["1"] * 3, ["2"] * 3)
+            else:
+                assert (unsynced.seen, synced.seen) == (["off"] * 3, ["on"] * 3)
+        finally:
+            await fast.stop()
+            await safe.stop()
+            await writer.close()
+            if engine.dialect.name == "postgresql":
+                async with engine.begin() as conn:
+                    await conn.exec_driver_sql(f"ALTER DATABASE {engine.url.database} "
+                                               "RESET synchronous_commit")

@@ -271,7 +271,12 @@ class OneHop:
     work runs through run_sync on a pooled connection.
 
     `work` is a synchronous function of a Connection; it must not touch the event
-    loop (it may run in another thread)."""
+    loop (it may run in another thread).
+
+    `synced=False`: the commit returns before its pages reach the disk (SQLite's
+    `synchronous=NORMAL` for that transaction, PostgreSQL's `synchronous_commit =
+    off`). It still survives the hub's kill -9 (the pages are the system's), not a
+    power cut before the next synced commit or checkpoint."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
@@ -279,24 +284,37 @@ class OneHop:
         self._thread: ThreadPoolExecutor | None = None
         self._sync: sa.Engine | None = None
 
-    async def run(self, work: Callable[[sa.Connection], T]) -> T:
+    async def run(self, work: Callable[[sa.Connection], T], *, synced: bool = True) -> T:
         if self._dialect == "sqlite":
             if self._thread is None:
                 self._thread = ThreadPoolExecutor(1, thread_name_prefix="sqlite-one-hop")
             loop = asyncio.get_running_loop()
             async with write_turn(self._engine):
-                return await loop.run_in_executor(self._thread, self._in_thread, work)
+                return await loop.run_in_executor(self._thread, self._in_thread, work, synced)
         if self._dialect == "postgresql":
             async with self._engine.begin() as conn:
+                if not synced:
+                    await conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
                 return await conn.run_sync(work)
         assert_never(self._dialect)
 
-    def _in_thread(self, work: Callable[[sa.Connection], T]) -> T:
+    def _in_thread(self, work: Callable[[sa.Connection], T], synced: bool) -> T:
         if self._sync is None:
             self._sync = create_thread_engine(self._engine)
-        with self._sync.begin() as conn:
-            begin_immediate(conn)
-            return work(conn)
+        with self._sync.connect() as conn:
+            # SQLite takes the safety level only between transactions: on the driver's
+            # connection, which the pragma does not begin one on.
+            driver = conn.connection.dbapi_connection
+            assert driver is not None
+            if not synced:
+                driver.execute("PRAGMA synchronous=NORMAL")
+            try:
+                with conn.begin():
+                    begin_immediate(conn)
+                    return work(conn)
+            finally:
+                if not synced:
+                    driver.execute("PRAGMA synchronous=FULL")
 
     async def close(self) -> None:
         if self._thread is None:

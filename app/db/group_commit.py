@@ -101,12 +101,14 @@ class GroupCommit(Generic[Item, Result]):
         max_wait: float | None = None,
         retry_after: int = 2,
         on_commit: Callable[[], None] | None = None,
+        synced: bool = True,
     ) -> None:
         """`writer`: the hub's one (the lifespan's). `max_items`, `max_weight` (of
         `weight(item)`, default 1 each): one transaction's bound. `max_queue`: items
         waiting, past which `submit` answers 503. `max_wait`: an item's deadline
         (None: no bound, for callers that wait for each chunk, as `atropos import`).
-        `on_commit`: called after each commit that stored something."""
+        `on_commit`: called after each commit that stored something. `synced=False`:
+        its items are answered before the commit reaches the disk (`OneHop.run`)."""
         self.kind = kind
         self._writer = writer
         self._outage = outage
@@ -117,6 +119,7 @@ class GroupCommit(Generic[Item, Result]):
         self._max_wait = max_wait
         self._retry_after = retry_after
         self._on_commit = on_commit
+        self._synced = synced
         self._commits = DB_COMMITS.labels(kind.name.lower().replace(" ", "_"))
         # Appended on the event loop, taken by the transaction (in the writer's thread
         # on SQLite): a deque's append and popleft are atomic.
@@ -235,7 +238,8 @@ class GroupCommit(Generic[Item, Result]):
         one_by_one = False
         while True:
             try:
-                return await self._writer.run(partial(self._transaction, taken, one_by_one))
+                return await self._writer.run(partial(self._transaction, taken, one_by_one),
+                                              synced=self._synced)
             except _Withdrawn:
                 log.info("%s withdrawn (past limits.max_write_wait_seconds) while their "
                          "transaction waited; writing the others again without them",

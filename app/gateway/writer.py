@@ -1,6 +1,10 @@
 """The gateway's captures as a kind of the hub's group commit (app/db/group_commit.py):
 the calls that finish while a transaction runs are written together in the next one,
-and each call's answer goes out once its capture is committed."""
+and each call's answer goes out once its capture is committed.
+
+Their commits are not synced (`OneHop.run`): a capture survives the hub's kill -9,
+which is what an agent's answer is promised, without an fsync on every model call's
+path; a power cut can lose those since the last synced commit or checkpoint."""
 
 from __future__ import annotations
 
@@ -32,7 +36,8 @@ class CallWriter:
     def __init__(self, writer: OneHop, outage: Outage, *, max_wait: float,
                  retry_after: int) -> None:
         self.commits: GroupCommit[Captured, None] = GroupCommit(
-            _Captures(), writer, outage, max_wait=max_wait, retry_after=retry_after)
+            _Captures(), writer, outage, max_wait=max_wait, retry_after=retry_after,
+            synced=False)
         self._detached: set[asyncio.Future[None]] = set()
 
     def start(self) -> None:
