@@ -283,7 +283,8 @@ def test_rejections_point_at_their_steps(visit: Visit, store: dict[str, Any]) ->
 
 def compression_of_the_smallest(page: Page, store: dict[str, Any], kind: str) -> Locator:
     """The side-by-side view of the smallest trace whose compression did `kind`."""
-    trace_id = one(store, "SELECT trace_id FROM traces WHERE compressed IS NOT NULL AND "
+    trace_id = one(store, "SELECT trace_id FROM traces JOIN trace_payloads USING (trace_id) "
+                   "WHERE compressed IS NOT NULL AND "
                    f"json_extract(compression, '$.removed.{kind}') > 0 "
                    "ORDER BY total_tokens LIMIT 1")
     page.goto(f"/ui/traces/{trace_id}#compression")

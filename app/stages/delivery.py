@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import DistributorConfig
 from app.db.dialect import writing
-from app.db.models import BATCHES, MEMBERS, TRACES
+from app.db.models import BATCHES, MEMBERS, PAYLOADS, TRACES, WITH_PAYLOADS
 from app.db.moves import BATCH_STATES, RELEASED, TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import BatchState, Stage, Trace
@@ -134,9 +134,10 @@ class DeliveryStage:
         DELIVERY_ATTEMPTS.labels(self._target.name, result).observe(time.monotonic() - started)
 
     async def _load(self, row: Any) -> Batch:
-        c = TRACES.c
+        c, p = TRACES.c, PAYLOADS.c
         query = (
-            sa.select(c.trace_id, c.reward, c.trace, c.compressed, c.source_format)
+            sa.select(c.trace_id, c.reward, p.trace, p.compressed, c.source_format)
+            .select_from(WITH_PAYLOADS)
             .join(MEMBERS, MEMBERS.c.trace_id == c.trace_id)
             .where(MEMBERS.c.batch_id == row.batch_id)
             .order_by(MEMBERS.c.position)
@@ -236,7 +237,8 @@ async def _captured(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, di
     if not trace_ids:
         return {}
     rows = await conn.execute(
-        sa.select(TRACES.c.trace_id, TRACES.c.original).where(TRACES.c.trace_id.in_(trace_ids)))
+        sa.select(PAYLOADS.c.trace_id, PAYLOADS.c.original)
+        .where(PAYLOADS.c.trace_id.in_(trace_ids)))
     views = {}
     for trace_id, original in rows:
         try:
