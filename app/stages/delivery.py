@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from app.gateway.tokens import token_view
 from app.metrics import DELIVERY_ATTEMPTS
 from app.outage import Outage
 from app.stages.leases import Heartbeat, Lease, claim, held_by, retry_later
-from app.targets import Batch, BatchItem, Target
+from app.targets import Batch, BatchItem, Target, Unordered
 
 log = logging.getLogger("atropos.delivery")
 
@@ -85,7 +86,8 @@ class DeliveryStage:
         """Deliver the oldest due batches, in order, up to PER_PASS of them: one claim
         and one acknowledgement (a commit each) for all, rather than two commits a
         batch. A failed attempt ends the pass: the batches after it are released
-        untried. 0 when none is due."""
+        untried. To an `Unordered` target they are handed over at once, each failing
+        alone. 0 when none is due."""
         async with writing(self._engine) as conn:
             rows = await claim(
                 conn,
@@ -103,13 +105,21 @@ class DeliveryStage:
         delivered: list[tuple[Batch, dict[str, Any]]] = []
         # Every batch of the pass stays leased until it is acknowledged or released.
         with self._heartbeat.holding(row.batch_id for row in rows):
-            for n, row in enumerate(rows):
-                outcome = await self._attempt(row)
-                if isinstance(outcome, Exception):
-                    await self._failed(row.batch_id, row.attempts, outcome)
-                    await self._release([later.batch_id for later in rows[n + 1:]])
-                    break
-                delivered.append(outcome)
+            if isinstance(self._target, Unordered) and self._target.unordered:
+                outcomes = await asyncio.gather(*(self._attempt(row) for row in rows))
+                for row, outcome in zip(rows, outcomes, strict=True):
+                    if isinstance(outcome, Exception):
+                        await self._failed(row.batch_id, row.attempts, outcome)
+                    else:
+                        delivered.append(outcome)
+            else:
+                for n, row in enumerate(rows):
+                    outcome = await self._attempt(row)
+                    if isinstance(outcome, Exception):
+                        await self._failed(row.batch_id, row.attempts, outcome)
+                        await self._release([later.batch_id for later in rows[n + 1:]])
+                        break
+                    delivered.append(outcome)
             if await self._acknowledge(delivered) and self._on_advance is not None:
                 self._on_advance()
         return len(rows)
