@@ -145,8 +145,13 @@ class DeliveryStage:
 
     async def _load(self, row: Any) -> Batch:
         c, p = TRACES.c, PAYLOADS.c
+        use_compressed = self._config.use_compressed
+        payload = sa.func.coalesce(p.compressed, p.trace) if use_compressed else p.trace
         query = (
-            sa.select(c.trace_id, c.reward, p.trace, p.compressed, c.source_format)
+            # The payload as its JSON text, which pydantic parses and validates in one
+            # pass (no Python dicts made first, then walked again).
+            sa.select(c.trace_id, c.reward, sa.cast(payload, sa.Text).label("payload"),
+                      p.compressed.is_not(None).label("compressed"), c.source_format)
             .select_from(WITH_PAYLOADS)
             .join(MEMBERS, MEMBERS.c.trace_id == c.trace_id)
             .where(MEMBERS.c.batch_id == row.batch_id)
@@ -158,9 +163,8 @@ class DeliveryStage:
                                               if m.source_format == gateway_format.NAME])
         items = []
         for m in members:
-            compressed = self._config.use_compressed and m.compressed is not None
-            payload = m.compressed if compressed else m.trace
-            items.append(BatchItem(m.trace_id, m.reward, Trace.model_validate(payload), compressed,
+            items.append(BatchItem(m.trace_id, m.reward, Trace.model_validate_json(m.payload),
+                                   use_compressed and bool(m.compressed),
                                    tokens=captured.get(m.trace_id)))
         return Batch(row.batch_id, row.created_at, row.attempts, items, row.receipt or {})
 
