@@ -137,7 +137,7 @@ def trace_of(store: dict[str, Any], origin: str) -> str:
     """The trace_id of the imported trace whose source location ends with `origin`."""
     with sqlite3.connect(store["db_path"]) as conn:
         [(trace_id,)] = conn.execute(
-            "SELECT trace_id FROM traces WHERE json_extract(trace, "
+            "SELECT trace_id FROM trace_payloads WHERE json_extract(trace, "
             "'$.metadata.imported_from.location') LIKE ?", (f"%{origin}",)).fetchall()
     return str(trace_id)
 
@@ -406,7 +406,8 @@ def test_the_queue_shows_what_to_judge_says_what_waits_and_lets_go_when_left(
     held = page.locator("h1 code").inner_text()
     review = page.locator("#review")
     # The task, the final answer and the form, together.
-    task = one(store, "SELECT json_extract(trace, '$.task') FROM traces WHERE trace_id = ?", held)
+    task = one(store, "SELECT json_extract(trace, '$.task') FROM trace_payloads WHERE trace_id = ?",
+               held)
     expect(review.locator("#queue-task pre").first).to_contain_text(task.strip()[:40])
     expect(review.locator("#queue-answer")).to_be_visible()
     expect(review.locator("form.review-form input[name=label]").first).to_be_visible()
