@@ -145,6 +145,12 @@ def hub_outages(engine: AsyncEngine, settings: Settings) -> Outages:
 ARRIVALS_SECONDS = 1.0
 
 
+def ingest_wakes(runner: StageRunner) -> Callable[[], None]:
+    """The wake-up of an ingest commit: the stages a trace enters before (compression,
+    or distribution past it: EntryStage in app/ingest/ingestor.py)."""
+    return runner.waking(CompressionStage.name, DistributionStage.name)
+
+
 @asynccontextmanager
 async def running_stages(
     settings: Settings, engine: AsyncEngine, outages: Outages | None = None,
@@ -170,7 +176,8 @@ async def running_stages(
                 max_trace_tokens=config.trace_server.max_trace_tokens,
                 lease=lease,
                 summarizer=ModelSummarizer(http, settings.tinker.tinker),
-                on_advance=runner.wake,
+                # Its own wake-up too: a retry's, when the backoff has passed.
+                on_advance=runner.waking(CompressionStage.name, DistributionStage.name),
                 model=outages.model,
             ),
             every=ARRIVALS_SECONDS,
@@ -183,7 +190,8 @@ async def running_stages(
                 ARRIVALS_SECONDS, config.distributor.group_timeout_seconds / 4))
             runner.add(grouping, every=grouping.poll_seconds)
         runner.add(
-            DistributionStage(engine, config.distributor, on_advance=runner.wake),
+            DistributionStage(engine, config.distributor,
+                              on_advance=runner.waking(DeliveryStage.name)),
             DeliveryStage(
                 engine,
                 build_target(config.distributor, settings.tinker.tinker, http, hub_env),
@@ -280,7 +288,7 @@ async def running_hub(
             summarizing(config.trace_server.log_summary_seconds),
             running_stages(settings, engine, outages, writer) as stages,
             running_ingest(
-                engine, config, environment, admitted=True, on_commit=stages.wake,
+                engine, config, environment, admitted=True, on_commit=ingest_wakes(stages),
                 processes=processes, writer=writer, outage=outages.database,
             ) as ingest,
             running_gateway(settings, engine, writer, outages) as gateway,

@@ -40,7 +40,14 @@ sys.path.insert(0, str(ROOT))
 from app.config import TraceServerConfig  # noqa: E402
 from app.db import migrate, search  # noqa: E402
 from app.db.engine import create_engine  # noqa: E402
-from app.db.models import BATCHES, MEMBERS, REVIEWS, TRACES  # noqa: E402
+from app.db.models import (  # noqa: E402
+    BATCHES,
+    MEMBERS,
+    PAYLOAD_COLUMNS,
+    PAYLOADS,
+    REVIEWS,
+    TRACES,
+)
 from app.db.search import search_text  # noqa: E402
 from app.domain import Trace  # noqa: E402
 
@@ -150,7 +157,10 @@ async def fill(server: dict[str, Any], traces: int, kb: int) -> None:
                         "note": None, "reward": None, "reviewer": "bench",
                         "reviewed_at": r["created_at"]} for r in rows if rng.random() < 0.02]
             async with engine.begin() as conn:
-                await conn.execute(sa.insert(TRACES), rows)
+                await conn.execute(sa.insert(TRACES), [
+                    {k: v for k, v in r.items() if k not in PAYLOAD_COLUMNS} for r in rows])
+                await conn.execute(sa.insert(PAYLOADS), [
+                    {k: r[k] for k in ("trace_id", *PAYLOAD_COLUMNS)} for r in rows])
                 # What the hub writes beside each trace it stores (app/db/search.py).
                 texts = [(r["trace_id"], search_text(Trace.model_validate(r["trace"])))
                          for r in rows]

@@ -5,13 +5,19 @@ re-queued."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
 
-from app.config import DistributorConfig
+from app.config import DeliveryRetry, DistributorConfig, JsonlTargetConfig
+from app.db.models import BATCHES
+from app.stages.distribution import DistributionStage
+from tests.support.databases import database
 from tests.support.fakes.model_server import serve
 from tests.support.fakes.trainer_server import FakeTrainer
 from tests.support.hubs import InProcessHub
@@ -168,3 +174,30 @@ async def test_a_directory_that_cannot_be_written_fails_the_batch_in_one_line(
     assert failed["last_error"].startswith("DeliveryError: writing batch ")
     assert str(blocker) in failed["last_error"]
     assert "Traceback" not in hub.log and "giving up" in hub.log
+
+
+async def test_a_jsonl_pass_hands_over_its_batches_at_once_each_failing_alone(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
+) -> None:
+    """The jsonl target is Unordered: the batches of a pass are written together, and the
+    one whose file cannot be written fails alone; those after it are delivered."""
+    out = tmp_path / "batches"
+    config = JsonlTargetConfig(output_dir=str(out), batch_size=3, min_reward_threshold=0,
+                               retry=DeliveryRetry(max_attempts=1))
+    hub = start_hub(trace_server, "--no-workers", distributor=config.model_dump(mode="json"))
+    ids = [f"u{i}" for i in range(9)]
+    with hub.client() as client:
+        ingest(client, ids)
+        await set_rewards(trace_server, {t: 1.0 for t in ids})
+        async with database(trace_server) as engine:
+            await DistributionStage(engine, config).run_once()
+            async with engine.connect() as conn:
+                formed = list((await conn.execute(
+                    sa.select(BATCHES.c.batch_id).order_by(BATCHES.c.created_at))).scalars())
+        assert len(formed) == 3
+        (out / f"{formed[0]}.jsonl").mkdir(parents=True)  # no file can take its place
+        hub.drain()
+        states = {b["batch_id"]: b["state"] for b in batches(client)}
+    assert states == {formed[0]: "failed", formed[1]: "delivered", formed[2]: "delivered"}
+    manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert sorted(m["batch_id"] for m in manifest) == sorted(formed[1:])

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 from app.db import migrate
 from app.db.models import TRACES
-from app.db.types import utcnow
+from app.db.types import JSON_, utcnow
 from app.domain import Outcome, Status, Trace
 from tests.support.builders import native_trace
 from tests.support.databases import database, db_execute
@@ -172,8 +172,12 @@ async def _store_before_0006(trace_server: dict[str, Any]) -> None:
     async with database(trace_server) as engine:
         await migrate.upgrade(engine, "0005")
         async with engine.begin() as conn:
-            # The rows name no env_reward: the statement leaves out the column 0005 lacks.
-            await conn.execute(sa.insert(TRACES), rows)
+            # The rows name no env_reward (the column 0005 lacks) and carry the payloads,
+            # in `traces` until 0025.
+            before = sa.Table("traces", sa.MetaData(), *(
+                sa.Column(name, TRACES.c[name].type if name in TRACES.c else JSON_)
+                for name in rows[0]))
+            await conn.execute(sa.insert(before), rows)
         await migrate.upgrade(engine)
 
 
@@ -187,7 +191,8 @@ def test_rescore_fills_env_reward_and_undoes_inferred_statuses(
     assert "rescored: 3" in result.stdout and "outcomes read again: 2" in result.stdout
 
     rows = {r["trace_id"]: r for r in db_execute(
-        trace_server, "SELECT trace_id, status, reward, env_reward, trace FROM traces")}
+        trace_server, "SELECT trace_id, status, reward, env_reward, trace "
+                      "FROM traces JOIN trace_payloads USING (trace_id)")}
     for row in rows.values():
         if isinstance(row["trace"], str):  # SQLite hands JSON back as text
             row["trace"] = json.loads(row["trace"])

@@ -48,7 +48,8 @@ def test_the_whole_corpus_is_stored_or_reported(tmp_path: Path) -> None:
         def one(sql: str) -> Any:
             return conn.execute(sql).fetchone()[0]
 
-        origin = "json_extract(trace, '$.metadata.imported_from.location')"
+        origin = ("(SELECT json_extract(p.trace, '$.metadata.imported_from.location') "
+                  "FROM trace_payloads AS p WHERE p.trace_id = traces.trace_id)")
         # tau-bench's reward is the environment's: its own column, no status made of it.
         assert one(f"SELECT count(*) FROM traces WHERE {origin} LIKE '%tau-bench%' "
                    "AND env_reward = 1 AND status = 'unknown'") == 84

@@ -15,7 +15,7 @@ from sqlalchemy.dialects import sqlite
 from app.config import EnvironmentConfig, LimitsConfig, TraceServerConfig
 from app.db import migrate, search
 from app.db.engine import create_engine
-from app.db.models import TRACE_SEARCH, TRACES
+from app.db.models import PAYLOADS, TRACE_SEARCH, TRACES, WITH_PAYLOADS
 from app.db.types import EncodedJSON, UtcTimeStamp, utc_text
 from app.errors import Conflict, Invalid
 from app.evaluation.environment import Environment
@@ -81,7 +81,9 @@ async def test_rows_read_back_as_prepared_and_sqlite_keeps_the_seed_timestamp_te
         for row in rows.values():
             await inserter.insert(PreparedTrace.of(row))
         async with engine.connect() as conn:
-            read = {r.trace_id: r._mapping for r in await conn.execute(sa.select(TRACES))}
+            read = {r.trace_id: r._mapping for r in await conn.execute(
+                sa.select(TRACES, PAYLOADS.c.original, PAYLOADS.c.trace)
+                .select_from(WITH_PAYLOADS))}
             texts = {r.trace_id: tuple(r)[1:] for r in await conn.execute(sa.select(
                 TRACE_SEARCH.c.trace_id, TRACE_SEARCH.c.text, TRACE_SEARCH.c.task,
                 TRACE_SEARCH.c.final_answer))}

@@ -64,13 +64,19 @@ async def test_each_revision_steps_up_and_down(engine: Any) -> None:
 
 
 async def insert_trace(engine: Any, trace_id: str) -> None:
-    """A row with the columns every revision has (reward 20)."""
+    """A row with the columns every revision has (reward 20), and its payloads (in
+    their own table from 0025 on)."""
+    apart = "trace_payloads" in await tables(engine)
+    names, values = ("", "") if apart else ("original, trace, ", "'{}', '{}', ")
     async with engine.begin() as conn:
         await conn.execute(sa.text(
             "INSERT INTO traces (trace_id, created_at, updated_at, status, stage, total_tokens,"
-            " reward, source_format, content_hash, original, trace, attempts) VALUES (:id, "
+            f" reward, source_format, content_hash, {names}attempts) VALUES (:id, "
             "'2026-01-01 00:00:00', '2026-01-01 00:00:00', 'success', 'accepted', 3, 20,"
-            " 'native', 'h', '{}', '{}', 0)"), {"id": trace_id})
+            f" 'native', 'h', {values}0)"), {"id": trace_id})
+        if apart:
+            await conn.execute(sa.text("INSERT INTO trace_payloads (trace_id, original, trace) "
+                                       "VALUES (:id, '{}', '{}')"), {"id": trace_id})
 
 
 @pytest.mark.parametrize("start", revisions())
@@ -196,7 +202,7 @@ async def test_the_search_text_is_filled_for_stored_and_new_traces(engine: Any) 
         await insert(conn, "old", {"task": "Lines again", "steps": []})
     assert await found("lines") == ["old"]
 
-    await migrate.upgrade(engine)
+    await migrate.upgrade(engine, "0024")  # the last with the payloads in `traces`
     async with engine.begin() as conn:
         await insert(conn, "by hand", {"task": "Lines by hand", "steps": []})
     assert await found("lines") == ["old"] and await found("paris") == ["new"]
@@ -262,9 +268,57 @@ async def test_postgresql_compresses_the_large_trace_values_with_lz4(engine: Any
 
     await migrate.upgrade(engine, "0013")
     await store("before")
-    await migrate.upgrade(engine)
+    await migrate.upgrade(engine, "0024")  # from 0025 on, the payloads have a table
     await store("after")
     assert await compressed_with() == {"before": "pglz", "after": "lz4"}
     await migrate.downgrade(engine, "0013")
     await store("down again")
     assert (await compressed_with())["down again"] == "pglz"
+
+
+async def test_0025_moves_the_payloads_to_their_table_and_back_keeping_every_row(
+    engine: Any,
+) -> None:
+    """The payloads of the traces stored before 0025 are in trace_payloads after it (a
+    compressed one with its compressed trace), the rows that refer to a trace are kept
+    (no copy of `traces` cascades into them), and down again the columns hold them."""
+    payloads = {
+        "plain": ({"task": "as sent"}, {"task": "t", "steps": []}, None),
+        "compressed": ([1, "x" * 3000], {"task": "u" * 3000, "steps": []}, {"task": "u"}),
+    }
+    await migrate.upgrade(engine, "0024")
+    async with engine.begin() as conn:
+        for trace_id, (original, trace, compressed) in payloads.items():
+            await conn.execute(sa.text(
+                "INSERT INTO traces (trace_id, created_at, updated_at, status, stage, "
+                "total_tokens, source_format, content_hash, original, trace, compressed, "
+                "attempts) VALUES (:id, '2026-01-01 00:00:00', '2026-01-01 00:00:00', "
+                "'success', 'accepted', 3, 'native', 'h', :original, :trace, :compressed, 0)"),
+                {"id": trace_id, "original": json.dumps(original), "trace": json.dumps(trace),
+                 "compressed": None if compressed is None else json.dumps(compressed)})
+            await conn.execute(sa.text(
+                "INSERT INTO trace_search (trace_id, text) VALUES (:id, 't')"), {"id": trace_id})
+        await conn.execute(sa.text(
+            "INSERT INTO reviews (trace_id, label, reviewer, reviewed_at) "
+            "VALUES ('plain', 'good', 'me', '2026-01-01 00:00:00')"))
+
+    async def read(table: str) -> dict[str, tuple[Any, ...]]:
+        async with engine.connect() as conn:
+            rows = (await conn.execute(sa.text(
+                f"SELECT trace_id, original, trace, compressed FROM {table}"))).all()
+        return {row[0]: tuple(json.loads(v) if isinstance(v, str) else v for v in row[1:])
+                for row in rows}
+
+    async def kept() -> tuple[int, int]:
+        async with engine.connect() as conn:
+            return (await conn.scalar(sa.text("SELECT count(*) FROM trace_search")),
+                    await conn.scalar(sa.text("SELECT count(*) FROM reviews")))
+
+    await migrate.upgrade(engine)
+    assert await read("trace_payloads") == payloads
+    assert not {"original", "trace", "compressed"} & set(await columns(engine, "traces"))
+    assert await kept() == (2, 1)
+    await migrate.downgrade(engine, "0024")
+    assert "trace_payloads" not in await tables(engine)
+    assert await read("traces") == payloads
+    assert await kept() == (2, 1)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from app.db.models import BATCHES, MEMBERS, TRACES
+from app.db.models import BATCHES, MEMBERS, PAYLOADS, TRACES, WITH_PAYLOADS
 from app.db.types import utcnow
 from tests.support import ROOT
 from tests.support.builders import native_trace
@@ -78,12 +78,12 @@ def test_recompress_replaces_old_compressions_and_names_the_batches_that_hold_th
                                for t in [*ids, "short"]), timeout=60, what="compression")
     hub.stop()
     # The old way: every call and result gone from the compressed trace.
-    [row] = db_execute(trace_server, sa.select(TRACES.c.compressed).where(
-        TRACES.c.trace_id == "sent"))
+    [row] = db_execute(trace_server, sa.select(PAYLOADS.c.compressed).where(
+        PAYLOADS.c.trace_id == "sent"))
     old = row["compressed"] | {"steps": [s for s in row["compressed"]["steps"]
                                          if s["type"] not in ("action", "observation")]}
     for trace_id in ids:
-        db_execute(trace_server, sa.update(TRACES).where(TRACES.c.trace_id == trace_id)
+        db_execute(trace_server, sa.update(PAYLOADS).where(PAYLOADS.c.trace_id == trace_id)
                    .values(compressed=old))
     now = utcnow()
     db_execute(trace_server, sa.insert(BATCHES).values(
@@ -105,7 +105,7 @@ def test_recompress_replaces_old_compressions_and_names_the_batches_that_hold_th
     assert "batches holding old versions of changed traces (1, traces in each): b-old (1)" \
         in result.stdout
     rows = db_execute(trace_server, sa.select(TRACES.c.trace_id, TRACES.c.stage,
-                                              TRACES.c.compressed))
+                                              PAYLOADS.c.compressed).select_from(WITH_PAYLOADS))
     stages = {r["trace_id"]: r["stage"] for r in rows}
     assert stages == {"sent": "delivered", "waiting": "compressed", "below": "below_threshold",
                       "short": "compression_skipped"}

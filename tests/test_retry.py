@@ -153,7 +153,7 @@ async def test_the_inserter_logs_a_bug_with_its_traceback_and_a_refusal_in_one_l
         try:
             with caplog.at_level(logging.ERROR, "atropos.database"), pytest.raises(Unavailable):
                 # No values at all: the insert's own code fails (a bug, not the database).
-                await inserter.insert(PreparedTrace(None, ""))  # type: ignore[arg-type]
+                await inserter.insert(PreparedTrace(None, (), ""))  # type: ignore[arg-type]
         finally:
             await inserter.stop()
     [bug] = [r for r in caplog.records if r.name == "atropos.database"]

@@ -137,7 +137,7 @@ def trace_of(store: dict[str, Any], origin: str) -> str:
     """The trace_id of the imported trace whose source location ends with `origin`."""
     with sqlite3.connect(store["db_path"]) as conn:
         [(trace_id,)] = conn.execute(
-            "SELECT trace_id FROM traces WHERE json_extract(trace, "
+            "SELECT trace_id FROM trace_payloads WHERE json_extract(trace, "
             "'$.metadata.imported_from.location') LIKE ?", (f"%{origin}",)).fetchall()
     return str(trace_id)
 
@@ -283,7 +283,8 @@ def test_rejections_point_at_their_steps(visit: Visit, store: dict[str, Any]) ->
 
 def compression_of_the_smallest(page: Page, store: dict[str, Any], kind: str) -> Locator:
     """The side-by-side view of the smallest trace whose compression did `kind`."""
-    trace_id = one(store, "SELECT trace_id FROM traces WHERE compressed IS NOT NULL AND "
+    trace_id = one(store, "SELECT trace_id FROM traces JOIN trace_payloads USING (trace_id) "
+                   "WHERE compressed IS NOT NULL AND "
                    f"json_extract(compression, '$.removed.{kind}') > 0 "
                    "ORDER BY total_tokens LIMIT 1")
     page.goto(f"/ui/traces/{trace_id}#compression")
@@ -405,7 +406,8 @@ def test_the_queue_shows_what_to_judge_says_what_waits_and_lets_go_when_left(
     held = page.locator("h1 code").inner_text()
     review = page.locator("#review")
     # The task, the final answer and the form, together.
-    task = one(store, "SELECT json_extract(trace, '$.task') FROM traces WHERE trace_id = ?", held)
+    task = one(store, "SELECT json_extract(trace, '$.task') FROM trace_payloads WHERE trace_id = ?",
+               held)
     expect(review.locator("#queue-task pre").first).to_contain_text(task.strip()[:40])
     expect(review.locator("#queue-answer")).to_be_visible()
     expect(review.locator("form.review-form input[name=label]").first).to_be_visible()

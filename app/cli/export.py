@@ -56,7 +56,7 @@ from app.cli.options import Commands, add_since, command, counted
 from app.cli.progress import Progress
 from app.config import HubConfig, load_config
 from app.db.migrate import database
-from app.db.models import TRACES
+from app.db.models import PAYLOADS, TRACES, WITH_PAYLOADS
 from app.db.trace_queries import LabelFilter, labelled
 from app.domain import Stage, Trace
 from app.errors import ConfigError, StartupError, Unexportable
@@ -164,14 +164,13 @@ async def left_out_by_selection(engine: AsyncEngine, query: ExportQuery) -> Coun
 
 async def _pages(engine: AsyncEngine, query: ExportQuery) -> AsyncIterator[list[_Row]]:
     c = TRACES.c
-    payload = sa.func.coalesce(c.compressed, c.trace) if query.compressed else c.trace
     columns = [
-        c.created_at, c.trace_id, payload.label("payload"), c.reward, c.status, c.env,
+        c.created_at, c.trace_id, _payload(query), c.reward, c.status, c.env,
         c.model, c.source_format, c.env_reward,
     ]
     after: tuple[Any, str] | None = None
     while True:
-        page = sa.select(*columns).where(*query.clauses())
+        page = sa.select(*columns).select_from(WITH_PAYLOADS).where(*query.clauses())
         if after is not None:
             page = page.where(sa.tuple_(c.created_at, c.trace_id) > after)
         async with engine.connect() as conn:
@@ -304,13 +303,19 @@ async def export_dpo(
     return tally
 
 
+def _payload(query: ExportQuery) -> sa.ColumnElement[Any]:
+    """The trace exported: the compressed one where there is one, if asked for."""
+    p = PAYLOADS.c
+    return (sa.func.coalesce(p.compressed, p.trace) if query.compressed else p.trace).label(
+        "payload")
+
+
 async def _load(engine: AsyncEngine, query: ExportQuery, trace_ids: set[str]) -> dict[str, Trace]:
     c = TRACES.c
-    payload = sa.func.coalesce(c.compressed, c.trace) if query.compressed else c.trace
     found: dict[str, Trace] = {}
     wanted = sorted(trace_ids)
     for start in range(0, len(wanted), PAGE):
-        select = sa.select(c.trace_id, payload.label("payload")).where(
+        select = sa.select(c.trace_id, _payload(query)).select_from(WITH_PAYLOADS).where(
             c.trace_id.in_(wanted[start : start + PAGE]))
         async with engine.connect() as conn:
             for row in await conn.execute(select):

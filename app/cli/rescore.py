@@ -33,7 +33,7 @@ from app.cli.progress import Progress
 from app.compression import Compressed, compress
 from app.config import CompressionConfig, load_compression, load_config
 from app.db.migrate import database
-from app.db.models import MEMBERS, REVIEWS, TRACES
+from app.db.models import MEMBERS, PAYLOADS, REVIEWS, TRACES, WITH_PAYLOADS
 from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import Outcome, Stage, Trace
@@ -78,17 +78,17 @@ async def rescore(
     after: tuple[datetime, str] | None = None
     while True:
         async with engine.begin() as conn:
-            c = TRACES.c
+            c, p = TRACES.c, PAYLOADS.c
             unfilled = c.env_reward.is_(None)
             query = (
                 sa.select(
-                    c.trace_id, c.created_at, c.stage, c.trace,
+                    c.trace_id, c.created_at, c.stage, p.trace,
                     # Read only where the environment's reward may still be missing.
-                    sa.case((unfilled, c.original)).label("original"),
-                    sa.case((unfilled, c.compressed)).label("compressed"),
+                    sa.case((unfilled, p.original)).label("original"),
+                    sa.case((unfilled, p.compressed)).label("compressed"),
                     REVIEWS.c.reward.label("override"),
                 )
-                .select_from(TRACES.outerjoin(REVIEWS))
+                .select_from(WITH_PAYLOADS.outerjoin(REVIEWS))
                 .where(*_todo(environment, since))
             )
             if after is not None:
@@ -120,9 +120,11 @@ async def rescore(
                 # batches say what the columns say. The stage was just set to `target`.
                 reread = [u.payloads for u in updates if u.payloads is not None]
                 if reread:
+                    moved = sa.select(c.trace_id).where(c.trace_id == p.trace_id,
+                                                        c.stage == target.value)
                     await conn.execute(
-                        sa.update(TRACES)
-                        .where(c.trace_id == sa.bindparam("b_id"), c.stage == target.value)
+                        sa.update(PAYLOADS)
+                        .where(p.trace_id == sa.bindparam("b_id"), moved.exists())
                         .values(trace=sa.bindparam("trace"),
                                 compressed=sa.bindparam("compressed")),
                         reread,
@@ -302,12 +304,12 @@ async def recompress(
     counts: Counter[str] = Counter()
     sent_changed: list[str] = []
     after: tuple[datetime, str] | None = None
-    c = TRACES.c
+    c, p = TRACES.c, PAYLOADS.c
     while True:
         query = sa.select(
-            c.trace_id, c.created_at, c.stage, c.trace, c.total_tokens, c.compressed,
+            c.trace_id, c.created_at, c.stage, p.trace, c.total_tokens, p.compressed,
             c.compression, c.reward, c.reward_breakdown,
-        ).where(c.stage.in_([s.value for s in _COMPRESSION_DONE]))
+        ).select_from(WITH_PAYLOADS).where(c.stage.in_([s.value for s in _COMPRESSION_DONE]))
         if since is not None:
             query = query.where(c.created_at >= since)
         if after is not None:
@@ -359,15 +361,21 @@ async def _store(conn: Any, trace_id: str, stage: Stage, done: bool,
     target = (stage if stage in _PAST_COMPRESSION
               else Stage.COMPRESSED if done else Stage.COMPRESSION_SKIPPED)
     where = TRACES.c.trace_id == trace_id
+    compressed = values.pop("compressed")
     if target == stage:
         update = sa.update(TRACES).where(where, TRACES.c.stage == stage.value)
         written = await conn.execute(update.values(updated_at=utcnow(), **values))
-        return bool(written.rowcount == 1)
-    back = await conn.execute(TRACE_STAGES.move(Stage.ACCEPTED, expected=[stage]).where(where))
-    if back.rowcount != 1:
-        return False
-    await conn.execute(TRACE_STAGES.move(target, expected=[Stage.ACCEPTED]).where(where)
-                       .values(**values))
+        if written.rowcount != 1:
+            return False
+    else:
+        back = await conn.execute(
+            TRACE_STAGES.move(Stage.ACCEPTED, expected=[stage]).where(where))
+        if back.rowcount != 1:
+            return False
+        await conn.execute(TRACE_STAGES.move(target, expected=[Stage.ACCEPTED]).where(where)
+                           .values(**values))
+    await conn.execute(sa.update(PAYLOADS).where(PAYLOADS.c.trace_id == trace_id)
+                       .values(compressed=compressed))
     return True
 
 

@@ -413,18 +413,19 @@ def rule_firing_counts(dialect: Dialect) -> sa.TextClause:
 
 
 def redaction_counts(dialect: Dialect) -> sa.TextClause:
-    """(kind, secrets redacted) over the traces' metadata.redactions, a JSON object
-    kind -> count written by the ingest path (app/evaluation/redaction.py)."""
+    """(kind, secrets redacted) over the canonical traces' metadata.redactions (in
+    trace_payloads), a JSON object kind -> count written by the ingest path
+    (app/evaluation/redaction.py)."""
     if dialect == "sqlite":
         return sa.text(
             "SELECT r.key AS name, sum(r.value) AS n "
-            "FROM traces, json_each(traces.trace, '$.metadata.redactions') AS r "
+            "FROM trace_payloads AS p, json_each(p.trace, '$.metadata.redactions') AS r "
             "WHERE r.type = 'integer' GROUP BY name"
         )
     if dialect == "postgresql":
         return sa.text(
             "SELECT r.key AS name, sum((r.value #>> '{}')::bigint) AS n "
-            "FROM traces, jsonb_each(traces.trace -> 'metadata' -> 'redactions') AS r "
+            "FROM trace_payloads AS p, jsonb_each(p.trace -> 'metadata' -> 'redactions') AS r "
             "WHERE jsonb_typeof(r.value) = 'number' GROUP BY name"
         )
     assert_never(dialect)

@@ -11,7 +11,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.db.models import ATROPOS_ROLLOUTS, TRACES
+from app.db.models import ATROPOS_ROLLOUTS, PAYLOADS, TRACES, WITH_PAYLOADS
 
 _R = ATROPOS_ROLLOUTS.c
 _T = TRACES.c
@@ -46,8 +46,8 @@ async def group_members(conn: AsyncConnection, group_id: str) -> list[dict[str, 
     if not order:
         return []
     rows = {r.trace_id: r for r in await conn.execute(
-        sa.select(_T.trace_id, _T.trace, _T.env, _T.stage, _T.reward)
-        .where(_T.trace_id.in_([m[0] for m in order])))}
+        sa.select(_T.trace_id, PAYLOADS.c.trace, _T.env, _T.stage, _T.reward)
+        .select_from(WITH_PAYLOADS).where(_T.trace_id.in_([m[0] for m in order])))}
     scores = [s for _, s, _ in order if s is not None]
     mean = sum(scores) / len(scores) if scores else None
     members = []

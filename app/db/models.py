@@ -62,11 +62,7 @@ class TraceRow(Base):
     group_id: Mapped[str | None] = mapped_column(sa.String(200))
     # sha256 of the item as received: a resent trace_id is a duplicate only if it matches.
     content_hash: Mapped[str] = mapped_column(sa.String(64))
-    # Payloads: the item as received, the canonical trace, and (never in place of
-    # either) the compressed trace with what compression did.
-    original: Mapped[Any] = mapped_column(JSON_)
-    trace: Mapped[dict[str, Any]] = mapped_column(JSON_)
-    compressed: Mapped[dict[str, Any] | None] = mapped_column(JSON_)
+    # What compression did (its payload, the compressed trace, is in trace_payloads).
     compression: Mapped[dict[str, Any] | None] = mapped_column(JSON_)
     # Background stages: a lease on the row, retries counted, the last failure kept.
     stage_error: Mapped[str | None] = mapped_column(sa.Text)
@@ -89,6 +85,28 @@ class TraceRow(Base):
 
 # The Core table, for the set-based statements (group insert, claims, stage moves).
 TRACES: sa.Table = TraceRow.__table__  # type: ignore[assignment]
+
+
+class TracePayloadRow(Base):
+    """A trace's payloads: the item as received, the canonical trace, and (never in
+    place of either) the compressed trace. Written with the trace (and compressed by
+    its stage), never moved: apart from `traces`, whose rows every stage move
+    rewrites, so that a move writes a narrow row (0025)."""
+
+    __tablename__ = "trace_payloads"
+
+    trace_id: Mapped[str] = mapped_column(
+        sa.String(200), sa.ForeignKey("traces.trace_id", ondelete="CASCADE"), primary_key=True
+    )
+    original: Mapped[Any] = mapped_column(JSON_)
+    trace: Mapped[dict[str, Any]] = mapped_column(JSON_)
+    compressed: Mapped[dict[str, Any] | None] = mapped_column(JSON_)
+
+
+PAYLOADS: sa.Table = TracePayloadRow.__table__  # type: ignore[assignment]
+PAYLOAD_COLUMNS = ("original", "trace", "compressed")
+# A trace with its payloads, for the reads that want both.
+WITH_PAYLOADS = TRACES.join(PAYLOADS, PAYLOADS.c.trace_id == TRACES.c.trace_id)
 
 
 class BatchRow(Base):

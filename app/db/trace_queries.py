@@ -31,7 +31,15 @@ from app.db.dialect import (
     rule_firing_counts,
     time_bucket,
 )
-from app.db.models import BATCHES, MEMBERS, REVIEWS, TRACE_SEARCH, TRACES
+from app.db.models import (
+    BATCHES,
+    MEMBERS,
+    PAYLOADS,
+    REVIEWS,
+    TRACE_SEARCH,
+    TRACES,
+    WITH_PAYLOADS,
+)
 from app.domain import BatchState, Label, Stage
 from app.errors import BadRequest, NotFound
 
@@ -143,7 +151,8 @@ def labelled(label: LabelFilter) -> sa.ColumnElement[bool]:
 async def get_original(conn: AsyncConnection, trace_id: str) -> tuple[str, Any]:
     """The trace's source format and original, as it was stored."""
     row = (await conn.execute(
-        sa.select(TRACES.c.source_format, TRACES.c.original).where(TRACES.c.trace_id == trace_id)
+        sa.select(TRACES.c.source_format, PAYLOADS.c.original).select_from(WITH_PAYLOADS)
+        .where(TRACES.c.trace_id == trace_id)
     )).one_or_none()
     if row is None:
         raise NotFound(f"no trace with trace_id {trace_id!r}", field="trace_id")
@@ -151,8 +160,8 @@ async def get_original(conn: AsyncConnection, trace_id: str) -> tuple[str, Any]:
 
 
 async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[str, Any]:
-    payload = {"canonical": TRACES.c.trace, "original": TRACES.c.original}.get(
-        view, TRACES.c.compressed
+    payload = {"canonical": PAYLOADS.c.trace, "original": PAYLOADS.c.original}.get(
+        view, PAYLOADS.c.compressed
     )
     row = (
         await conn.execute(
@@ -168,7 +177,8 @@ async def get_trace(conn: AsyncConnection, trace_id: str, view: View) -> dict[st
                 TRACE_SEARCH.c.final_answer.label("search_final_answer"),
                 MEMBERS.c.batch_id,
             )
-            .select_from(LISTED.outerjoin(MEMBERS))
+            .select_from(LISTED.join(PAYLOADS, PAYLOADS.c.trace_id == TRACES.c.trace_id)
+                         .outerjoin(MEMBERS))
             .where(TRACES.c.trace_id == trace_id)
         )
     ).one_or_none()

@@ -25,7 +25,7 @@ from app.db import search
 from app.db.dialect import BulkInsert, OneHop
 from app.db.errors import outage_of
 from app.db.group_commit import GroupCommit
-from app.db.models import TRACES
+from app.db.models import PAYLOADS, TRACES
 from app.domain import Stage, Status
 from app.errors import Conflict, HubError
 from app.evaluation.filters import RejectReason
@@ -108,40 +108,49 @@ INSERT = BulkInsert(
         "trace_id", "created_at", "updated_at", "status", "stage", "total_tokens",
         "compressed_tokens", "reward", "env_reward", "reward_breakdown", "reject_reasons",
         "scored_with", "source_format", "env", "model", "agent_name", "policy_version",
-        "group_id", "content_hash", "original", "trace", "attempts", "compression",
+        "group_id", "content_hash", "attempts", "compression",
     ),
 )
+# Its payloads, in their own table. A row left behind by a trace deleted with foreign
+# keys off (the sqlite3 shell's default) is replaced.
+PAYLOADS_INSERT = BulkInsert(PAYLOADS, "trace_id", ("trace_id", "original", "trace"),
+                             replace=True)
 
 
 _AT = {name: INSERT.columns.index(name) for name in INSERT.columns}
+_PAYLOAD_AT = {name: PAYLOADS_INSERT.columns.index(name) - 1
+               for name in PAYLOADS_INSERT.columns[1:]}
 _JSON_ANSWERS = ("reward_breakdown", "reject_reasons")
 
 
 @dataclass(frozen=True, slots=True)
 class PreparedTrace:
     """One trace, ready to insert: its `values` (INSERT.columns, in the form
-    BulkInsert takes), its search text, and the kind of compression skip it entered
-    with (SKIP_KINDS; None: it entered before compression); its answer is read from its
-    values."""
+    BulkInsert takes), its `payloads` (PAYLOADS_INSERT.columns after the trace_id), its
+    search text, and the kind of compression skip it entered with (SKIP_KINDS; None: it
+    entered before compression); its answer is read from its values."""
 
     values: tuple[Any, ...]
+    payloads: tuple[Any, ...]
     search_text: search.SearchText
     skip_kind: str | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Rows travel back from the ingest processes pickled; a slots dataclass's own
         # pickling walks dataclasses.fields() on every load.
-        return (PreparedTrace, (self.values, self.search_text, self.skip_kind))
+        return (PreparedTrace, (self.values, self.payloads, self.search_text, self.skip_kind))
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> PreparedTrace:
-        """From the row as column -> value, its search_text and skip_kind
-        (`Preparer.row`)."""
-        return cls(INSERT.values(row), row["search_text"], row.get("skip_kind"))
+        """From the row as column -> value (payloads included), its search_text and
+        skip_kind (`Preparer.row`)."""
+        return cls(INSERT.values(row), PAYLOADS_INSERT.values(row)[1:], row["search_text"],
+                   row.get("skip_kind"))
 
     def __getitem__(self, column: str) -> Any:
-        """A column's value as inserted (JSON as its text)."""
-        return self.values[_AT[column]]
+        """A column's value as inserted (JSON as its text), payloads included."""
+        at = _AT.get(column)
+        return self.payloads[_PAYLOAD_AT[column]] if at is None else self.values[at]
 
     @property
     def trace_id(self) -> str:
@@ -169,8 +178,9 @@ class PreparedTrace:
         return source
 
     def row(self) -> dict[str, Any]:
-        """Column -> value in the form SQLAlchemy's types take (JSON decoded)."""
-        return INSERT.row(self.values)
+        """Column -> value in the form SQLAlchemy's types take (JSON as EncodedJSON),
+        the payloads' columns included."""
+        return INSERT.row(self.values) | PAYLOADS_INSERT.row((self.trace_id, *self.payloads))
 
     @property
     def stored(self) -> Stored:
@@ -268,11 +278,12 @@ class TraceInserter:
 
 
 def insert_traces(conn: sa.Connection, rows: Sequence[PreparedTrace]) -> set[str]:
-    """Insert the rows (distinct trace_ids) not stored yet, each with its search text;
-    returns the trace_ids that were new."""
+    """Insert the rows (distinct trace_ids) not stored yet, each with its payloads and
+    search text; returns the trace_ids that were new."""
     new_ids: set[str] = INSERT.run(conn, [row.values for row in rows])
-    search.index(conn, [(row.trace_id, row.search_text) for row in rows
-                        if row.trace_id in new_ids])
+    new = [row for row in rows if row.trace_id in new_ids]
+    PAYLOADS_INSERT.run(conn, [(row.trace_id, *row.payloads) for row in new])
+    search.index(conn, [(row.trace_id, row.search_text) for row in new])
     return new_ids
 
 

@@ -41,7 +41,7 @@ from app.db import search
 from app.db.assembly import FINAL_STAGES, Due
 from app.db.dialect import writing
 from app.db.errors import database_error, refuses_row
-from app.db.models import REVIEWS, TRACES
+from app.db.models import PAYLOADS, REVIEWS, TRACES
 from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import Stage
@@ -57,9 +57,9 @@ from app.ingest.otlp.store import TRACE_ASSEMBLY
 log = logging.getLogger("atropos.otlp")
 
 Prepare = Callable[[list[Any], str | None], Awaitable[list[PreparedTrace | HubError]]]
-# What a re-assembled trajectory's background stages had made of its previous version.
+# What a re-assembled trajectory's background stages had made of its previous version
+# (its compressed payload too: `outcome`).
 _STARTED_OVER = {
-    "compressed": None,
     "compression": None,
     "stage_error": None,
     "lease_owner": None,
@@ -379,8 +379,9 @@ async def outcome(
         # A trajectory made again starts its stages over from `accepted` (the moves the
         # stage machine has from where it was), even one a new trace would enter past.
         target = Stage.ACCEPTED
+    payloads = {k: row[k] for k in ("original", "trace")}
     content = {k: v for k, v in row.items()
-               if k not in ("trace_id", "created_at", "stage", *_STARTED_OVER)}
+               if k not in ("trace_id", "created_at", "stage", *payloads, *_STARTED_OVER)}
     # A reviewer's reward override wins over the new score, as it did over the old one
     # (the review itself, label and note, is a row of its own and stays).
     override = sa.select(REVIEWS.c.reward).where(REVIEWS.c.trace_id == trace_id)
@@ -392,6 +393,8 @@ async def outcome(
         update.where(c.trace_id == trace_id).values(**content, **_STARTED_OVER)
     )
     if replaced.rowcount == 1:
+        await conn.execute(sa.update(PAYLOADS).where(PAYLOADS.c.trace_id == trace_id)
+                           .values(**payloads, compressed=None))
         if text is not None:
             await conn.run_sync(search.index, [(trace_id, text)])
         return "replaced", None

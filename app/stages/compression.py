@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -40,7 +40,7 @@ from app.compression import (
 from app.config import CompressionConfig
 from app.db.dialect import writing
 from app.db.errors import outage_of
-from app.db.models import TRACES
+from app.db.models import PAYLOADS, TRACES
 from app.db.moves import RELEASED, TRACE_STAGES
 from app.domain import Stage, Trace
 from app.llm import LLMError
@@ -56,6 +56,17 @@ from app.stages.leases import Heartbeat, Lease, claim, held_by, retry_later
 log = logging.getLogger("atropos.compression")
 
 Outcome = Compressed | Skipped | Exception
+
+
+class _Claimed(NamedTuple):
+    """A claimed trace, its canonical payload read beside the claim."""
+
+    trace_id: str
+    trace: dict[str, Any]
+    total_tokens: int
+    reward: float | None
+    reward_breakdown: dict[str, Any] | None
+    attempts: int
 
 
 class CompressionStage:
@@ -143,7 +154,7 @@ class CompressionStage:
     async def _claim(self, limit: int, where: sa.ColumnElement[bool] | None = None) -> list[Any]:
         condition = TRACES.c.stage == Stage.ACCEPTED.value
         async with writing(self._engine) as conn:
-            return await claim(
+            rows = await claim(
                 conn,
                 TRACES,
                 where=condition if where is None else sa.and_(condition, where),
@@ -153,13 +164,19 @@ class CompressionStage:
                 longest_backoff=self._policy.retry.max_seconds,
                 returning=[
                     TRACES.c.trace_id,
-                    TRACES.c.trace,
                     TRACES.c.total_tokens,
                     TRACES.c.reward,
                     TRACES.c.reward_breakdown,
                     TRACES.c.attempts,
                 ],
             )
+            if not rows:
+                return []
+            traces = {p.trace_id: p.trace for p in await conn.execute(
+                sa.select(PAYLOADS.c.trace_id, PAYLOADS.c.trace)
+                .where(PAYLOADS.c.trace_id.in_([row.trace_id for row in rows])))}
+        return [_Claimed(row.trace_id, traces[row.trace_id], row.total_tokens, row.reward,
+                         row.reward_breakdown, row.attempts) for row in rows]
 
     async def _call(self, row: Any) -> None:
         try:
@@ -236,10 +253,13 @@ class CompressionStage:
                         conn,
                         row.trace_id,
                         Stage.COMPRESSED,
-                        compressed=result.trace.model_dump(mode="json", exclude_none=True),
                         compressed_tokens=result.tokens_after,
                         compression=result.record(),
                     ):
+                        await conn.execute(
+                            sa.update(PAYLOADS).where(PAYLOADS.c.trace_id == row.trace_id)
+                            .values(compressed=result.trace.model_dump(mode="json",
+                                                                       exclude_none=True)))
                         finished.append(result)
         _count(finished, gave_up)
 

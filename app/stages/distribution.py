@@ -3,9 +3,10 @@ distributor.batch_size, oldest first; traces under min_reward_threshold (inclusi
 reward >= threshold passes) become `below_threshold` and are never batched, and
 neither is a trace a reviewer labelled `bad` (app/db/review_queries.py).
 
-A batch is formed in one transaction: pick the oldest eligible traces (passing over
-rows another worker has locked, on PostgreSQL), insert the batch and its members, move
-the traces to `batched`. The members' primary key on trace_id refuses a trace that is
+A pass forms its batches in one transaction, with one statement each: pick the oldest
+eligible traces for up to max_batches batches (passing over rows another worker has
+locked, on PostgreSQL), insert the batches, their members, move the traces to
+`batched`. The members' primary key on trace_id refuses a trace that is
 already in a batch, and the move checks each trace's stage, so distributors that race
 can only lose (roll back and try again), never put a trace in two batches.
 """
@@ -16,7 +17,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
@@ -67,10 +68,7 @@ class DistributionStage:
                     # First a write: on SQLite it takes the writer lock before the reads
                     # below, so no other writer can slip in between the pick and the move.
                     below = await mark_below_threshold(conn, self._config.min_reward_threshold)
-                    formed: list[FormedBatch] = []
-                    while len(formed) < self._max_batches and (
-                            batch := await form_batch(conn, self._config)) is not None:
-                        formed.append(batch)
+                    formed = await form_batches(conn, self._config, self._max_batches)
             except (IntegrityError, _Raced):
                 log.info("another distributor took some of these traces first; picking again")
                 continue
@@ -102,39 +100,46 @@ async def mark_below_threshold(conn: AsyncConnection, threshold: float) -> int:
     return result.rowcount
 
 
-async def form_batch(conn: AsyncConnection, config: DistributorConfig) -> FormedBatch | None:
-    """One batch of exactly `batch_size` of the oldest eligible traces, or None when
-    fewer are eligible. Runs inside the caller's transaction."""
+async def form_batches(
+    conn: AsyncConnection, config: DistributorConfig, most: int = 1
+) -> list[FormedBatch]:
+    """Up to `most` batches of exactly `batch_size` of the oldest eligible traces (none
+    when fewer are eligible), each statement once for all of them. Runs inside the
+    caller's transaction; raises _Raced when another distributor moved a picked trace."""
     c = TRACES.c
+    size = config.batch_size
     pick = (
         sa.select(c.trace_id)
         .where(c.stage.in_([s.value for s in ELIGIBLE]), c.reward >= config.min_reward_threshold,
                not_labelled_bad())
         .order_by(c.created_at, c.trace_id)
-        .limit(config.batch_size)
+        .limit(size * most)
     )
-    trace_ids = list((await conn.execute(skip_locked(pick, dialect_of(conn)))).scalars())
-    if len(trace_ids) < config.batch_size:
-        return None
+    picked = list((await conn.execute(skip_locked(pick, dialect_of(conn)))).scalars())
+    full = len(picked) // size
+    if not full:
+        return []
     now = utcnow()
-    batch_id = f"b-{now:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:12]}"
-    await conn.execute(
-        sa.insert(BATCHES).values(
-            batch_id=batch_id, created_at=now, updated_at=now, size=len(trace_ids),
-            target=config.target, format=config.format,
-            state=BATCH_STATES.enter(BatchState.PENDING),
-            attempts=0,
-        )
-    )
-    await conn.execute(
-        sa.insert(MEMBERS),
-        [{"trace_id": t, "batch_id": batch_id, "position": i} for i, t in enumerate(trace_ids)],
-    )
+    # A microsecond apart, so that the batches (delivered and listed by created_at)
+    # keep the order of their traces.
+    formed = [FormedBatch(f"b-{now:%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:12]}",
+                          now + timedelta(microseconds=n), picked[n * size:(n + 1) * size])
+              for n in range(full)]
+    pending = BATCH_STATES.enter(BatchState.PENDING)
+    await conn.execute(sa.insert(BATCHES), [
+        {"batch_id": batch.batch_id, "created_at": batch.created_at, "updated_at": now,
+         "size": size,
+         "target": config.target, "format": config.format, "state": pending, "attempts": 0}
+        for batch in formed])
+    await conn.execute(sa.insert(MEMBERS), [
+        {"trace_id": t, "batch_id": batch.batch_id, "position": i}
+        for batch in formed for i, t in enumerate(batch.trace_ids)])
+    trace_ids = picked[:full * size]
     moved = await conn.execute(
         TRACE_STAGES.move(Stage.BATCHED, expected=ELIGIBLE)
         .where(c.trace_id.in_(trace_ids))
         .values(updated_at=now)
     )
     if moved.rowcount != len(trace_ids):
-        raise _Raced(batch_id)
-    return FormedBatch(batch_id, now, trace_ids)
+        raise _Raced(formed[0].batch_id)
+    return formed

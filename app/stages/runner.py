@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from app.errors import Unavailable
@@ -66,7 +67,7 @@ class StageRunner:
         self._every: dict[str, float] = {}  # a stage's longest sleep, if below flush_interval
         self._flush_interval = flush_interval
         self._outage = outage
-        self._wakes: list[asyncio.Event] = []
+        self._wakes: dict[str, asyncio.Event] = {}
         self._tasks: list[asyncio.Task[None]] = []
         # stage -> what the database said when its last pass failed to write. Kept apart
         # from the outage: a write elsewhere working (ingest, the write probe) does not
@@ -95,10 +96,21 @@ class StageRunner:
             for stage in stages:
                 self._every[stage.name] = every
 
-    def wake(self) -> None:
-        """Called after each ingest commit and stage move: the next stage starts now."""
-        for event in self._wakes:
-            event.set()
+    def wake(self, *names: str) -> None:
+        """Called after each ingest commit and stage move: the next stage starts now.
+        `names`: only the stages that the commit gave work (those not running here are
+        passed over); by default every stage."""
+        if not names:
+            names = tuple(self._wakes)
+        for name in names:
+            if (event := self._wakes.get(name)) is not None:
+                event.set()
+
+    def waking(self, *names: str) -> Callable[[], None]:
+        """A wake-up of these stages alone, for a commit that gives work to them only:
+        every stage's pass after each commit was paid (a claim, a write turn on SQLite)
+        by the stages with nothing to do."""
+        return lambda: self.wake(*names)
 
     async def drain(self) -> int:
         """Run every stage until none has work left, in flight included (`--burst`).
@@ -124,8 +136,7 @@ class StageRunner:
 
     def start(self) -> None:
         for stage in self.stages:
-            event = asyncio.Event()
-            self._wakes.append(event)
+            event = self._wakes[stage.name] = asyncio.Event()
             self._tasks.append(asyncio.create_task(self._loop(stage, event),
                                                    name=f"stage-{stage.name}"))
 

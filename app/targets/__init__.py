@@ -40,6 +40,7 @@ from app.targets.base import (
     SaveReceipt,
     Target,
     TargetSpec,
+    Unordered,
 )
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "SaveReceipt",
     "Target",
     "TargetSpec",
+    "Unordered",
     "build_target",
 ]
 

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import httpx
 
@@ -71,6 +71,15 @@ class Target(Protocol):
         """Hand `batch` over; return the receipt. `save` records progress that a later
         attempt should resume from."""
         ...
+
+
+@runtime_checkable
+class Unordered(Protocol):
+    """A target whose batches do not depend on the order they arrive in (each a file of
+    its own): delivery hands over a pass's batches at once, so that their writes (and
+    fsyncs) overlap, instead of one after the other."""
+
+    unordered: bool
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ STALE_TEMPORARY_SECONDS = 3600
 
 class JsonlTarget:
     name = "jsonl"
+    # A file per batch, the manifest appended to with one write each (app/targets/base.py).
+    unordered = True
 
     def __init__(self, output_dir: str, fmt: str) -> None:
         self._dir = Path(output_dir)

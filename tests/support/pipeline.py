@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.db import migrate
-from app.db.models import TRACES
+from app.db.models import PAYLOADS, TRACES
 from app.db.types import utcnow
 from tests.support.builders import native_trace
 from tests.support.databases import database
@@ -52,8 +52,9 @@ async def insert_trace(
         await conn.execute(sa.insert(TRACES).values(
             trace_id=trace_id, created_at=now, updated_at=now, status="success",
             stage=stage, total_tokens=10, source_format="native", content_hash=trace_id,
-            original=body, trace=body,
         ))
+        await conn.execute(sa.insert(PAYLOADS).values(trace_id=trace_id, original=body,
+                                                      trace=body))
 
 
 async def stages(engine: AsyncEngine) -> dict[str, str]:
