@@ -31,8 +31,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from app.config import RetryPolicy, TinkerConfig
+from app.config import CompressionConfig, RetryPolicy, TinkerConfig
 from app.errors import ServiceError
+from app.outage import Outage
 
 __all__ = [
     "BadResponse",
@@ -411,3 +412,22 @@ def shown(url: str) -> str:
     host = parts.hostname or ""
     netloc = f"{host}:{parts.port}" if parts.port else host
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def model_outage(policy: CompressionConfig) -> Outage:
+    """The reporter of the summary model failing, saying what becomes of the traces
+    that need it meanwhile."""
+    then = (
+        "compressed with key_decision_extract (compression.on_model_failure: fallback)"
+        if policy.on_model_failure == "fallback"
+        else "left compression_failed (compression.on_model_failure: retry)"
+    )
+    return Outage(
+        "the summary model",
+        f"traces that need it are retried (compression.retry: {policy.retry.max_attempts} "
+        f"attempts), then {then}",
+        classify=lambda exc: (type(exc).__name__, str(exc)) if isinstance(exc, LLMError) else None,
+        logger="atropos.compression",
+        again="answers again",
+        level=logging.WARNING,
+    )

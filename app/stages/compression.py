@@ -43,7 +43,7 @@ from app.db.errors import outage_of
 from app.db.models import TRACES
 from app.db.moves import RELEASED, TRACE_STAGES
 from app.domain import Stage, Trace
-from app.llm import LLMError
+from app.llm import LLMError, model_outage
 from app.metrics import (
     COMPRESSION_TOKENS_IN,
     COMPRESSION_TOKENS_OUT,
@@ -297,22 +297,3 @@ def _count(finished: list[Compressed | Skipped], gave_up: int) -> None:
             COMPRESSIONS.labels("compressed").inc()
             COMPRESSION_TOKENS_IN.labels(result.strategy).inc(result.tokens_before)
             COMPRESSION_TOKENS_OUT.labels(result.strategy).inc(result.tokens_after)
-
-
-def model_outage(policy: CompressionConfig) -> Outage:
-    """The reporter of the summary model failing (app/outage.py), saying what becomes of
-    the traces that need it meanwhile."""
-    then = (
-        "compressed with key_decision_extract (compression.on_model_failure: fallback)"
-        if policy.on_model_failure == "fallback"
-        else "left compression_failed (compression.on_model_failure: retry)"
-    )
-    return Outage(
-        "the summary model",
-        f"traces that need it are retried (compression.retry: {policy.retry.max_attempts} "
-        f"attempts), then {then}",
-        classify=lambda exc: (type(exc).__name__, str(exc)) if isinstance(exc, LLMError) else None,
-        logger="atropos.compression",
-        again="answers again",
-        level=logging.WARNING,
-    )

@@ -27,28 +27,15 @@ from app.db.models import BATCHES, MEMBERS, TRACES
 from app.db.moves import BATCH_STATES, RELEASED, TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import BatchState, Stage, Trace
-from app.errors import HubError, ServiceError
+from app.errors import HubError
 from app.formats import gateway as gateway_format
 from app.gateway.tokens import token_view
 from app.metrics import DELIVERY_ATTEMPTS
-from app.outage import Outage
+from app.outage import Outage, training_outage
 from app.stages.leases import Heartbeat, Lease, claim, held_by, retry_later
 from app.targets import Batch, BatchItem, Target
 
 log = logging.getLogger("atropos.delivery")
-
-
-def training_outage() -> Outage:
-    """The reporter of the training service (the target's) failing (app/outage.py)."""
-    return Outage(
-        "the training service",
-        "batches are retried (distributor.retry), each attempt said at INFO",
-        classify=lambda exc: (
-            (type(exc).__name__, str(exc) or type(exc).__name__)
-            if isinstance(exc, ServiceError) else None
-        ),
-        logger="atropos.delivery",
-    )
 
 
 # The most batches a delivery pass claims and acknowledges together.
