@@ -40,7 +40,7 @@ from app.tokens import encoding
 
 if TYPE_CHECKING:
     from app.gateway.service import Gateway
-    from app.runs import RunSupervisor
+    from app.runs.supervisor import RunSupervisor
 
 log = logging.getLogger("atropos")
 
@@ -220,7 +220,7 @@ async def running_hub(
             )
             try:
                 if config.runs.enabled:
-                    from app.runs import RunSupervisor  # only where runs are enabled
+                    from app.runs.supervisor import RunSupervisor  # where runs are enabled
 
                     hub.runs = RunSupervisor(engine, config.runs, settings.tinker.tinker)
                     await hub.runs.start()  # re-attaches to the runs a previous hub left

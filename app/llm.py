@@ -26,14 +26,17 @@ import re
 import time
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
-
-import httpx
 
 from app.config import CompressionConfig, RetryPolicy, TinkerConfig
 from app.errors import ServiceError
 from app.outage import Outage
+
+if TYPE_CHECKING:
+    # Imported where a call is made (`_Call.attempt`): the hub imports this module
+    # (its errors, model_outage) before it serves, and needs no HTTP client then.
+    import httpx
 
 __all__ = [
     "BadResponse",
@@ -230,7 +233,7 @@ class _Call:
         attempts = policy.max_attempts
         for attempt in range(1, attempts + 1):
             outcome = await self.attempt(method, send)
-            if isinstance(outcome, httpx.Response):
+            if not isinstance(outcome, _Retry):
                 return outcome, attempt
             retry = outcome
             if attempt == attempts:
@@ -255,6 +258,8 @@ class _Call:
         raise self.unavailable(retry.reason, attempts, retry.status)
 
     async def attempt(self, method: str, send: dict[str, Any]) -> httpx.Response | _Retry:
+        import httpx
+
         headers = {**send.get("headers", {}), "Authorization": f"Bearer {self.key}"}
         try:
             response = await self.client.request(
