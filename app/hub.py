@@ -165,11 +165,11 @@ async def running_hub(
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[Hub]:
     """The hub, serving. `answering`, when given, is set by the caller once the server
-    answers HTTP: only then do the ingest processes start, the background stages get
-    imported and built, and the tokenizer load, so that a restarted hub answers within a
+    answers HTTP: only then are the background stages imported and built, the tokenizer
+    loaded and the ingest processes started, so that a restarted hub answers within a
     second (atroposlib's envs give up after three tries in 1.5-3 s). A trace that
-    arrives earlier waits for the processes; `hub.stages` exists from the start and
-    runs no stage until then. Without `answering` all is built before the hub is
+    arrives earlier starts the processes itself and waits for them; `hub.stages` exists
+    from the start and runs no stage until then. Without `answering` all is built before the hub is
     yielded. `clock`: monotonic seconds for the rate limits (a test's own, to move it)."""
     engine = engine or await open_database(settings.config)
     writer = OneHop(engine)
@@ -256,14 +256,14 @@ async def _start_background(
 ) -> None:
     if answering is not None:
         await answering.wait()
-        hub.ingestor.processes.start()
         await _add_stages(hub, pipeline)
         # In a thread, though it holds the interpreter while it loads: requests wait
         # for it once, now, rather than the first compression pass later.
         await asyncio.to_thread(encoding)
         gc.freeze()  # what the stages imported and built, as running_hub does
-    else:
-        hub.ingestor.processes.start()
+    # Last: the fork server importing the hub takes a CPU for a second, which the
+    # server's first answers (a restarted hub's clients poll it) would otherwise share.
+    hub.ingestor.processes.start()
     if workers:
         hub.stages.start()
         log.info("Compression pipeline ready")
