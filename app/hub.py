@@ -256,10 +256,16 @@ async def _start_background(
 ) -> None:
     if answering is not None:
         await answering.wait()
-        await _add_stages(hub, pipeline)
-        # In a thread, though it holds the interpreter while it loads: requests wait
-        # for it once, now, rather than the first compression pass later.
-        await asyncio.to_thread(encoding)
+        try:
+            await _add_stages(hub, pipeline)
+            # In a thread, though it holds the interpreter while it loads: requests
+            # wait for it once, now, rather than the first compression pass later.
+            await asyncio.to_thread(encoding)
+        except Exception:
+            # Nothing awaits this task until the hub stops: said now. Traces are still
+            # taken (their ingest processes start with the first).
+            log.exception("the background stages could not be built; they do not run")
+            return
         gc.freeze()  # what the stages imported and built, as running_hub does
     # Last: the fork server importing the hub takes a CPU for a second, which the
     # server's first answers (a restarted hub's clients poll it) would otherwise share.
