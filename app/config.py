@@ -17,6 +17,7 @@ import os
 import pwd
 import random
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import MappingProxyType, UnionType
@@ -924,3 +925,12 @@ def _known_keys(title: str, loc: tuple[Any, ...]) -> list[str]:
             else None
         )
     return list(model.model_fields) if model else []
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The three config files, loaded and checked once."""
+
+    config: HubConfig
+    compression: CompressionFile
+    tinker: TinkerFile

@@ -1,28 +1,27 @@
 """The objects one hub process lives by, built from the config files: the engine,
-the ingest path (inserter, ingestor) and the background stages. `atropos serve` owns
-all of them through the API's lifespan; `atropos worker` only the stages."""
+the ingest path (inserter, ingestor) and the background stages (wired in
+app/stages/pipeline.py). `atropos serve` owns all of them through the API's lifespan;
+`atropos worker` only the stages."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import importlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.access.guard import Access
 from app.atropos import Atropos
-from app.atropos.hub_env import HubEnv
-from app.atropos.tables import AtroposDb
-from app.compression import ModelSummarizer
-from app.config import AtroposTargetConfig, CompressionFile, HubConfig, TinkerFile
+from app.config import HubConfig, Settings
 from app.db.dialect import OneHop
 from app.db.errors import outage_of
 from app.db.group_commit import GroupCommit
@@ -33,34 +32,18 @@ from app.ingest.ingestor import EntryStage, Ingestor, ingest_processes, running_
 from app.ingest.inserter import TraceInserter
 from app.ingest.otlp.receiver import SpanReceiver
 from app.ingest.processes import ingest_outage
+from app.llm import model_outage
 from app.metrics import summarizing
-from app.outage import Outages
-from app.runs import RunSupervisor
-from app.stages.assembly import AssemblyStage
-from app.stages.compression import CompressionStage, model_outage
-from app.stages.delivery import DeliveryStage, training_outage
-from app.stages.distribution import DistributionStage
-from app.stages.env_groups import EnvGroupStage
-from app.stages.grouping import GroupingStage
-from app.stages.leases import Lease
-from app.stages.retention import RetentionStage
-from app.stages.rollouts import RolloutStage
+from app.outage import Outages, training_outage
+from app.stages import ENTERED
 from app.stages.runner import StageRunner
-from app.targets import build_target
+from app.tokens import encoding
 
 if TYPE_CHECKING:
     from app.gateway.service import Gateway
+    from app.runs.supervisor import RunSupervisor
 
 log = logging.getLogger("atropos")
-
-
-@dataclass(frozen=True)
-class Settings:
-    """The three config files, loaded and checked once."""
-
-    config: HubConfig
-    compression: CompressionFile
-    tinker: TinkerFile
 
 
 @dataclass
@@ -141,94 +124,6 @@ def hub_outages(engine: AsyncEngine, settings: Settings) -> Outages:
         training=training_outage(),
     )
 
-# How soon the stages see traces committed by another process.
-ARRIVALS_SECONDS = 1.0
-
-
-def ingest_wakes(runner: StageRunner) -> Callable[[], None]:
-    """The wake-up of an ingest commit: the stages a trace enters before (compression,
-    or distribution past it: EntryStage in app/ingest/ingestor.py)."""
-    return runner.waking(CompressionStage.name, DistributionStage.name)
-
-
-@asynccontextmanager
-async def running_stages(
-    settings: Settings, engine: AsyncEngine, outages: Outages | None = None,
-    writer: OneHop | None = None,
-) -> AsyncIterator[StageRunner]:
-    """The background stages in pipeline order, with the HTTP client they share. Each
-    stage wakes the runner when it moves traces on, so the next stage starts at once.
-    `writer`: the hub's one write connection (without it, the stages' own)."""
-    config = settings.config
-    outages = outages or hub_outages(engine, settings)
-    runner = StageRunner(config.trace_server.flush_interval_seconds, outages.database,
-                         config.workers.lease_seconds)
-    lease = Lease(config.workers.lease_seconds)
-    async with httpx.AsyncClient() as http:
-        policy = settings.compression.compression
-        # Traces another process commits (`atropos import` into the database, another
-        # replica's ingest) wake no stage here: the first stage looks for them every
-        # ARRIVALS_SECONDS, so that they move on within it.
-        runner.add(
-            CompressionStage(
-                engine,
-                policy,
-                max_trace_tokens=config.trace_server.max_trace_tokens,
-                lease=lease,
-                summarizer=ModelSummarizer(http, settings.tinker.tinker),
-                # Its own wake-up too: a retry's, when the backoff has passed.
-                on_advance=runner.waking(CompressionStage.name, DistributionStage.name),
-                model=outages.model,
-            ),
-            every=ARRIVALS_SECONDS,
-        )
-        hub_env = None
-        if isinstance(config.distributor, AtroposTargetConfig):
-            hub_env = HubEnv(AtroposDb(engine, writer), config.distributor, config.atropos,
-                             outages.database)
-            grouping = GroupingStage(hub_env, poll_seconds=min(
-                ARRIVALS_SECONDS, config.distributor.group_timeout_seconds / 4))
-            runner.add(grouping, every=grouping.poll_seconds)
-        runner.add(
-            DistributionStage(engine, config.distributor,
-                              on_advance=runner.waking(DeliveryStage.name)),
-            DeliveryStage(
-                engine,
-                build_target(config.distributor, settings.tinker.tinker, http, hub_env),
-                config.distributor,
-                lease=lease,
-                on_advance=runner.wake,
-                training=outages.training,
-            ),
-        )
-        if config.retention is not None:
-            runner.add(RetentionStage(engine, config.retention))
-        if hub_env is not None:
-            hub_env.start()
-        try:
-            yield runner
-        finally:
-            await runner.stop()
-            if hub_env is not None:
-                await hub_env.close()
-
-
-def add_assembly(stages: StageRunner, engine: AsyncEngine, settings: Settings,
-                 ingestor: Ingestor) -> None:
-    """The stages that make trajectories and prepare them in `ingestor`'s processes:
-    OTLP assembly, the gateway's rollouts, the groups envs send; their loops also wake
-    every poll_seconds, since their traces come due with time rather than with a
-    commit."""
-    config = settings.config
-    stage = AssemblyStage(engine, config.otlp, ingestor.prepare, on_advance=stages.wake)
-    stages.add(stage, every=stage.poll_seconds)
-    groups = EnvGroupStage(engine, ingestor, settings.tinker.tinker.tokenizer,
-                           on_advance=stages.wake)
-    stages.add(groups, every=groups.poll_seconds)
-    if config.gateway.enabled:
-        rollouts = RolloutStage(engine, config.gateway, ingestor.prepare, on_advance=stages.wake)
-        stages.add(rollouts, every=rollouts.poll_seconds)
-
 
 @asynccontextmanager
 async def running_gateway(settings: Settings, engine: AsyncEngine, writer: OneHop,
@@ -271,13 +166,16 @@ async def running_hub(
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[Hub]:
     """The hub, serving. `answering`, when given, is set by the caller once the server
-    answers HTTP and the tokenizer is loaded; the ingest processes and the stages start
-    only then, so that a restarted hub answers within a second (atroposlib's envs give
-    up after three tries in 1.5-3 s). A trace that arrives earlier waits for them.
-    `clock`: monotonic seconds for the rate limits (a test's own, to move it)."""
+    answers HTTP: only then are the background stages imported and built, the tokenizer
+    loaded and the ingest processes started, so that a restarted hub answers within a
+    second (atroposlib's envs give up after three tries in 1.5-3 s). A trace that
+    arrives earlier starts the processes itself and waits for them; `hub.stages` exists
+    from the start and runs no stage until then. Without `answering` all is built before the hub is
+    yielded. `clock`: monotonic seconds for the rate limits (a test's own, to move it)."""
     engine = engine or await open_database(settings.config)
     writer = OneHop(engine)
     outages = hub_outages(engine, settings)
+    stages = StageRunner.of(settings.config, outages.database)
     # Started by _start_background.
     processes = ingest_processes(settings.config, environment, outages.ingest,
                                  start_wait=settings.config.limits.max_write_wait_seconds,
@@ -286,9 +184,11 @@ async def running_hub(
         config = settings.config
         async with (
             summarizing(config.trace_server.log_summary_seconds),
-            running_stages(settings, engine, outages, writer) as stages,
+            # The stages' context (app/stages/pipeline.py), entered now or in the
+            # background: it ends after the ingest path, which wakes them as it commits.
+            AsyncExitStack() as pipeline,
             running_ingest(
-                engine, config, environment, admitted=True, on_commit=ingest_wakes(stages),
+                engine, config, environment, admitted=True, on_commit=stages.waking(*ENTERED),
                 processes=processes, writer=writer, outage=outages.database,
             ) as ingest,
             running_gateway(settings, engine, writer, outages) as gateway,
@@ -312,14 +212,17 @@ async def running_hub(
                       stages, access, atropos, spans, gateway=gateway)
             if gateway is not None:
                 gateway.write_problem = hub.write_problem
-            add_assembly(stages, engine, settings, ingest.ingestor)
+            if answering is None:
+                await _add_stages(hub, pipeline)
             atropos.start()
             spans.start()
             background = asyncio.create_task(
-                _start_background(hub, workers, answering), name="hub-background"
+                _start_background(hub, pipeline, workers, answering), name="hub-background"
             )
             try:
                 if config.runs.enabled:
+                    from app.runs.supervisor import RunSupervisor  # where runs are enabled
+
                     hub.runs = RunSupervisor(engine, config.runs, settings.tinker.tinker)
                     await hub.runs.start()  # re-attaches to the runs a previous hub left
                 # What exists now lives as long as the process: keep it out of the
@@ -340,10 +243,51 @@ async def running_hub(
         await engine.dispose()
 
 
-async def _start_background(hub: Hub, workers: bool, answering: asyncio.Event | None) -> None:
+async def _add_stages(hub: Hub, pipeline: AsyncExitStack) -> None:
+    """The background stages, built into `hub.stages` (not started)."""
+    stages = await importing(lambda: importlib.import_module("app.stages.pipeline"))
+
+    await pipeline.enter_async_context(stages.running_stages(
+        hub.settings, hub.engine, hub.outages, writer=hub.writer, runner=hub.stages))
+    stages.add_assembly(hub.stages, hub.engine, hub.settings, hub.ingestor)
+
+
+async def _start_background(
+    hub: Hub, pipeline: AsyncExitStack, workers: bool, answering: asyncio.Event | None
+) -> None:
     if answering is not None:
         await answering.wait()
+        try:
+            await _add_stages(hub, pipeline)
+            # In a thread, though it holds the interpreter while it loads: requests
+            # wait for it once, now, rather than the first compression pass later.
+            await asyncio.to_thread(encoding)
+        except Exception:
+            # Nothing awaits this task until the hub stops: said now. Traces are still
+            # taken (their ingest processes start with the first).
+            log.exception("the background stages could not be built; they do not run")
+            return
+        gc.freeze()  # what the stages imported and built, as running_hub does
+    # Last: the fork server importing the hub takes a CPU for a second, which the
+    # server's first answers (a restarted hub's clients poll it) would otherwise share.
     hub.ingestor.processes.start()
     if workers:
         hub.stages.start()
         log.info("Compression pipeline ready")
+
+
+# One import at a time: two threads importing modules that import each other can each
+# find the other's module half made.
+_importing = threading.Lock()
+R = TypeVar("R")
+
+
+async def importing(work: Callable[[], R]) -> R:
+    """work() in a thread, the event loop answering meanwhile, for what a server that
+    already answers imports and builds (the stages, the API's other routes)."""
+
+    def alone() -> R:
+        with _importing:
+            return work()
+
+    return await asyncio.to_thread(alone)

@@ -26,13 +26,17 @@ import re
 import time
 import urllib.request
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
-
-from app.config import RetryPolicy, TinkerConfig
+from app.config import CompressionConfig, RetryPolicy, TinkerConfig
 from app.errors import ServiceError
+from app.outage import Outage
+
+if TYPE_CHECKING:
+    # Imported where a call is made (`_Call.attempt`): the hub imports this module
+    # (its errors, model_outage) before it serves, and needs no HTTP client then.
+    import httpx
 
 __all__ = [
     "BadResponse",
@@ -229,7 +233,7 @@ class _Call:
         attempts = policy.max_attempts
         for attempt in range(1, attempts + 1):
             outcome = await self.attempt(method, send)
-            if isinstance(outcome, httpx.Response):
+            if not isinstance(outcome, _Retry):
                 return outcome, attempt
             retry = outcome
             if attempt == attempts:
@@ -254,6 +258,8 @@ class _Call:
         raise self.unavailable(retry.reason, attempts, retry.status)
 
     async def attempt(self, method: str, send: dict[str, Any]) -> httpx.Response | _Retry:
+        import httpx
+
         headers = {**send.get("headers", {}), "Authorization": f"Bearer {self.key}"}
         try:
             response = await self.client.request(
@@ -411,3 +417,22 @@ def shown(url: str) -> str:
     host = parts.hostname or ""
     netloc = f"{host}:{parts.port}" if parts.port else host
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def model_outage(policy: CompressionConfig) -> Outage:
+    """The reporter of the summary model failing, saying what becomes of the traces
+    that need it meanwhile."""
+    then = (
+        "compressed with key_decision_extract (compression.on_model_failure: fallback)"
+        if policy.on_model_failure == "fallback"
+        else "left compression_failed (compression.on_model_failure: retry)"
+    )
+    return Outage(
+        "the summary model",
+        f"traces that need it are retried (compression.retry: {policy.retry.max_attempts} "
+        f"attempts), then {then}",
+        classify=lambda exc: (type(exc).__name__, str(exc)) if isinstance(exc, LLMError) else None,
+        logger="atropos.compression",
+        again="answers again",
+        level=logging.WARNING,
+    )

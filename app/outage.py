@@ -17,6 +17,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from app.errors import ServiceError
+
 # What a failure is, for a subject: (its kind, what was said, in one line), or None when
 # the exception is not this subject failing (a bug, for the caller to log with its
 # traceback).
@@ -113,3 +115,16 @@ class Outages:
     def failing(self) -> dict[str, str]:
         """subject -> what its last failure said, for each subject failing now."""
         return {o.subject: reason for o in self if (reason := o.failing) is not None}
+
+
+def training_outage() -> Outage:
+    """The reporter of the training service (the target's) failing."""
+    return Outage(
+        "the training service",
+        "batches are retried (distributor.retry), each attempt said at INFO",
+        classify=lambda exc: (
+            (type(exc).__name__, str(exc) or type(exc).__name__)
+            if isinstance(exc, ServiceError) else None
+        ),
+        logger="atropos.delivery",
+    )

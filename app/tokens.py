@@ -37,16 +37,31 @@ def encoding() -> TokenCounter:
     """cl100k_base, loaded once per process (the ingest processes' fork server loads it
     for all of them)."""
     try:
+        return cast(TokenCounter, tokenizer_class()("cl100k_base", ""))
+    except StartupError:
+        raise
+    except Exception as exc:  # an extension that does not load its tables
+        raise _unusable(exc) from None
+
+
+def tokenizer_class() -> type:
+    """The tokenizer's class, imported (a few milliseconds; loading cl100k_base with
+    `encoding` takes far longer): whether the tokenizer is usable, checked before a hub
+    serves."""
+    try:
         # The extension's own class: the package's `batch_count` wrapper costs more a
         # call than counting a typical trace's text (docs/ingest.md).
         from toktok._toktok import Tokenizer as Toktok
-
-        return cast(TokenCounter, Toktok("cl100k_base", ""))
     except Exception as exc:  # an import error, or an extension that does not load
-        raise StartupError(
-            f"The cl100k_base tokenizer could not be loaded ({type(exc).__name__}: {exc}): "
-            "reinstall the toktok-rs package, which ships it."
-        ) from None
+        raise _unusable(exc) from None
+    return cast(type, Toktok)
+
+
+def _unusable(exc: Exception) -> StartupError:
+    return StartupError(
+        f"The cl100k_base tokenizer could not be loaded ({type(exc).__name__}: {exc}): "
+        "reinstall the toktok-rs package, which ships it."
+    )
 
 
 def count_tokens(text: str) -> int:

@@ -57,8 +57,9 @@ def test_bad_config_stops_start_up_with_one_line(
 @pytest.mark.process
 def test_no_tokenizer_stops_start_up_with_one_line(tmp_path: Path) -> None:
     """The tokenizer cannot load (as with the toktok-rs package missing or broken):
-    serve says so in one sentence and stops. (It loads once the server answers, so that
-    a restart answers within a second: after the database is opened.)"""
+    serve says so in one sentence and stops, before it opens the database. (Only its
+    import is checked then: its tables load once the server answers, so that a restart
+    answers within a second.)"""
     db = tmp_path / "traces.db"
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"trace_server": {"db_path": str(db), "port": 0}}))

@@ -19,7 +19,7 @@ from app.errors import HubError, Invalid, Unavailable
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Preparer
 from app.ingest.inserter import INSERT, PreparedTrace
-from app.ingest.processes import _LONG_ITEM_SECONDS, _SINCE, IngestProcesses
+from app.ingest.processes import _LONG_ITEM_SECONDS, _SINCE, IngestProcesses, ingest_outage
 from app.metrics import INGEST_RESTARTS, total
 from tests.support.builders import native_trace
 from tests.support.processes import HubProcess
@@ -50,6 +50,24 @@ async def test_rows_come_back_in_order_with_each_items_error() -> None:
             assert isinstance(bad, Invalid) and bad.status == 422
             assert isinstance(last, PreparedTrace) and last.trace_id == f"u-{i}"
         assert len(set(processes.pids)) == 2
+    finally:
+        await processes.close()
+
+
+async def test_without_a_start_wait_calls_are_made_here_until_the_processes_are_up() -> None:
+    """`atropos import` (start_wait=0): its first traces are not held up by the fork
+    server importing the hub, and that is no outage; later calls go to the processes."""
+    outage = ingest_outage()
+    processes = IngestProcesses(PREPARER, 1, outage=outage, start_wait=0)
+    try:
+        processes.start()
+        (row,) = await processes.rows([native_trace(trace_id="first")], None)
+        assert isinstance(row, PreparedTrace) and row.trace_id == "first"
+        assert outage.failing is None
+        await wait_until_async(lambda: processes.pids != [], 120, what="the process")
+        (row,) = await processes.rows([native_trace(trace_id="later")], None)
+        assert isinstance(row, PreparedTrace) and row.trace_id == "later"
+        assert in_flight(processes) == 0 and len(processes.pids) == 1
     finally:
         await processes.close()
 

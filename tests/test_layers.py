@@ -11,8 +11,8 @@ from pathlib import Path
 from tests.support import ROOT
 
 LAYERS: list[set[str]] = [
-    {"errors", "durations", "waits", "patterns", "outage"},
-    {"domain", "files", "tokens"},
+    {"errors", "durations", "waits", "patterns"},
+    {"domain", "files", "tokens", "outage"},
     {"formats"},
     {"config"},
     {"llm", "evaluation", "metrics"},

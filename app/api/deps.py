@@ -8,9 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from app.errors import Forbidden
 from app.hub import Hub
-from app.runs import RunSupervisor
 
 
 async def get_hub(request: Request) -> Hub:
@@ -28,18 +26,3 @@ async def get_conn(hub: HubDep) -> AsyncIterator[AsyncConnection]:
 
 
 ConnDep = Annotated[AsyncConnection, Depends(get_conn)]
-
-
-async def get_runs(hub: HubDep) -> RunSupervisor:
-    if hub.runs is None:
-        # 403, not 404: the feature exists and the answer says how to turn it on.
-        raise Forbidden(
-            "training runs are off on this hub; set runs.enabled to true in config.json "
-            "(the runs endpoints start processes on the hub's machine)",
-            code="runs_disabled",
-            field="runs.enabled",
-        )
-    return hub.runs
-
-
-RunsDep = Annotated[RunSupervisor, Depends(get_runs)]

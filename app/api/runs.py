@@ -4,14 +4,32 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 
 from app.access.keys import Scope
 from app.api.auth import requires
-from app.api.deps import HubDep, RunsDep
+from app.api.deps import HubDep
 from app.api.openapi import errors
 from app.api.schemas import Run, RunCreated, RunList
+from app.errors import Forbidden
 from app.runs import RunSpec, RunStatus
+from app.runs.supervisor import RunSupervisor
+
+
+async def get_runs(hub: HubDep) -> RunSupervisor:
+    if hub.runs is None:
+        # 403, not 404: the feature exists and the answer says how to turn it on.
+        raise Forbidden(
+            "training runs are off on this hub; set runs.enabled to true in config.json "
+            "(the runs endpoints start processes on the hub's machine)",
+            code="runs_disabled",
+            field="runs.enabled",
+        )
+    return hub.runs
+
+
+RunsDep = Annotated[RunSupervisor, Depends(get_runs)]
+
 
 # Runs start processes on the hub's machine: every route, reads too, is admin's.
 router = APIRouter(prefix="/v1/runs", tags=["runs"], dependencies=[requires(Scope.ADMIN)])

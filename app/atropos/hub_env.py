@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import sqlalchemy as sa
@@ -49,7 +49,9 @@ from app.db.group_commit import GroupCommit
 from app.db.models import ATROPOS_ROLLOUTS
 from app.db.types import utcnow
 from app.outage import Outage
-from app.targets import Rollout
+
+if TYPE_CHECKING:
+    from app.targets import Rollout
 
 log = logging.getLogger("atropos.groups")
 

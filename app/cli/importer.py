@@ -245,7 +245,7 @@ async def _into_database(
     encoding()
     async with (
         database(config) as engine,
-        running_ingest(engine, config, environment, admitted=False) as ingest,
+        running_ingest(engine, config, environment, admitted=False, start_wait=0) as ingest,
     ):
         for chunk in batches:
             await import_into_database(ingest.ingestor, chunk, summary)

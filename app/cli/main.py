@@ -59,7 +59,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         epilog="Each command's --help lists its options and ends with an example.\n\n"
                "example:\n  atropos serve --config config.json",
     )
-    parser.add_argument("--version", action="version", version=f"atropos-hub {_version()}")
+    parser.add_argument("--version", action=_Version, help="show the version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = _chosen(argv) if argv is not None else None
     for module in _MODULES:
@@ -75,12 +75,28 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 def _imported(module: str) -> Any:
     # Importing the hub allocates hundreds of thousands of objects and frees none: the
     # collector's passes meanwhile are time lost from start-up (a restarted hub must
-    # answer within a second; docs/atropos.md, "Start-up").
+    # answer within a second; docs/atropos.md, "Start-up"). Frozen before it is turned
+    # back on, or its first pass after would walk all of them.
     gc.disable()
     try:
         return importlib.import_module(f"app.cli.{module}")
     finally:
+        gc.freeze()
         gc.enable()
+
+
+class _Version(argparse.Action):
+    """--version, its answer looked up only when asked (the package metadata takes a
+    while to read, and every other command would pay for it)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(f"atropos-hub {_version()}")
+        parser.exit()
 
 
 def _chosen(argv: Sequence[str]) -> str | None:

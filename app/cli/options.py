@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from app.durations import parse_duration, parse_moment
 
 if TYPE_CHECKING:
-    from app.hub import Settings
+    from app.config import Settings
 
 CommandHandler = Callable[[argparse.Namespace], Awaitable[int]]
 Commands = argparse._SubParsersAction  # the subparsers of `atropos` or of a group
@@ -144,8 +144,7 @@ def add_hub_files(parser: argparse.ArgumentParser) -> None:
 
 def load_settings(args: argparse.Namespace, *, delivers: bool = False) -> Settings:
     """The config files; `delivers`: this process will hand batches to the target."""
-    from app.config import load_compression, load_config, load_tinker
-    from app.hub import Settings
+    from app.config import Settings, load_compression, load_config, load_tinker
 
     settings = Settings(
         load_config(args.config), load_compression(args.compression), load_tinker(args.tinker)

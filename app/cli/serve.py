@@ -16,13 +16,13 @@ from app import formats
 from app.api.app import create_app
 from app.api.server import exposure, listening_socket, server_config
 from app.cli.options import Commands, add_hub_files, command, counted, load_settings
+from app.config import Settings
 from app.db.migrate import database, open_database
-from app.errors import StartupError
 from app.evaluation.environment import Environment
-from app.hub import Settings, add_assembly, entry_stage, running_stages
+from app.hub import entry_stage, hub_outages
 from app.ingest.ingestor import running_ingest
 from app.metrics import Tally, start_at_zero, summarizing
-from app.tokens import encoding
+from app.tokens import encoding, tokenizer_class
 
 log = logging.getLogger("atropos")
 
@@ -48,9 +48,10 @@ async def _serve(args: argparse.Namespace) -> int:
     sock = listening_socket(ts)
     if warning := exposure(settings.config):
         log.warning(warning)
-    # Rules first, then the database: a mistake costs no migration. The tokenizer
-    # loads once the server answers (see running_hub).
+    # Rules first, then the database: a mistake costs no migration. The tokenizer is
+    # only imported here; it loads once the server answers (see running_hub).
     environment = Environment.from_config(settings.config.environment)
+    tokenizer_class()
     _metrics_at_zero(settings, environment)
     # Opened here so that a database it cannot reach stops start-up; the app's
     # lifespan owns it from then on.
@@ -68,12 +69,6 @@ async def _serve(args: argparse.Namespace) -> int:
     if server.started:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         log.info("Trace server listening on %s:%s", host, port)
-        try:
-            await asyncio.to_thread(encoding)
-        except StartupError:
-            server.should_exit = True
-            await serving
-            raise
         answering.set()
     await serving
     if server.started:
@@ -105,6 +100,9 @@ class _Server(uvicorn.Server):
 
 
 async def _worker(args: argparse.Namespace) -> int:
+    # Not imported with `serve`, which builds its stages once it answers.
+    from app.stages.pipeline import add_assembly, running_stages
+
     settings = load_settings(args, delivers=True)
     config = settings.config
     environment = Environment.from_config(config.environment)
@@ -112,7 +110,7 @@ async def _worker(args: argparse.Namespace) -> int:
     encoding()  # the compression stage counts tokens
     async with (
         database(config) as engine,
-        running_stages(settings, engine) as stages,
+        running_stages(settings, engine, hub_outages(engine, settings)) as stages,
         # OTLP assembly prepares its trajectories as ingest does.
         running_ingest(engine, config, environment, admitted=False,
                        entry=entry_stage(settings)) as ingest,

@@ -19,14 +19,15 @@ prompt of a compressed trace stays the one the agent ran with.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
-
-import httpx
+from typing import TYPE_CHECKING, Protocol
 
 from app.compression.ledger import Budget, Ledger, speaker, step_parts
 from app.config import CompressionConfig, TinkerConfig
 from app.domain import Step, StepType
 from app.llm import LLMError, chat
+
+if TYPE_CHECKING:
+    import httpx
 
 PREFIX = "[CONTEXT SUMMARY]:"
 # Hermes sends each turn whole up to this size, else its head and tail.

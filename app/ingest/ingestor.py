@@ -317,6 +317,7 @@ async def running_ingest(
     writer: OneHop | None = None,
     outage: Outage | None = None,
     entry: EntryStage | None = None,
+    start_wait: float | None = None,
 ) -> AsyncIterator[IngestPath]:
     """The ingest path of one process, running: the ingest processes that prepare rows
     and the inserter that commits them (`atropos serve` and `atropos import` alike).
@@ -326,8 +327,8 @@ async def running_ingest(
     limits.max_write_wait_seconds; without it (`atropos import`) the callers wait for
     each chunk and are their own back-pressure. `processes`, `writer`, `outage`: the
     hub's, which starts and ends them; without them the path has its own, started now
-    (`entry`: where its accepted traces enter). On exit what is queued is committed
-    first."""
+    (`entry`: where its accepted traces enter; `start_wait`: see IngestProcesses). On
+    exit what is queued is committed first."""
     limits = config.limits
     inserter = TraceInserter(
         engine,
@@ -341,7 +342,7 @@ async def running_ingest(
     admission = Admission(limits, inserter.write_wait) if admitted else None
     own = processes is None
     if processes is None:
-        processes = ingest_processes(config, environment, entry=entry)
+        processes = ingest_processes(config, environment, entry=entry, start_wait=start_wait)
         processes.start()
     ingestor = Ingestor(inserter, processes, admission=admission)
     inserter.start()

@@ -108,8 +108,10 @@ class IngestProcesses:
         start_wait: float | None = None,
     ) -> None:
         """`outage`: where the processes failing to start or dying is said (the hub's);
-        `start_wait`: how long a call waits for the processes to start, then 503 (None:
-        as long as they take)."""
+        `start_wait`: how long a call waits for the processes to start (None: as long as
+        they take; 0: not at all, the calls being made here until they are up, unsaid:
+        `atropos import`, whose first traces would wait for the fork server to import
+        the hub, though its own process has done so already)."""
         self._preparer = preparer
         self._start_wait = start_wait
         self._size = processes
@@ -196,6 +198,8 @@ class IngestProcesses:
         (the hub's is limits.max_write_wait_seconds); False if none has started by then:
         the call is then made in the serving process (in a thread), so that a trace
         sent while the hub starts waits no longer than that bound for its preparing."""
+        if self._start_wait == 0:
+            return bool(self._processes)
         left = None
         if self._start_wait is not None:
             left = max(0.0, self._started_at + self._start_wait - time.monotonic())

@@ -43,7 +43,7 @@ from app.db.errors import outage_of
 from app.db.models import PAYLOADS, TRACES
 from app.db.moves import RELEASED, TRACE_STAGES
 from app.domain import Stage, Trace
-from app.llm import LLMError
+from app.llm import LLMError, model_outage
 from app.metrics import (
     COMPRESSION_TOKENS_IN,
     COMPRESSION_TOKENS_OUT,
@@ -51,6 +51,7 @@ from app.metrics import (
     count_compression_skipped,
 )
 from app.outage import Outage
+from app.stages import COMPRESSION
 from app.stages.leases import Heartbeat, Lease, claim, held_by, retry_later
 
 log = logging.getLogger("atropos.compression")
@@ -70,7 +71,7 @@ class _Claimed(NamedTuple):
 
 
 class CompressionStage:
-    name = "compression"
+    name = COMPRESSION
 
     def __init__(
         self,
@@ -317,22 +318,3 @@ def _count(finished: list[Compressed | Skipped], gave_up: int) -> None:
             COMPRESSIONS.labels("compressed").inc()
             COMPRESSION_TOKENS_IN.labels(result.strategy).inc(result.tokens_before)
             COMPRESSION_TOKENS_OUT.labels(result.strategy).inc(result.tokens_after)
-
-
-def model_outage(policy: CompressionConfig) -> Outage:
-    """The reporter of the summary model failing (app/outage.py), saying what becomes of
-    the traces that need it meanwhile."""
-    then = (
-        "compressed with key_decision_extract (compression.on_model_failure: fallback)"
-        if policy.on_model_failure == "fallback"
-        else "left compression_failed (compression.on_model_failure: retry)"
-    )
-    return Outage(
-        "the summary model",
-        f"traces that need it are retried (compression.retry: {policy.retry.max_attempts} "
-        f"attempts), then {then}",
-        classify=lambda exc: (type(exc).__name__, str(exc)) if isinstance(exc, LLMError) else None,
-        logger="atropos.compression",
-        again="answers again",
-        level=logging.WARNING,
-    )

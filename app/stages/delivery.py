@@ -28,28 +28,16 @@ from app.db.models import BATCHES, MEMBERS, PAYLOADS, TRACES, WITH_PAYLOADS
 from app.db.moves import BATCH_STATES, RELEASED, TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import BatchState, Stage, Trace
-from app.errors import HubError, ServiceError
+from app.errors import HubError
 from app.formats import gateway as gateway_format
 from app.gateway.tokens import token_view
 from app.metrics import DELIVERY_ATTEMPTS
-from app.outage import Outage
+from app.outage import Outage, training_outage
+from app.stages import DELIVERY
 from app.stages.leases import Heartbeat, Lease, claim, held_by, retry_later
 from app.targets import Batch, BatchItem, Target, Unordered
 
 log = logging.getLogger("atropos.delivery")
-
-
-def training_outage() -> Outage:
-    """The reporter of the training service (the target's) failing (app/outage.py)."""
-    return Outage(
-        "the training service",
-        "batches are retried (distributor.retry), each attempt said at INFO",
-        classify=lambda exc: (
-            (type(exc).__name__, str(exc) or type(exc).__name__)
-            if isinstance(exc, ServiceError) else None
-        ),
-        logger="atropos.delivery",
-    )
 
 
 # The most batches a delivery pass claims and acknowledges together.
@@ -57,7 +45,7 @@ PER_PASS = 8
 
 
 class DeliveryStage:
-    name = "delivery"
+    name = DELIVERY
 
     def __init__(
         self,

@@ -30,6 +30,7 @@ from app.db.moves import BATCH_STATES, TRACE_STAGES
 from app.db.review_queries import not_labelled_bad
 from app.db.types import utcnow
 from app.domain import ELIGIBLE, BatchState, Stage
+from app.stages import DISTRIBUTION
 
 log = logging.getLogger("atropos.distribution")
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class _Raced(Exception):
 
 
 class DistributionStage:
-    name = "distribution"
+    name = DISTRIBUTION
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from app.config import HubConfig
 from app.errors import Unavailable
 from app.outage import Outage
 from app.waits import event_set_within
@@ -77,6 +78,13 @@ class StageRunner:
         # its failure lapses once they would have been claimed again and failed anew
         # (with a lease's margin, for a claim that comes late).
         self._lapse = 2 * lease_seconds + flush_interval
+
+    @classmethod
+    def of(cls, config: HubConfig, outage: Outage) -> StageRunner:
+        """The runner config.json describes (trace_server.flush_interval_seconds,
+        workers.lease_seconds)."""
+        return cls(config.trace_server.flush_interval_seconds, outage,
+                   config.workers.lease_seconds)
 
     @property
     def failing_writes(self) -> dict[str, str]:

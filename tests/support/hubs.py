@@ -30,10 +30,10 @@ from asgi_lifespan import LifespanManager
 
 from app.api.app import create_app
 from app.api.server import server_config
-from app.config import load_compression, load_config, load_tinker
+from app.config import Settings, load_compression, load_config, load_tinker
 from app.db.migrate import open_database
 from app.evaluation.environment import Environment
-from app.hub import Hub, Settings
+from app.hub import Hub
 from app.tokens import encoding
 from tests.support.waiting import wait_until, wait_until_async
 

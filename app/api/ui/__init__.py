@@ -13,55 +13,61 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import quote
 
-import fastapi_offline
-from fastapi import FastAPI, Request
-from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi import APIRouter, Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
-from starlette.staticfiles import StaticFiles
 
-from app.api.ui import pages
-from app.api.ui.render import render
-from app.api.ui.session import LoginNeeded, get_visitor
 from app.errors import HubError
+
+# The pages' modules (and Jinja2) are imported by `install` and `error_page` alone: a
+# hub that starts imports them once it answers (app/api/app.py), and the error handler
+# of every request imports this package.
 
 PREFIX = "/ui"
 DOCS_ASSETS = "/docs-assets"
 
 
-def install(app: FastAPI) -> None:
-    app.include_router(pages.router)
-    app.mount(f"{PREFIX}/static", StaticFiles(packages=[("app.api.ui", "static")]),
-              name="ui-static")
+def install(router: APIRouter) -> None:
+    from starlette.staticfiles import StaticFiles
+
+    from app.api.ui import pages
+
+    router.include_router(pages.router)
+    router.mount(f"{PREFIX}/static", StaticFiles(packages=[("app.api.ui", "static")]),
+                 name="ui-static")
 
 
-def install_docs(app: FastAPI) -> None:
+def install_docs(router: APIRouter, title: str) -> None:
     """/docs and /redoc with Swagger UI and ReDoc from the installed package, not a CDN."""
+    import fastapi_offline
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+    from starlette.staticfiles import StaticFiles
+
     assets = Path(fastapi_offline.__file__).parent / "static"
     redoc_js = _redoc_without_remote_logo(assets / "redoc.standalone.js")
 
     # Before the mount, which would otherwise answer this path first.
-    @app.get(f"{DOCS_ASSETS}/redoc.standalone.js", include_in_schema=False)
+    @router.get(f"{DOCS_ASSETS}/redoc.standalone.js", include_in_schema=False)
     async def redoc_script() -> Response:
         return Response(redoc_js, media_type="text/javascript",
                         headers={"Cache-Control": "public, max-age=86400"})
 
-    app.mount(DOCS_ASSETS, StaticFiles(directory=assets), name="docs-assets")
+    router.mount(DOCS_ASSETS, StaticFiles(directory=assets), name="docs-assets")
 
-    @app.get("/docs", include_in_schema=False)
+    @router.get("/docs", include_in_schema=False)
     async def swagger_ui() -> HTMLResponse:
         return get_swagger_ui_html(
             openapi_url="/openapi.json",
-            title=f"{app.title} - Swagger UI",
+            title=f"{title} - Swagger UI",
             swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
             swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
             swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
         )
 
-    @app.get("/redoc", include_in_schema=False)
+    @router.get("/redoc", include_in_schema=False)
     async def redoc() -> HTMLResponse:
         return get_redoc_html(
             openapi_url="/openapi.json",
-            title=f"{app.title} - ReDoc",
+            title=f"{title} - ReDoc",
             redoc_js_url=f"{DOCS_ASSETS}/redoc.standalone.js",
             redoc_favicon_url=f"{DOCS_ASSETS}/favicon.png",
             with_google_fonts=False,
@@ -85,6 +91,9 @@ async def error_page(request: Request, exc: HubError) -> Response | None:
     the message with the status. None for a request that is not for a page."""
     if not is_page(request):
         return None
+    from app.api.ui.render import render
+    from app.api.ui.session import LoginNeeded, get_visitor
+
     if isinstance(exc, LoginNeeded):
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         if request.method != "GET":
