@@ -262,10 +262,11 @@ async def _start_background(
             # In a thread, though it holds the interpreter while it loads: requests
             # wait for it once, now, rather than the first compression pass later.
             await asyncio.to_thread(encoding)
-        except Exception:
-            # Nothing awaits this task until the hub stops: said now. Traces are still
-            # taken (their ingest processes start with the first).
+        except Exception as exc:
+            # Nothing awaits this task until the hub stops: said now, and at /readyz.
+            # Traces are still taken (their ingest processes start with the first).
             log.exception("the background stages could not be built; they do not run")
+            hub.outages.stages.failed(exc, "building them")
             return
         gc.freeze()  # what the stages imported and built, as running_hub does
     # Last: the fork server importing the hub takes a CPU for a second, which the

@@ -15,7 +15,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from app.errors import ServiceError
 
@@ -108,9 +108,14 @@ class Outages:
     ingest: Outage
     model: Outage
     training: Outage
+    # `atropos serve` builds its stages once it answers (app/hub.py): a build that
+    # fails leaves traces stored and not moved on, which /readyz says.
+    stages: Outage = field(default_factory=lambda: Outage(
+        "the background stages", "traces are stored but not compressed, batched or "
+        "delivered until the hub is restarted", again="are built", plural=True))
 
     def __iter__(self) -> Iterator[Outage]:
-        return iter((self.database, self.ingest, self.model, self.training))
+        return iter((self.database, self.ingest, self.model, self.training, self.stages))
 
     def failing(self) -> dict[str, str]:
         """subject -> what its last failure said, for each subject failing now."""

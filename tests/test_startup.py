@@ -6,7 +6,9 @@ request for a part built later waits for it and gets the finished hub's answer."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +54,11 @@ def test_the_first_requests_to_each_part_get_the_finished_hubs_answers(tmp_path:
         assert hub.stop() == 0
 
 
-async def test_the_atropos_api_answers_before_the_rest_is_built(tmp_path: Path) -> None:
-    """Until the server says it answers (`answering`), no stage is built and the routes
-    beyond the first requests' are not in; /status and /healthz answer meanwhile."""
+@asynccontextmanager
+async def _hub_not_yet_answering(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[Hub, httpx.AsyncClient, asyncio.Event]]:
+    """A hub as `serve` starts it, before its server says it answers (`answering`)."""
     path = write_config(tmp_path, {"db_path": str(tmp_path / "t.db")})
     settings = Settings(load_config(str(path)), load_compression(None), load_tinker(None))
     answering = asyncio.Event()
@@ -71,7 +75,13 @@ async def test_the_atropos_api_answers_before_the_rest_is_built(tmp_path: Path) 
         httpx.AsyncClient(transport=httpx.ASGITransport(manager.app), base_url=ASGI_URL,
                           timeout=60) as client,
     ):
-        hub: Hub = state["hub"]["hub"]
+        yield state["hub"]["hub"], client, answering
+
+
+async def test_the_atropos_api_answers_before_the_rest_is_built(tmp_path: Path) -> None:
+    """Until the server says it answers (`answering`), no stage is built and the routes
+    beyond the first requests' are not in; /status and /healthz answer meanwhile."""
+    async with _hub_not_yet_answering(tmp_path) as (hub, client, answering):
         assert (await client.get("/status")).status_code == 200
         assert (await client.get("/healthz")).status_code == 200
         assert hub.stages.stages == []
@@ -81,3 +91,25 @@ async def test_the_atropos_api_answers_before_the_rest_is_built(tmp_path: Path) 
         await wait_until_async(lambda: len(hub.stages.stages) > 0, 60, what="the stages")
         assert {stage.name for stage in hub.stages.stages} >= {
             "compression", "distribution", "delivery"}
+
+
+async def test_stages_that_cannot_be_built_are_said_at_readyz(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Built after the server answers, a failure can no longer stop `serve`: traces are
+    still taken, and /readyz lists the stages as failing."""
+    import app.stages.pipeline
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("the target could not be built")
+
+    monkeypatch.setattr(app.stages.pipeline, "running_stages", broken)
+    async with _hub_not_yet_answering(tmp_path) as (hub, client, answering):
+        answering.set()
+        await wait_until_async(lambda: hub.outages.stages.failing is not None, 60,
+                               what="the failed build")
+        ready = await client.get("/readyz")
+        assert ready.status_code == 200  # traces are taken
+        assert ready.json()["failing"] == {
+            "the background stages": "the target could not be built"}
+        assert hub.stages.stages == []
