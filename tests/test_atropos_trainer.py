@@ -42,8 +42,7 @@ MASKED = -100
 
 @pytest.fixture(scope="session")
 def atroposlib_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return installed_for_tests(install_trainer_and_env,
-                               tmp_path_factory.mktemp("atroposlib-trainer"))
+    return installed_for_tests(install_trainer_and_env, "atroposlib-trainer", tmp_path_factory)
 
 
 def trainer(atroposlib_dir: Path, *args: str) -> Any:
