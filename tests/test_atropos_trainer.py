@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +43,54 @@ MASKED = -100
 
 @pytest.fixture(scope="session")
 def atroposlib_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return installed_for_tests(install_trainer_and_env,
-                               tmp_path_factory.mktemp("atroposlib-trainer"))
+    return installed_for_tests(install_trainer_and_env, "atroposlib-trainer", tmp_path_factory)
 
 
-def trainer(atroposlib_dir: Path, *args: str) -> Any:
-    """atroposlib's example trainer functions, in a process of their own: the JSON
-    they print last."""
-    return _run(atroposlib_dir, TRAINER, *args)
+class Trainer:
+    """atroposlib's example trainer functions in a process of their own, one for the
+    session's tests (tests/support/atroposlib_clients/trainer.py)."""
+
+    def __init__(self, atroposlib_dir: Path, log: Path) -> None:
+        self.log = log
+        with open(log, "wb") as stderr:  # the child keeps its own copy
+            self.proc = subprocess.Popen(
+                [sys.executable, str(TRAINER)],
+                env={**os.environ, "PYTHONPATH": str(atroposlib_dir), "WANDB_MODE": "disabled"},
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            )
+
+    def __call__(self, *args: str) -> Any:
+        """The JSON the trainer answers a call with."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(args) + "\n")
+        self.proc.stdin.flush()
+        for line in self.proc.stdout:
+            kind, _, answer = line.partition(" ")
+            if kind == "ANSWER":
+                return json.loads(answer)
+            assert kind != "FAILED", json.loads(answer)[-3000:]
+        raise AssertionError(f"the trainer process ended: exit code {self.proc.wait()}\n"
+                             f"{self.log.read_text()[-3000:]}")
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()
+        self.proc.wait(30)
+        self.proc.stdout.close()
 
 
-def _run(atroposlib_dir: Path, script: Path, *args: str) -> Any:
+@pytest.fixture(scope="session")
+def trainer(atroposlib_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainer]:
+    started = Trainer(atroposlib_dir, tmp_path_factory.mktemp("trainer") / "stderr.log")
+    yield started
+    started.close()
+
+
+def base_env(atroposlib_dir: Path, *args: str) -> Any:
+    """atroposlib's BaseEnv run by its env_manager, in a process of its own: the JSON
+    it prints last."""
     done = subprocess.run(
-        [sys.executable, str(script), *args],
+        [sys.executable, str(ENV), *args],
         env={**os.environ, "PYTHONPATH": str(atroposlib_dir), "WANDB_MODE": "disabled"},
         capture_output=True, text=True, timeout=600,
     )
@@ -84,13 +120,13 @@ def check_padded(taken: dict[str, Any], row: int, sequence: list[int]) -> list[i
 
 def test_atroposlibs_example_trainer_takes_posted_chats_rendered_with_the_chat_template(
     start_hub: StartHub, trace_server: dict[str, Any], tokenizer_dir: Path,
-    tinker_args: list[str], atroposlib_dir: Path, tmp_path: Path,
+    tinker_args: list[str], atroposlib_dir: Path, trainer: Trainer, tmp_path: Path,
 ) -> None:
     hub = start_hub(trace_server, *tinker_args, listen=True,
                     distributor={"target": "atropos", "group_size": 4},
                     environment=EVERY_TRACE_PASSES)
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    started = trainer(atroposlib_dir, "register", hub.url, "4", str(tmp_path / "checkpoints"))
+    started = trainer("register", hub.url, "4", str(tmp_path / "checkpoints"))
     assert started == {"batch": None}
     sent: dict[str, tuple[list[dict[str, Any]], float]] = {}
     with hub.client() as client:
@@ -102,7 +138,7 @@ def test_atroposlibs_example_trainer_takes_posted_chats_rendered_with_the_chat_t
             sent[f"p{i}"] = (messages, r.json()["reward"])
         wait_until(lambda: hub_figures(client)["groups"] == 1, 30, what="the group formed")
 
-    taken = trainer(atroposlib_dir, "take", hub.url, "4")
+    taken = trainer("take", hub.url, "4")
     (group,) = taken["batch"]
     trace_ids = group["group_overrides"]["trace_ids"]
     assert sorted(trace_ids) == sorted(sent)
@@ -124,17 +160,16 @@ def test_atroposlibs_example_trainer_takes_posted_chats_rendered_with_the_chat_t
 
 def test_atroposlibs_example_trainer_takes_gateway_rollouts_with_their_exact_ids(
     start_hub: StartHub, trace_server: dict[str, Any], upstream: tuple[FakeVllm, str],
-    monkeypatch: pytest.MonkeyPatch, atroposlib_dir: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, trainer: Trainer, tmp_path: Path,
 ) -> None:
     hub = gateway_hub(start_hub, trace_server, upstream, monkeypatch)
-    assert trainer(atroposlib_dir, "register", hub.url, "3",
-                   str(tmp_path / "checkpoints")) == {"batch": None}
+    assert trainer("register", hub.url, "3", str(tmp_path / "checkpoints")) == {"batch": None}
     with hub.client() as client:
         conversations = run_rollouts(hub, client)
         wait_until(lambda: hub_figures(client)["groups"] == 1, 30, what="the group formed")
     rewards = ROLLOUT_REWARDS
 
-    taken = trainer(atroposlib_dir, "take", hub.url, "3", "--logprobs")
+    taken = trainer("take", hub.url, "3", "--logprobs")
     (group,) = taken["batch"]
     trace_ids = group["group_overrides"]["trace_ids"]
     assert sorted(trace_ids) == sorted(rewards)
@@ -160,15 +195,14 @@ def test_atroposlibs_example_trainer_takes_gateway_rollouts_with_their_exact_ids
 
 def test_a_real_base_env_and_the_hubs_env_share_one_trainers_batches_by_weight(
     start_hub: StartHub, trace_server: dict[str, Any], tokenizer_dir: Path,
-    tinker_args: list[str], atroposlib_dir: Path, tmp_path: Path,
+    tinker_args: list[str], atroposlib_dir: Path, trainer: Trainer, tmp_path: Path,
 ) -> None:
     hub = start_hub(trace_server, *tinker_args, listen=True,
                     distributor={"target": "atropos", "group_size": 2, "atropos_env": "collected",
                                  "atropos_env_weight": 3.0,
                                  "atropos_env_min_batch_allocation": 0.5},
                     environment=EVERY_TRACE_PASSES)
-    assert trainer(atroposlib_dir, "register", hub.url, "8",
-                   str(tmp_path / "checkpoints")) == {"batch": None}
+    assert trainer("register", hub.url, "8", str(tmp_path / "checkpoints")) == {"batch": None}
     with hub.client() as client:
         for i in range(8):
             r = client.post("/v1/traces", json={
@@ -181,7 +215,7 @@ def test_a_real_base_env_and_the_hubs_env_share_one_trainers_batches_by_weight(
 
     # The env runs until the queue holds more than its total_steps (1) batches beyond
     # the others' minimums, reading its share of the weight from /status-env.
-    env = _run(atroposlib_dir, ENV, hub.url, str(tokenizer_dir), "sums", "1.0", "0.5")
+    env = base_env(atroposlib_dir, hub.url, str(tokenizer_dir), "sums", "1.0", "0.5")
     assert env["made"] >= 6
     # Its weight against the hub's env's (3.0), both of max_token_length 2048.
     assert env["status"]["env_weight"] == pytest.approx(0.25)
@@ -189,7 +223,7 @@ def test_a_real_base_env_and_the_hubs_env_share_one_trainers_batches_by_weight(
     # Each batch of 8 sequences: half the hub's env's, half the real env's, as their
     # min_batch_allocation 0.5 each asks; the scores as each env gave them.
     for _ in range(2):
-        batch = trainer(atroposlib_dir, "take", hub.url, "8")["batch"]
+        batch = trainer("take", hub.url, "8")["batch"]
         sequences = Counter[int]()
         for group in batch:
             sequences[group["env_id"]] += len(group["tokens"])

@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.process, pytest.mark.framework]
 
 @pytest.fixture(scope="session")
 def atroposlib_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return installed_for_tests(install_atroposlib, tmp_path_factory.mktemp("atroposlib"))
+    return installed_for_tests(install_atroposlib, "atroposlib", tmp_path_factory)
 
 
 # --- atroposlib's own tests --------------------------------------------------------

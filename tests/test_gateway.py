@@ -347,8 +347,7 @@ asyncio.run(main())
 def atroposlib_servers(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.support.atroposlib import install_server_classes, installed_for_tests
 
-    return installed_for_tests(install_server_classes,
-                               tmp_path_factory.mktemp("atroposlib-servers"))
+    return installed_for_tests(install_server_classes, "atroposlib-servers", tmp_path_factory)
 
 
 def test_atroposlibs_openai_server_calls_completions_and_its_tokens_are_kept(

@@ -9,12 +9,18 @@ the target, never into the hub's environment."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pytest
 
 VERSION = "0.4.0"
 REQUIREMENT = f"atroposlib=={VERSION}"
@@ -35,17 +41,32 @@ class RegistryUnreachable(RuntimeError):
     """pip could not reach the package index."""
 
 
-def installed_for_tests(install: Callable[[Path], Path], target: Path) -> Path:
-    """`install(target)` for a test fixture: a test that needs it is skipped when the
-    package index is unreachable, unless CI is set (there it must be reachable)."""
+def installed_for_tests(install: Callable[[Path], Path], name: str,
+                        tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`install` into the test session's directory `name`, once for all its xdist workers
+    (each would otherwise run pip for the same files): the first takes a lock and
+    installs, the others wait on it and find the directory made. A test that needs it
+    is skipped when the package index is unreachable, unless CI is set (there it must be
+    reachable)."""
     import pytest  # only tests call this; bench/atropos.py imports this module too
 
-    try:
-        return install(target)
-    except RegistryUnreachable as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"the package index is unreachable (and CI is unset): {exc}")
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's, above each worker's own
+    target, made = root / name, root / f"{name}.made"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if made.exists():
+            return target
+        shutil.rmtree(target, ignore_errors=True)  # what a failed install left
+        try:
+            install(target)
+        except RegistryUnreachable as exc:
+            if os.environ.get("CI"):
+                raise
+            pytest.skip(f"the package index is unreachable (and CI is unset): {exc}")
+        made.touch()
+    return target
 
 
 def install_atroposlib(target: Path) -> Path:
