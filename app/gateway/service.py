@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from app.atropos.tables import STATE
 from app.config import GatewayConfig, GatewayRoute, PrivacyConfig, TinkerConfig
@@ -50,6 +50,7 @@ from app.formats import stitching
 from app.gateway import calls as capture
 from app.gateway import store
 from app.gateway.calls import Kind, StreamAssembly
+from app.gateway.relay import RelayedStream
 from app.gateway.store import Captured
 from app.gateway.upstream import Answer, UpstreamBroken, Upstreams
 from app.gateway.writer import CallWriter
@@ -181,6 +182,9 @@ class Gateway:
         at, step = self._step
         if time.monotonic() - at < _STEP_SECONDS:
             return step
+        # The calls that come while it is read take the step read last: one read, not
+        # one per call in flight.
+        self._step = (time.monotonic(), step)
         try:
             async with self._engine.connect() as conn:
                 row = (await conn.execute(
@@ -295,8 +299,8 @@ class _InFlight:
                         headers=_passed(answer.headers, self.rollout_id))
 
     def streamed(self, answer: Answer) -> Response:
-        return StreamingResponse(self._events(answer), status_code=answer.status_code,
-                                 headers=_passed(answer.headers, self.rollout_id))
+        return RelayedStream(self._events(answer), status_code=answer.status_code,
+                             headers=_passed(answer.headers, self.rollout_id))
 
     async def _events(self, answer: Answer) -> AsyncIterator[bytes]:
         assembly = StreamAssembly(self.kind)
