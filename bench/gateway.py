@@ -1,11 +1,12 @@
 """Gateway benchmark: small chat calls with the openai SDK's async client, one at a
 time and 32 at a time, straight to a vLLM-like fake upstream, through `atropos serve`
 with the gateway on (every call captured and committed), and through LiteLLM's proxy on
-the same upstream, in one run. Prints calls/s, p50 latency, and the time to the first
-streamed byte (one at a time).
+the same upstream, in one run. Prints calls/s, p50 latency, the client's own CPU per
+call (32 at a time), and the time to the first streamed byte (one at a time).
 
     python bench/gateway.py                                        # direct and hub
     python bench/gateway.py --litellm /work/venvs/litellm/bin/litellm
+    python bench/gateway.py --upstream-ms 20   # an upstream that takes 20 ms a call
 
 LiteLLM is not a dependency of the hub: install `litellm[proxy]` in a venv of its own.
 """
@@ -98,13 +99,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--litellm", help="the litellm command of a venv with litellm[proxy]")
+    parser.add_argument("--upstream-ms", type=float, default=0,
+                        help="the fake upstream's time to answer each call (a model's)")
     options = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     procs = []
     try:
         up_port = _port()
         procs.append(_start([sys.executable, "-m", "tests.support.fakes.vllm_server",
-                             str(up_port)]))
+                             str(up_port), str(options.upstream_ms)]))
         upstream = f"http://127.0.0.1:{up_port}/v1"
         _wait(upstream + "/models")
         hub_port = _port()
@@ -137,13 +140,17 @@ def main() -> None:
                     stdout=log, stderr=subprocess.STDOUT))
             targets["litellm"] = f"http://127.0.0.1:{lite_port}/v1"
             _wait(f"http://127.0.0.1:{lite_port}/health/liveliness", timeout=300)
-        print(f"{'':8} {'1 at a time':>22} {'32 at a time':>22} {'first byte p50':>15}")
+        print(f"{'':8} {'1 at a time':>22} {'32 at a time':>22} {'client CPU':>12} "
+              f"{'first byte p50':>15}")
         for name, url in targets.items():
             one = asyncio.run(_run(url, 1, options.calls // 4))
+            cpu = time.process_time()
             many = asyncio.run(_run(url, 32, options.calls))
+            # The client's own CPU per call, 32 at a time: it runs here, on the same CPUs.
+            cpu = (time.process_time() - cpu) / options.calls * 1000
             ttfb = asyncio.run(_first_byte(url, 200))
             print(f"{name:8} {one[0]:8.0f}/s p50 {one[1]:6.2f} ms {many[0]:8.0f}/s p50 "
-                  f"{many[1]:6.2f} ms {ttfb:12.2f} ms")
+                  f"{many[1]:6.2f} ms {cpu:6.2f} ms/call {ttfb:12.2f} ms")
     finally:
         for proc in procs:
             proc.terminate()

@@ -93,6 +93,7 @@ class FakeVllm:
     reply: Callable[[dict[str, Any]], str | dict[str, Any]] = agent_reply
     faults: list[Fault] = field(default_factory=list)
     chunk_delay: float = 0.0
+    answer_delay: float = 0.0  # a model's time to answer, before anything is sent
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     keep: bool = True  # record requests (off for the bench)
@@ -108,6 +109,7 @@ class FakeVllm:
 
     def reset(self) -> None:
         self.reply, self.faults, self.chunk_delay = agent_reply, [], 0.0
+        self.answer_delay = 0.0
         self.received, self.headers = [], []
         self.streams_ended = 0
 
@@ -120,6 +122,8 @@ class FakeVllm:
             return body, _error(401, "Incorrect API key provided")
         fault = self.faults.pop(0) if self.faults else None
         if fault is None or (isinstance(fault, tuple) and fault[0] == "cut"):
+            if self.answer_delay:
+                await asyncio.sleep(self.answer_delay)
             if fault is not None:
                 body["_cut"] = int(fault[1])
             return body, None
@@ -324,5 +328,8 @@ def serve(fake: FakeVllm) -> Iterator[str]:
 
 
 if __name__ == "__main__":
-    uvicorn.run(FakeVllm(keep=False).app(), host="127.0.0.1", port=int(sys.argv[1]),
+    # PORT [ANSWER_MS]
+    delay = float(sys.argv[2]) / 1000 if len(sys.argv) > 2 else 0.0
+    uvicorn.run(FakeVllm(keep=False, answer_delay=delay).app(), host="127.0.0.1",
+                port=int(sys.argv[1]),
                 log_level="warning", access_log=False)
