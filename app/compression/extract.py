@@ -43,7 +43,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.compression.facts import TOKEN, candidates, facts, step_text
+from app.compression.facts import TOKEN, Wanted, candidates, facts, step_text
 from app.compression.ledger import Budget, Ledger, Links, answer, is_error, speaker
 from app.config import CompressionConfig
 from app.domain import Step, StepType, Trace
@@ -75,14 +75,25 @@ class Shape:
     # the assistant's holding it (the task: -1), which alone needs to keep it.
     last_use: dict[str, int] = field(default_factory=dict)
     keeper: dict[str, int] = field(default_factory=dict)
+    # needed(), by step: made from keeper and last_use at the first call.
+    _needed: dict[int, Wanted] | None = field(default=None, repr=False)
 
-    def needed(self, i: int) -> Callable[[str], bool]:
-        """Whether a fact in step i's output must stay: a later assistant turn states
-        it, and step i is the first to hold it (an earlier holder keeps it: the task,
-        a system prompt or user turn, which never change, or an output that keeps it
-        as step i would)."""
-        last_use, keeper = self.last_use, self.keeper
-        return lambda fact: keeper.get(fact) == i and last_use.get(fact, -1) > i
+    def needed(self, i: int) -> Wanted:
+        """The facts in step i's output that must stay: a later assistant turn states
+        them, and step i is the first to hold them (an earlier holder keeps them: the
+        task, a system prompt or user turn, which never change, or an output that
+        keeps them as step i would)."""
+        if self._needed is None:
+            by_step: dict[int, set[str]] = {}
+            last_use = self.last_use
+            for fact, holder in self.keeper.items():
+                if last_use.get(fact, -1) > holder:
+                    by_step.setdefault(holder, set()).add(fact)
+            self._needed = {step: Wanted(held) for step, held in by_step.items()}
+        return self._needed.get(i, _NOTHING)
+
+
+_NOTHING = Wanted()
 
 
 def shape(trace: Trace, policy: CompressionConfig, links: Links | None = None) -> Shape:
@@ -183,12 +194,19 @@ def _collapse_repeats(ledger: Ledger, found: Shape, window: int, budget: Budget)
     actions = [i for i, s in enumerate(steps) if s.type is StepType.ACTION]
     first_of: dict[int, int] = {}  # a repeat -> the first call of its run
     repeats: dict[int, list[int]] = {}  # the first call -> its repeats dropped
+    keys: dict[int, tuple[object, ...] | None] = {}  # each call's, made once
+
+    def key_of(i: int) -> tuple[object, ...] | None:
+        if i not in keys:
+            keys[i] = _call_key(steps, i, found)
+        return keys[i]
+
     for n, i in enumerate(actions):
-        key = _call_key(steps, i, found)
+        key = key_of(i)
         if key is None or i in found.protected:
             continue
         for j in reversed(actions[max(0, n - window):n]):
-            if _call_key(steps, j, found) == key:
+            if key_of(j) == key:
                 first = first_of.get(j, j)
                 if ledger.drop_group(ledger.together(i), COLLAPSED, budget):
                     first_of[i] = first

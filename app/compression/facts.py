@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from functools import lru_cache
 
 from app.domain import Step
 
@@ -46,23 +47,64 @@ def facts(text: str, *, parts: bool = True) -> set[str]:
     amount does not state its year or its cents."""
     found: set[str] = set()
     for token in set(TOKEN.findall(text)):
-        found.update(p for p in candidates(token, parts=parts) if _is_fact(p))
+        found.update(_token_facts(token, parts) if len(token) <= _CACHED_TOKEN
+                     else _facts_among(_split(token, parts)))
     return found
 
 
-def candidates(token: str, *, parts: bool = True) -> list[str]:
+def candidates(token: str, *, parts: bool = True) -> tuple[str, ...]:
     """A token and what it also stands for (its parts), facts or not."""
+    if len(token) <= _CACHED_TOKEN:
+        return _candidates(token, parts)
+    return _split(token, parts)
+
+
+# The words of a trace come back in every output and turn (compression looks up each
+# one's parts many times): those of a usual length are remembered.
+_CACHED_TOKEN = 64
+
+
+@lru_cache(maxsize=1 << 15)
+def _candidates(token: str, parts: bool) -> tuple[str, ...]:
+    return _split(token, parts)
+
+
+@lru_cache(maxsize=1 << 15)
+def _token_facts(token: str, parts: bool) -> tuple[str, ...]:
+    return _facts_among(_split(token, parts))
+
+
+def _facts_among(found: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(p for p in found if _is_fact(p))
+
+
+def _split(token: str, parts: bool) -> tuple[str, ...]:
     token = token.strip("$")
     if not _PARTS.search(token):
-        return [token]
+        return (token,)
     # A path with its line number, its file name, then every part.
     splits = (_COLON, _SLASH, _PARTS) if parts else (_COLON, _SLASH)
-    return [token, *(part for split in splits for part in split.split(token))]
+    return (token, *(part for split in splits for part in split.split(token)))
+
+
+class Wanted(frozenset[str]):
+    """A set of facts as the `wanted` of `holds` (a fact is wanted if it is in the set).
+    Every candidate of a text is a piece of it, so a text in which no fact of the set
+    occurs holds none: `holds` answers it without reading its tokens."""
+
+    def __call__(self, fact: str) -> bool:
+        return fact in self
+
+    def within(self, text: str) -> Wanted:
+        """The facts that occur in `text`: all that any piece of it can hold."""
+        return Wanted(fact for fact in self if fact in text) if self else self
 
 
 def holds(text: str, wanted: Callable[[str], bool]) -> bool:
     """Whether `text` holds a fact `wanted` says yes to (it is only asked about the
     text's tokens and their parts, facts or not: for a set of facts, the same)."""
+    if isinstance(wanted, Wanted) and not any(fact in text for fact in wanted):
+        return False
     return any(wanted(p) for token in set(TOKEN.findall(text)) for p in candidates(token))
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from app.compression.facts import TOKEN as _FACT_TOKEN
-from app.compression.facts import candidates, holds
+from app.compression.facts import Wanted, candidates, holds
 from app.domain import Step, StepType, Trace
 from app.tokens import count_parts, count_tokens
 
@@ -41,6 +41,7 @@ _HEAD_SHARE = 0.6
 # The mark of an elision, in the text it shortened: how much went, in tokens.
 MARKER = "[… {} tokens of output elided …]"
 _MARKER = re.compile(r"\[… ([\d,]+) tokens of output elided …\]")
+_MARKED = " tokens of output elided …]"  # in every text _MARKER matches
 # A line longer than this that holds a fact keeps only the fact with some context on
 # either side (a minified JSON document is one line).
 # Before a fact sits what names it (a JSON key, a label), after it less.
@@ -450,7 +451,10 @@ def elide(
     if tail_start - head_end < 2 * chars_per_token * 8:
         return None
     pieces: list[str | tuple[float, str]] = []  # kept text, or (tokens, text) elided
-    for line in text[head_end:tail_start].splitlines(keepends=True):
+    middle = text[head_end:tail_start]
+    if isinstance(needed, Wanted):
+        needed = needed.within(middle)
+    for line in middle.splitlines(keepends=True):
         if needed is None or _MARKER.search(line) and not _holds(line, needed):
             pieces.append(_elided(line, chars_per_token))
         elif len(line) <= _LONG_LINE:
@@ -481,6 +485,8 @@ def _holds(line: str, needed: Callable[[str], bool]) -> bool:
 def _elided(text: str, chars_per_token: float) -> tuple[float, str]:
     """A piece of text to elide, with the tokens it stands for: its own, and those
     earlier marks in it say."""
+    if _MARKED not in text:
+        return len(text) / chars_per_token, text
     earlier = sum(int(n.replace(",", "")) for n in _MARKER.findall(text))
     return len(_MARKER.sub("", text)) / chars_per_token + earlier, text
 
