@@ -121,13 +121,22 @@ def shape(trace: Trace, policy: CompressionConfig, links: Links | None = None) -
         if speaker(step) == "assistant":
             for fact in facts(step_text(step), parts=False):
                 found.last_use[fact] = i
-    # Only what an assistant turn states needs a keeper.
+    # Only what an assistant turn states needs a keeper: first the facts any other
+    # text holds (their tokens read once, all texts together: no token spans a line
+    # break), then the first text holding each.
     stated = found.last_use
-    for i, text in [(-1, trace.task or ""), *((i, step_text(s)) for i, s in enumerate(steps)
-                                             if speaker(s) != "assistant")]:
+    others = [(-1, trace.task or ""), *((i, step_text(s)) for i, s in enumerate(steps)
+                                        if speaker(s) != "assistant")]
+    held = {part for token in set(TOKEN.findall("\n".join(text for _, text in others)))
+            for part in candidates(token) if part in stated}
+    for i, text in others:
+        if len(found.keeper) == len(held):
+            break
+        if not any(fact in text for fact in held if fact not in found.keeper):
+            continue  # a text holds a fact only as a piece of it
         for token in set(TOKEN.findall(text)):
             for part in candidates(token):
-                if part in stated:
+                if part in held:
                     found.keeper.setdefault(part, i)
     return found
 

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from functools import lru_cache
 
 from app.domain import Step
 
 # Runs of word characters joined by the separators paths, versions, dates and
 # amounts use; separators at the ends are not part of the token.
-TOKEN = re.compile(r"[\w$]+(?:[./:\-@#][\w$]+)*")
+# (Possessive: a separator never matches [\w$], so giving back is never needed, and
+# the engine is told so.)
+TOKEN = re.compile(r"[\w$]++(?:[./:\-@#][\w$]++)*+")
 _PARTS = re.compile(r"[./:\-@#$]")
 _COLON, _SLASH = re.compile(r"[:@#]"), re.compile(r"[/:@#]")
 _DIGIT = re.compile(r"\d")
@@ -46,36 +47,40 @@ def facts(text: str, *, parts: bool = True) -> set[str]:
     the text states: a path stands for itself and its file name, but a date or an
     amount does not state its year or its cents."""
     found: set[str] = set()
+    known = _FACTS[parts]
     for token in set(TOKEN.findall(text)):
-        found.update(_token_facts(token, parts) if len(token) <= _CACHED_TOKEN
-                     else _facts_among(_split(token, parts)))
+        held = known.get(token)
+        if held is None:
+            held = _remember(known, token, tuple(
+                p for p in _split(token, parts) if _is_fact(p)))
+        if held:
+            found.update(held)
     return found
 
 
 def candidates(token: str, *, parts: bool = True) -> tuple[str, ...]:
     """A token and what it also stands for (its parts), facts or not."""
-    if len(token) <= _CACHED_TOKEN:
-        return _candidates(token, parts)
-    return _split(token, parts)
+    known = _CANDIDATES[parts]
+    found = known.get(token)
+    return _remember(known, token, _split(token, parts)) if found is None else found
 
 
-# The words of a trace come back in every output and turn (compression looks up each
-# one's parts many times): those of a usual length are remembered.
-_CACHED_TOKEN = 64
+# The words of a trace come back in every output and turn, and compression looks up
+# each one's parts many times: those of a usual length are remembered, by `parts`
+# (all forgotten at once when there are too many).
+_CANDIDATES: dict[bool, dict[str, tuple[str, ...]]] = {True: {}, False: {}}
+_FACTS: dict[bool, dict[str, tuple[str, ...]]] = {True: {}, False: {}}
+_REMEMBERED_TOKEN = 64
+_REMEMBERED = 1 << 15
 
 
-@lru_cache(maxsize=1 << 15)
-def _candidates(token: str, parts: bool) -> tuple[str, ...]:
-    return _split(token, parts)
-
-
-@lru_cache(maxsize=1 << 15)
-def _token_facts(token: str, parts: bool) -> tuple[str, ...]:
-    return _facts_among(_split(token, parts))
-
-
-def _facts_among(found: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(p for p in found if _is_fact(p))
+def _remember(known: dict[str, tuple[str, ...]], token: str,
+              found: tuple[str, ...]) -> tuple[str, ...]:
+    if len(token) <= _REMEMBERED_TOKEN:
+        if len(known) >= _REMEMBERED:
+            known.clear()
+        known[token] = found
+    return found
 
 
 def _split(token: str, parts: bool) -> tuple[str, ...]:

@@ -71,9 +71,12 @@ def _chat_faults(chat: list[Turn]) -> list[tuple[str, int]]:
     return found
 
 
-def violations(original: Trace, compressed: Trace, policy: CompressionConfig) -> list[str]:
+def violations(
+    original: Trace, compressed: Trace, policy: CompressionConfig, links: Links | None = None
+) -> list[str]:
     """How `compressed` (with its record in metadata["compression"]) breaks the
-    invariants of the module docstring; empty when it keeps them all."""
+    invariants of the module docstring; empty when it keeps them all. `links`: the
+    original's, when the caller has them."""
     faults: list[str] = []
     chat_before, chat_after = turns(original), turns(compressed)
     if _system(original) != _system(compressed):
@@ -92,7 +95,7 @@ def violations(original: Trace, compressed: Trace, policy: CompressionConfig) ->
     faults += _record_faults(original, compressed, listed, record.get("removed") or {})
     faults += _kind_faults(original, listed)
     gone = {i for kind in DROPPING for i in listed.get(kind, ())}
-    for question, reply in Links.of(original.steps).partner.items():
+    for question, reply in (links or Links.of(original.steps)).partner.items():
         if (question in gone) != (reply in gone):
             faults.append(f"step {question} or {reply} removed without the other "
                           "(a question and its answer)")

@@ -336,12 +336,12 @@ class Ledger:
             content = elide(text, self.tokens[i], keep, needed)
             if content is None:
                 return False
-            content += note
-            count = _tokens(step_parts(_with_content(step, content)))
+            new = _with_content(step, content + note)
+            count = _tokens(step_parts(new))
             # Cuts land near `keep`, not on it: one under the floor keeps a little more.
             short = budget.floor - (self.total - self.tokens[i] + count)
             if short <= 0:
-                return self._rewrite(i, content, kind, budget)
+                return self._rewritten(i, new, count, kind, budget)
             keep += short + 8
         return False
 
@@ -360,7 +360,11 @@ class Ledger:
         step = self.steps[i]
         assert step is not None
         new = _with_content(step, content)
-        count = _tokens(step_parts(new))
+        return self._rewritten(i, new, _tokens(step_parts(new)), kind, budget)
+
+    def _rewritten(self, i: int, new: Step, count: int, kind: str, budget: Budget) -> bool:
+        """Step i as `new` (of `count` tokens), if that saves tokens without going
+        under the floor."""
         if count >= self.tokens[i] or self.total - self.tokens[i] + count < budget.floor:
             return False
         self._set(i, new, count)
