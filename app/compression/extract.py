@@ -117,10 +117,10 @@ def shape(trace: Trace, policy: CompressionConfig, links: Links | None = None) -
     if "error_context" in preserve:
         found.protected.update(_error_context(steps, found))
     found.protected |= found.whole
+    last_use = found.last_use
     for i, step in enumerate(steps):
         if speaker(step) == "assistant":
-            for fact in facts(step_text(step), parts=False):
-                found.last_use[fact] = i
+            last_use.update(dict.fromkeys(facts(step_text(step), parts=False), i))
     # Only what an assistant turn states needs a keeper: first the facts any other
     # text holds (their tokens read once, all texts together: no token spans a line
     # break), then the first text holding each.

@@ -146,7 +146,7 @@ def _record_faults(
         if i in changed:
             if got.model_copy(update={"content": step.content, "error": step.error}) != step:
                 faults.append(f"step {i} changed beyond its content")
-        elif got != step:
+        elif got is not step and got != step:
             faults.append(f"step {i} changed but is not listed in the record")
     return faults
 
