@@ -49,8 +49,8 @@ class Stage(StrEnum):
 
     received -> rejected | accepted -> compressed | compression_skipped -> batched
     -> delivered. Failures are states of their own, with the error kept on the row. A
-    trace the stages would pass through with nothing to do enters past them
-    (app/ingest/ingestor.py EntryStage).
+    trace the stages would pass through with nothing to do, or that its ingest process
+    compressed, enters past them (app/ingest/ingestor.py EntryStage).
     """
 
     RECEIVED = "received"
@@ -66,13 +66,15 @@ class Stage(StrEnum):
 
 # The moves a trace makes, and the only ones it may (app/db/moves.py refuses others).
 # `received` never persists: scoring decides before the row is inserted, so a new
-# trace enters as one of TRANSITIONS[RECEIVED]: rejected, accepted, or, when compression
-# keeps it whole before any work, where the stages would have moved it with nothing to
-# do (compression_skipped, or below_threshold under the distributor's threshold).
+# trace enters as one of TRANSITIONS[RECEIVED]: rejected, accepted, or where the
+# compression stage would have moved it: compressed (compressed at ingest, which a
+# strategy without model calls is) or compression_skipped, or below_threshold under
+# the distributor's threshold.
 TRANSITIONS: dict[Stage, frozenset[Stage]] = {
-    Stage.RECEIVED: frozenset(
-        {Stage.ACCEPTED, Stage.REJECTED, Stage.COMPRESSION_SKIPPED, Stage.BELOW_THRESHOLD}
-    ),
+    Stage.RECEIVED: frozenset({
+        Stage.ACCEPTED, Stage.REJECTED, Stage.COMPRESSED, Stage.COMPRESSION_SKIPPED,
+        Stage.BELOW_THRESHOLD,
+    }),
     # The compression stage; a rescore whose filters now match.
     Stage.ACCEPTED: frozenset(
         {Stage.COMPRESSED, Stage.COMPRESSION_SKIPPED, Stage.COMPRESSION_FAILED, Stage.REJECTED}

@@ -133,6 +133,13 @@ def count_compression_skipped(kind: str) -> None:
     COMPRESSIONS_SKIPPED.labels(kind).inc()
 
 
+def count_compressed(strategy: str, tokens_before: int, tokens_after: int) -> None:
+    """A trace compressed, wherever that was done (at ingest, or in its stage)."""
+    COMPRESSIONS.labels("compressed").inc()
+    COMPRESSION_TOKENS_IN.labels(strategy).inc(tokens_before)
+    COMPRESSION_TOKENS_OUT.labels(strategy).inc(tokens_after)
+
+
 # The values a label takes, where they are known before anything happens.
 INGEST_OUTCOMES = ("accepted", "rejected", "duplicate", "refused", "unavailable")
 COMPRESSION_OUTCOMES = ("compressed", "skipped", "failed")

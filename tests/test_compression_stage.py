@@ -110,10 +110,11 @@ def test_long_real_traces_are_compressed_and_short_ones_skipped(
 def test_a_trace_compression_keeps_whole_enters_past_the_stages_with_its_reasons(
     start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
 ) -> None:
-    """Written once, where the stages would have moved it with nothing to do: with no
-    stage running (--no-workers), a short trace is compression_skipped, or
-    below_threshold under the threshold, its reason recorded and counted as the
-    compression stage does; a long one is accepted, for the stage."""
+    """Written once, where the stages would have moved it: with no stage running
+    (--no-workers), a short trace is compression_skipped, or below_threshold under the
+    threshold, its reason recorded and counted as the compression stage does; a long one
+    is compressed by its ingest process (key_decision_extract needs no model), with its
+    record, and counted as the stage counts its own."""
     hub = start_hub(trace_server, "--compression", compression_file(tmp_path), "--no-workers",
                     environment=ACCEPT_ALL,
                     distributor={"min_reward_threshold": 25, "batch_size": 100_000})
@@ -130,7 +131,7 @@ def test_a_trace_compression_keeps_whole_enters_past_the_stages_with_its_reasons
         stats = client.get("/v1/stats").json()
         after = scrape(client)[1]
     assert {name: a["stage"] for name, a in answers.items()} == {
-        "passing": "compression_skipped", "under": "below_threshold", "long": "accepted"}
+        "passing": "compression_skipped", "under": "below_threshold", "long": "compressed"}
     assert {name: r["stage"] for name, r in records.items()} == {
         name: a["stage"] for name, a in answers.items()}
     assert records["under"]["reward"] < 25 <= records["passing"]["reward"]
@@ -138,15 +139,20 @@ def test_a_trace_compression_keeps_whole_enters_past_the_stages_with_its_reasons
         assert records[name]["compression"] == {"skipped": (
             f"ratio x total_tokens = 0.3 x {records[name]['total_tokens']} = "
             f"{0.3 * records[name]['total_tokens']:.0f} < min_tokens_after 500")}
-    assert records["long"]["compression"] is None
-    assert stats["by_stage"] == {"compression_skipped": 1, "below_threshold": 1, "accepted": 1}
-    assert stats["compression"]["skipped"] == 2
+    long = records["long"]
+    assert long["compression"]["strategy"] == "key_decision_extract"
+    assert long["compressed_tokens"] == long["compression"]["tokens_after"] < long["total_tokens"]
+    assert stats["by_stage"] == {"compression_skipped": 1, "below_threshold": 1, "compressed": 1}
+    assert stats["compression"]["skipped"] == 2 and stats["compression"]["compressed"] == 1
 
     def counted(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
     assert counted("atropos_compressions_total", outcome="skipped") == 2
     assert counted("atropos_compressions_skipped_total", reason="small") == 2
+    assert counted("atropos_compressions_total", outcome="compressed") == 1
+    assert counted("atropos_compression_input_tokens_total",
+                   strategy="key_decision_extract") == long["total_tokens"]
     assert counted("atropos_traces_ingested_total", outcome="accepted") == 3
 
 

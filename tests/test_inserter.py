@@ -82,7 +82,7 @@ async def test_rows_read_back_as_prepared_and_sqlite_keeps_the_seed_timestamp_te
             await inserter.insert(PreparedTrace.of(row))
         async with engine.connect() as conn:
             read = {r.trace_id: r._mapping for r in await conn.execute(
-                sa.select(TRACES, PAYLOADS.c.original, PAYLOADS.c.trace)
+                sa.select(TRACES, PAYLOADS.c.original, PAYLOADS.c.trace, PAYLOADS.c.compressed)
                 .select_from(WITH_PAYLOADS))}
             texts = {r.trace_id: tuple(r)[1:] for r in await conn.execute(sa.select(
                 TRACE_SEARCH.c.trace_id, TRACE_SEARCH.c.text, TRACE_SEARCH.c.task,
@@ -94,7 +94,8 @@ async def test_rows_read_back_as_prepared_and_sqlite_keeps_the_seed_timestamp_te
         for trace_id, row in rows.items():
             stored = read[trace_id]
             assert texts[trace_id] == row.pop("search_text")  # written with the trace
-            assert row.pop("skip_kind") is None  # a preparer without an entry stage
+            # A preparer without an entry stage.
+            assert row.pop("skip_kind") is None and row.pop("compressed_by") is None
             for column, value in row.items():
                 if isinstance(value, EncodedJSON):
                     value = orjson.loads(value.text)

@@ -17,6 +17,7 @@ from app.compression.compress import (
     Compressed,
     Skipped,
     compress,
+    compress_now,
     compression_target,
     smallest_compressed,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "Skipped",
     "Summarizer",
     "compress",
+    "compress_now",
     "smallest_compressed",
     "compression_target",
 ]

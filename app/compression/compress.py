@@ -113,6 +113,7 @@ async def compress(
         return target
     budget = _budget(target, policy)
     ledger = Ledger.of(trace)
+    links = ledger.links  # the original's
     strategy, fallback, model_failed = policy.strategy, None, False
     summarized: Ledger | None = None
     if policy.strategy == "summarize_middle":
@@ -160,13 +161,32 @@ async def compress(
         model_failed=model_failed,
     )
     result = _mark(result, policy, reward, breakdown)
-    broken = violations(trace, result.trace, policy)
+    broken = violations(trace, result.trace, policy, links)
     if broken:
         # The strategies are built not to get here; if one does, nothing is lost.
         return Skipped(
             f"compression would break the trace ({'; '.join(broken[:3])}); kept whole", "unsafe"
         )
     return result
+
+
+def compress_now(
+    trace: Trace,
+    total_tokens: int,
+    policy: CompressionConfig,
+    **options: Any,
+) -> Compressed | Skipped:
+    """`compress` run to its end in the caller, for a strategy that makes no model call
+    (key_decision_extract): the same function the compression stage awaits, so the
+    result is the same. Raises RuntimeError if it would wait on a model."""
+    running = compress(trace, total_tokens, policy, **options)
+    try:
+        running.send(None)
+    except StopIteration as done:
+        result: Compressed | Skipped = done.value
+        return result
+    running.close()
+    raise RuntimeError(f"compression by {policy.strategy} waits on a model call")
 
 
 def smallest_compressed(policy: CompressionConfig, max_trace_tokens: int) -> int | None:

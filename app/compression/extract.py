@@ -43,7 +43,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from app.compression.facts import TOKEN, candidates, facts, step_text
+from app.compression.facts import TOKEN, Wanted, candidates, facts, step_text
 from app.compression.ledger import Budget, Ledger, Links, answer, is_error, speaker
 from app.config import CompressionConfig
 from app.domain import Step, StepType, Trace
@@ -75,14 +75,25 @@ class Shape:
     # the assistant's holding it (the task: -1), which alone needs to keep it.
     last_use: dict[str, int] = field(default_factory=dict)
     keeper: dict[str, int] = field(default_factory=dict)
+    # needed(), by step: made from keeper and last_use at the first call.
+    _needed: dict[int, Wanted] | None = field(default=None, repr=False)
 
-    def needed(self, i: int) -> Callable[[str], bool]:
-        """Whether a fact in step i's output must stay: a later assistant turn states
-        it, and step i is the first to hold it (an earlier holder keeps it: the task,
-        a system prompt or user turn, which never change, or an output that keeps it
-        as step i would)."""
-        last_use, keeper = self.last_use, self.keeper
-        return lambda fact: keeper.get(fact) == i and last_use.get(fact, -1) > i
+    def needed(self, i: int) -> Wanted:
+        """The facts in step i's output that must stay: a later assistant turn states
+        them, and step i is the first to hold them (an earlier holder keeps them: the
+        task, a system prompt or user turn, which never change, or an output that
+        keeps them as step i would)."""
+        if self._needed is None:
+            by_step: dict[int, set[str]] = {}
+            last_use = self.last_use
+            for fact, holder in self.keeper.items():
+                if last_use.get(fact, -1) > holder:
+                    by_step.setdefault(holder, set()).add(fact)
+            self._needed = {step: Wanted(held) for step, held in by_step.items()}
+        return self._needed.get(i, _NOTHING)
+
+
+_NOTHING = Wanted()
 
 
 def shape(trace: Trace, policy: CompressionConfig, links: Links | None = None) -> Shape:
@@ -106,17 +117,26 @@ def shape(trace: Trace, policy: CompressionConfig, links: Links | None = None) -
     if "error_context" in preserve:
         found.protected.update(_error_context(steps, found))
     found.protected |= found.whole
+    last_use = found.last_use
     for i, step in enumerate(steps):
         if speaker(step) == "assistant":
-            for fact in facts(step_text(step), parts=False):
-                found.last_use[fact] = i
-    # Only what an assistant turn states needs a keeper.
+            last_use.update(dict.fromkeys(facts(step_text(step), parts=False), i))
+    # Only what an assistant turn states needs a keeper: first the facts any other
+    # text holds (their tokens read once, all texts together: no token spans a line
+    # break), then the first text holding each.
     stated = found.last_use
-    for i, text in [(-1, trace.task or ""), *((i, step_text(s)) for i, s in enumerate(steps)
-                                             if speaker(s) != "assistant")]:
+    others = [(-1, trace.task or ""), *((i, step_text(s)) for i, s in enumerate(steps)
+                                        if speaker(s) != "assistant")]
+    held = {part for token in set(TOKEN.findall("\n".join(text for _, text in others)))
+            for part in candidates(token) if part in stated}
+    for i, text in others:
+        if len(found.keeper) == len(held):
+            break
+        if not any(fact in text for fact in held if fact not in found.keeper):
+            continue  # a text holds a fact only as a piece of it
         for token in set(TOKEN.findall(text)):
             for part in candidates(token):
-                if part in stated:
+                if part in held:
                     found.keeper.setdefault(part, i)
     return found
 
@@ -183,12 +203,19 @@ def _collapse_repeats(ledger: Ledger, found: Shape, window: int, budget: Budget)
     actions = [i for i, s in enumerate(steps) if s.type is StepType.ACTION]
     first_of: dict[int, int] = {}  # a repeat -> the first call of its run
     repeats: dict[int, list[int]] = {}  # the first call -> its repeats dropped
+    keys: dict[int, tuple[object, ...] | None] = {}  # each call's, made once
+
+    def key_of(i: int) -> tuple[object, ...] | None:
+        if i not in keys:
+            keys[i] = _call_key(steps, i, found)
+        return keys[i]
+
     for n, i in enumerate(actions):
-        key = _call_key(steps, i, found)
+        key = key_of(i)
         if key is None or i in found.protected:
             continue
         for j in reversed(actions[max(0, n - window):n]):
-            if _call_key(steps, j, found) == key:
+            if key_of(j) == key:
                 first = first_of.get(j, j)
                 if ledger.drop_group(ledger.together(i), COLLAPSED, budget):
                     first_of[i] = first

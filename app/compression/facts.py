@@ -28,7 +28,9 @@ from app.domain import Step
 
 # Runs of word characters joined by the separators paths, versions, dates and
 # amounts use; separators at the ends are not part of the token.
-TOKEN = re.compile(r"[\w$]+(?:[./:\-@#][\w$]+)*")
+# (Possessive: a separator never matches [\w$], so giving back is never needed, and
+# the engine is told so.)
+TOKEN = re.compile(r"[\w$]++(?:[./:\-@#][\w$]++)*+")
 _PARTS = re.compile(r"[./:\-@#$]")
 _COLON, _SLASH = re.compile(r"[:@#]"), re.compile(r"[/:@#]")
 _DIGIT = re.compile(r"\d")
@@ -45,24 +47,69 @@ def facts(text: str, *, parts: bool = True) -> set[str]:
     the text states: a path stands for itself and its file name, but a date or an
     amount does not state its year or its cents."""
     found: set[str] = set()
+    known = _FACTS[parts]
     for token in set(TOKEN.findall(text)):
-        found.update(p for p in candidates(token, parts=parts) if _is_fact(p))
+        held = known.get(token)
+        if held is None:
+            held = _remember(known, token, tuple(
+                p for p in _split(token, parts) if _is_fact(p)))
+        if held:
+            found.update(held)
     return found
 
 
-def candidates(token: str, *, parts: bool = True) -> list[str]:
+def candidates(token: str, *, parts: bool = True) -> tuple[str, ...]:
     """A token and what it also stands for (its parts), facts or not."""
+    known = _CANDIDATES[parts]
+    found = known.get(token)
+    return _remember(known, token, _split(token, parts)) if found is None else found
+
+
+# The words of a trace come back in every output and turn, and compression looks up
+# each one's parts many times: those of a usual length are remembered, by `parts`
+# (all forgotten at once when there are too many).
+_CANDIDATES: dict[bool, dict[str, tuple[str, ...]]] = {True: {}, False: {}}
+_FACTS: dict[bool, dict[str, tuple[str, ...]]] = {True: {}, False: {}}
+_REMEMBERED_TOKEN = 64
+_REMEMBERED = 1 << 15
+
+
+def _remember(known: dict[str, tuple[str, ...]], token: str,
+              found: tuple[str, ...]) -> tuple[str, ...]:
+    if len(token) <= _REMEMBERED_TOKEN:
+        if len(known) >= _REMEMBERED:
+            known.clear()
+        known[token] = found
+    return found
+
+
+def _split(token: str, parts: bool) -> tuple[str, ...]:
     token = token.strip("$")
     if not _PARTS.search(token):
-        return [token]
+        return (token,)
     # A path with its line number, its file name, then every part.
     splits = (_COLON, _SLASH, _PARTS) if parts else (_COLON, _SLASH)
-    return [token, *(part for split in splits for part in split.split(token))]
+    return (token, *(part for split in splits for part in split.split(token)))
+
+
+class Wanted(frozenset[str]):
+    """A set of facts as the `wanted` of `holds` (a fact is wanted if it is in the set).
+    Every candidate of a text is a piece of it, so a text in which no fact of the set
+    occurs holds none: `holds` answers it without reading its tokens."""
+
+    def __call__(self, fact: str) -> bool:
+        return fact in self
+
+    def within(self, text: str) -> Wanted:
+        """The facts that occur in `text`: all that any piece of it can hold."""
+        return Wanted(fact for fact in self if fact in text) if self else self
 
 
 def holds(text: str, wanted: Callable[[str], bool]) -> bool:
     """Whether `text` holds a fact `wanted` says yes to (it is only asked about the
     text's tokens and their parts, facts or not: for a set of facts, the same)."""
+    if isinstance(wanted, Wanted) and not any(fact in text for fact in wanted):
+        return False
     return any(wanted(p) for token in set(TOKEN.findall(text)) for p in candidates(token))
 
 

@@ -33,7 +33,7 @@ from app.compression.ledger import Links, answer, is_system
 from app.compression.summarize import PREFIX
 from app.config import CompressionConfig
 from app.domain import Step, StepType, Trace
-from app.formats._common import turns
+from app.formats._common import Turn, turns
 
 # Kinds of removal that take whole steps out (the others change a step's content).
 DROPPING = frozenset({"intermediate_thoughts", "repeated_calls", "summarized_steps"})
@@ -53,8 +53,11 @@ EMPTY_ASSISTANT_TURN = "an empty assistant turn"
 
 def conversation_faults(trace: Trace) -> list[tuple[str, int]]:
     """(fault, turn index) for each way the trace, as a chat, is not a valid one."""
+    return _chat_faults(turns(trace))
+
+
+def _chat_faults(chat: list[Turn]) -> list[tuple[str, int]]:
     found: list[tuple[str, int]] = []
-    chat = turns(trace)
     for k, turn in enumerate(chat):
         if turn.role == "user" and k and chat[k - 1].role == "user":
             found.append((TWO_USER_TURNS, k))
@@ -68,18 +71,22 @@ def conversation_faults(trace: Trace) -> list[tuple[str, int]]:
     return found
 
 
-def violations(original: Trace, compressed: Trace, policy: CompressionConfig) -> list[str]:
+def violations(
+    original: Trace, compressed: Trace, policy: CompressionConfig, links: Links | None = None
+) -> list[str]:
     """How `compressed` (with its record in metadata["compression"]) breaks the
-    invariants of the module docstring; empty when it keeps them all."""
+    invariants of the module docstring; empty when it keeps them all. `links`: the
+    original's, when the caller has them."""
     faults: list[str] = []
+    chat_before, chat_after = turns(original), turns(compressed)
     if _system(original) != _system(compressed):
         faults.append("the system prompt changed")
-    if _first_user(original) != _first_user(compressed):
+    if _first_user(chat_before) != _first_user(chat_after):
         faults.append("the first user message changed")
     if _answer(original) != _answer(compressed):
         faults.append("the final answer changed")
-    before = Counter(kind for kind, _ in conversation_faults(original))
-    for kind, at in conversation_faults(compressed):
+    before = Counter(kind for kind, _ in _chat_faults(chat_before))
+    for kind, at in _chat_faults(chat_after):
         before[kind] -= 1
         if before[kind] < 0:
             faults.append(f"turn {at}: {kind}")
@@ -88,7 +95,7 @@ def violations(original: Trace, compressed: Trace, policy: CompressionConfig) ->
     faults += _record_faults(original, compressed, listed, record.get("removed") or {})
     faults += _kind_faults(original, listed)
     gone = {i for kind in DROPPING for i in listed.get(kind, ())}
-    for question, reply in Links.of(original.steps).partner.items():
+    for question, reply in (links or Links.of(original.steps)).partner.items():
         if (question in gone) != (reply in gone):
             faults.append(f"step {question} or {reply} removed without the other "
                           "(a question and its answer)")
@@ -139,7 +146,7 @@ def _record_faults(
         if i in changed:
             if got.model_copy(update={"content": step.content, "error": step.error}) != step:
                 faults.append(f"step {i} changed beyond its content")
-        elif got != step:
+        elif got is not step and got != step:
             faults.append(f"step {i} changed but is not listed in the record")
     return faults
 
@@ -148,8 +155,8 @@ def _system(trace: Trace) -> list[str | None]:
     return [s.content for s in trace.steps if is_system(s)]
 
 
-def _first_user(trace: Trace) -> str | None:
-    return next((t.text for t in turns(trace) if t.role == "user"), None)
+def _first_user(chat: list[Turn]) -> str | None:
+    return next((t.text for t in chat if t.role == "user"), None)
 
 
 def _answer(trace: Trace) -> list[str | None]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from app.compression.facts import TOKEN as _FACT_TOKEN
-from app.compression.facts import candidates, holds
+from app.compression.facts import Wanted, candidates, holds
 from app.domain import Step, StepType, Trace
 from app.tokens import count_parts, count_tokens
 
@@ -41,6 +41,7 @@ _HEAD_SHARE = 0.6
 # The mark of an elision, in the text it shortened: how much went, in tokens.
 MARKER = "[… {} tokens of output elided …]"
 _MARKER = re.compile(r"\[… ([\d,]+) tokens of output elided …\]")
+_MARKED = " tokens of output elided …]"  # in every text _MARKER matches
 # A line longer than this that holds a fact keeps only the fact with some context on
 # either side (a minified JSON document is one line).
 # Before a fact sits what names it (a JSON key, a label), after it less.
@@ -335,12 +336,12 @@ class Ledger:
             content = elide(text, self.tokens[i], keep, needed)
             if content is None:
                 return False
-            content += note
-            count = _tokens(step_parts(_with_content(step, content)))
+            new = _with_content(step, content + note)
+            count = _tokens(step_parts(new))
             # Cuts land near `keep`, not on it: one under the floor keeps a little more.
             short = budget.floor - (self.total - self.tokens[i] + count)
             if short <= 0:
-                return self._rewrite(i, content, kind, budget)
+                return self._rewritten(i, new, count, kind, budget)
             keep += short + 8
         return False
 
@@ -359,7 +360,11 @@ class Ledger:
         step = self.steps[i]
         assert step is not None
         new = _with_content(step, content)
-        count = _tokens(step_parts(new))
+        return self._rewritten(i, new, _tokens(step_parts(new)), kind, budget)
+
+    def _rewritten(self, i: int, new: Step, count: int, kind: str, budget: Budget) -> bool:
+        """Step i as `new` (of `count` tokens), if that saves tokens without going
+        under the floor."""
         if count >= self.tokens[i] or self.total - self.tokens[i] + count < budget.floor:
             return False
         self._set(i, new, count)
@@ -450,7 +455,10 @@ def elide(
     if tail_start - head_end < 2 * chars_per_token * 8:
         return None
     pieces: list[str | tuple[float, str]] = []  # kept text, or (tokens, text) elided
-    for line in text[head_end:tail_start].splitlines(keepends=True):
+    middle = text[head_end:tail_start]
+    if isinstance(needed, Wanted):
+        needed = needed.within(middle)
+    for line in middle.splitlines(keepends=True):
         if needed is None or _MARKER.search(line) and not _holds(line, needed):
             pieces.append(_elided(line, chars_per_token))
         elif len(line) <= _LONG_LINE:
@@ -481,6 +489,8 @@ def _holds(line: str, needed: Callable[[str], bool]) -> bool:
 def _elided(text: str, chars_per_token: float) -> tuple[float, str]:
     """A piece of text to elide, with the tokens it stands for: its own, and those
     earlier marks in it say."""
+    if _MARKED not in text:
+        return len(text) / chars_per_token, text
     earlier = sum(int(n.replace(",", "")) for n in _MARKER.findall(text))
     return len(_MARKER.sub("", text)) / chars_per_token + earlier, text
 

@@ -25,7 +25,7 @@ import orjson
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app import formats
-from app.compression import Skipped, compression_target
+from app.compression import Compressed, Skipped, compress_now, compression_target
 from app.config import CompressionConfig, HubConfig, LimitsConfig, PrivacyConfig
 from app.db.dialect import OneHop
 from app.db.moves import TRACE_STAGES
@@ -39,7 +39,13 @@ from app.ingest.admission import Admission
 from app.ingest.inserter import PreparedTrace, Stored, TraceInserter
 from app.ingest.limits import check_item, check_trace
 from app.ingest.processes import IngestProcesses
-from app.metrics import REJECTIONS, TRACES_INGESTED, Labeled, count_compression_skipped
+from app.metrics import (
+    REJECTIONS,
+    TRACES_INGESTED,
+    Labeled,
+    count_compressed,
+    count_compression_skipped,
+)
 from app.outage import Outage
 from app.tokens import count_parts
 
@@ -61,7 +67,15 @@ class EntryStage:
     (`compression_target` is Skipped: compression off, the trace small or within its
     target) enters `compression_skipped`, its record `{"skipped": reason}` as the
     compression stage writes it; if its reward is also under the distributor's
-    threshold, `below_threshold`. Any other enters `accepted`, for the stages."""
+    threshold, `below_threshold`. Any other enters `accepted`, for the stages.
+
+    A trace that needs compressing by a strategy without model calls
+    (key_decision_extract), when its caller asks (`compressing`: the ingest API's
+    traces), is compressed here, by the function the stage runs on the trace as the
+    stage reads it back (`compressed`), and enters where the stage would move it:
+    `compressed` with its compressed payload and record, or `compression_skipped`;
+    `below_threshold` under the threshold. If that fails, it enters `accepted`, and
+    the stage tries again by its retry rules."""
 
     compression: CompressionConfig
     max_trace_tokens: int
@@ -73,17 +87,50 @@ class EntryStage:
         skipped = compression_target(total_tokens, self.compression, forced)
         if not isinstance(skipped, Skipped):
             return Stage.ACCEPTED, None
+        return self.past(skipped, reward), skipped
+
+    def past(self, result: Compressed | Skipped, reward: float | None) -> Stage:
+        """Where a trace compression is done with enters."""
         if below_threshold(reward, self.min_reward_threshold):
-            return Stage.BELOW_THRESHOLD, skipped
-        return Stage.COMPRESSION_SKIPPED, skipped
+            return Stage.BELOW_THRESHOLD
+        return Stage.COMPRESSED if isinstance(result, Compressed) else Stage.COMPRESSION_SKIPPED
+
+    def compressed(
+        self, trace: bytes, total_tokens: int, reward: float | None,
+        breakdown: dict[str, Any] | None,
+    ) -> Compressed | Skipped | None:
+        """The trace (its stored JSON) compressed as the compression stage would:
+        `compress` on what the stage reads back (the stored trace and breakdown, as the
+        database's JSON decodes them). None when it is the stage's to do: the strategy
+        calls a model, the trace is too long to compress within an item's time
+        (_COMPRESSED_AT_ENTRY), or compressing failed."""
+        policy = self.compression
+        if policy.strategy != "key_decision_extract" or total_tokens > _COMPRESSED_AT_ENTRY:
+            return None
+        try:
+            return compress_now(
+                Trace.model_validate(orjson.loads(trace)), total_tokens, policy,
+                forced=total_tokens > self.max_trace_tokens, reward=reward,
+                breakdown=None if breakdown is None else orjson.loads(orjson.dumps(breakdown)),
+            )
+        except Exception:  # noqa: BLE001 - the stage compresses it, and says what fails
+            log.debug("compressing a trace at ingest failed; the compression stage takes it",
+                      exc_info=True)
+            return None
+
+
+# The longest trace compressed in an ingest process: ~1 MB of text, compressed in
+# ~0.2 s, far within limits.max_item_seconds. Longer ones go to the compression stage,
+# where no time limit applies.
+_COMPRESSED_AT_ENTRY = 250_000
 
 
 @dataclass(frozen=True)
 class Preparer:
     """The row for one item: limits, redact, parse, score, filter and count its tokens,
-    and the stage it enters. Pure CPU work; pickled into each ingest process (the
-    environment and the redactor as their config). Without `entry`, every accepted
-    trace enters `accepted`."""
+    and the stage it enters (compressed, when `compressing`). Pure CPU work; pickled
+    into each ingest process (the environment and the redactor as their config).
+    Without `entry`, every accepted trace enters `accepted`."""
 
     environment: Environment
     limits: LimitsConfig
@@ -92,11 +139,12 @@ class Preparer:
 
     def row(
         self, item: Any, fmt: str | None = None, redacted: Mapping[str, int] | None = None,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None, *, compressing: bool = False,
     ) -> dict[str, Any]:
         """`redacted`: the item's secrets went before it came here (OTLP spans are
         redacted as they are stored), and these were replaced, by kind. `metadata`:
-        what the trace's metadata says besides what the item holds."""
+        what the trace's metadata says besides what the item holds. `compressing`:
+        compress it here if it needs no model for that (EntryStage.compressed)."""
         # The limits are checked first, so that a trace over one costs no parsing.
         check_item(item, self.limits)
         canonical = canonical_json(item)  # refuses what the `original` column cannot hold
@@ -138,6 +186,24 @@ class Preparer:
         if not evaluation.reject_reasons:
             stage, skipped = (Stage.ACCEPTED, None) if self.entry is None else (
                 self.entry.of(total_tokens, evaluation.reward))
+        # model_dump, then orjson: model_dump_json's text in 3/4 of its time (pydantic's
+        # writer infers the type of each `Any` value as it goes).
+        stored = _json(trace.model_dump(exclude_none=True))
+        compression: dict[str, Any] | None = None
+        compressed: Compressed | None = None
+        attempts = 0
+        if skipped is not None:
+            compression = {"skipped": skipped.reason}
+        elif stage is Stage.ACCEPTED and compressing and self.entry is not None:
+            done = self.entry.compressed(stored, total_tokens, evaluation.reward,
+                                         evaluation.breakdown)
+            if done is not None:
+                # Written as the compression stage writes its outcome.
+                stage, attempts = self.entry.past(done, evaluation.reward), 1
+                if isinstance(done, Skipped):
+                    skipped, compression = done, {"skipped": done.reason}
+                else:
+                    compressed, compression = done, done.record()
         now = utcnow()
         return {
             "trace_id": trace.trace_id,
@@ -146,8 +212,8 @@ class Preparer:
             "status": trace.outcome.status.value,
             "stage": TRACE_STAGES.enter(stage),
             "total_tokens": total_tokens,
-            "compressed_tokens": None,
-            "compression": None if skipped is None else {"skipped": skipped.reason},
+            "compressed_tokens": None if compressed is None else compressed.tokens_after,
+            "compression": compression,
             "reward": evaluation.reward,
             "env_reward": trace.outcome.reward,
             "reward_breakdown": evaluation.breakdown,
@@ -162,21 +228,27 @@ class Preparer:
             "content_hash": digest,
             # Encoded here, in the ingest process, rather than on the event loop.
             "original": EncodedJSON(orjson.dumps(item).decode()),
-            # model_dump, then orjson: model_dump_json's text in 3/4 of its time (pydantic's
-            # writer infers the type of each `Any` value as it goes).
-            "trace": EncodedJSON(_json(trace.model_dump(exclude_none=True)).decode()),
-            "attempts": 0,
+            "trace": EncodedJSON(stored.decode()),
+            "compressed": None if compressed is None else EncodedJSON(_json(
+                compressed.trace.model_dump(mode="json", exclude_none=True)).decode()),
+            # The compression stage's claim counts an attempt; one made here is one too.
+            "attempts": attempts,
             # Not columns of traces: trace_search's (app/db/search.py), and what the
-            # metrics count a compression skipped at entry under.
+            # metrics count compression at entry under.
             "search_text": search_text(trace),
             "skip_kind": None if skipped is None else skipped.kind,
+            "compressed_by": None if compressed is None else (
+                compressed.strategy, compressed.tokens_before, compressed.tokens_after),
         }
 
-    def prepare(self, item: Any, fmt: str | None) -> PreparedTrace | HubError:
+    def prepare(
+        self, item: Any, fmt: str | None, compressing: bool = False
+    ) -> PreparedTrace | HubError:
         """The item's row, ready to insert, or the HubError that refuses it. An item may
         come as bytes (`formats.load`: its JSON text, or an OTLP protobuf request),
         which is cheaper to send to a process than the parsed value; or `Redacted`
-        (OTLP spans, whose secrets went before they were stored)."""
+        (OTLP spans, whose secrets went before they were stored). `compressing`: see
+        `row`."""
         earlier: Mapping[str, int] | None = None
         metadata: Mapping[str, Any] | None = None
         if isinstance(item, Redacted):
@@ -184,7 +256,7 @@ class Preparer:
         try:
             return PreparedTrace.of(self.row(
                 formats.load(item, fmt) if isinstance(item, bytes) else item, fmt,
-                redacted=earlier, metadata=metadata,
+                redacted=earlier, metadata=metadata, compressing=compressing,
             ))
         except HubError as exc:
             return exc
@@ -243,7 +315,7 @@ class Ingestor:
     async def ingest(self, item: Any, fmt: str | None = None) -> Stored:
         """Store one trace (any accepted format) and answer its stored result."""
         with self._admit(1):
-            (row,) = await self._processes.rows([item], fmt)
+            (row,) = await self._processes.rows([item], fmt, compressing=True)
             if isinstance(row, HubError):
                 _counted(row, row, fmt)
                 raise row
@@ -263,7 +335,7 @@ class Ingestor:
         one stored. An item may already be a HubError (a bad NDJSON line): it stays."""
         with self._admit(len(items)):
             todo = [item for item in items if not isinstance(item, HubError)]
-            done = iter(await self.prepare(todo, fmt))
+            done = iter(await self.prepare(todo, fmt, compressing=True))
             rows = [item if isinstance(item, HubError) else next(done) for item in items]
             results = await self.store(rows)
             for row, result in zip(rows, results):
@@ -271,13 +343,16 @@ class Ingestor:
             return results
 
     async def prepare(
-        self, items: list[Any], fmt: str | None = None
+        self, items: list[Any], fmt: str | None = None, *, compressing: bool = False
     ) -> list[PreparedTrace | HubError]:
         """Each item's row (parsed, scored, filtered, its tokens counted) or the
         HubError that refuses it, in order, without storing it: for callers that store
-        rows themselves (the OTLP assembly stage)."""
+        rows themselves (the OTLP assembly stage). `compressing`: compressed where the
+        policy needs no model (EntryStage); the traces the stages make are left to the
+        compression stage."""
         chunks = [items[i : i + CHUNK] for i in range(0, len(items), CHUNK)]
-        prepared = await asyncio.gather(*(self._processes.rows(c, fmt) for c in chunks))
+        prepared = await asyncio.gather(
+            *(self._processes.rows(c, fmt, compressing=compressing) for c in chunks))
         return [row for rows in prepared for row in rows]
 
     async def store(
@@ -371,12 +446,14 @@ def _counted(row: PreparedTrace | HubError, result: Stored | HubError, fmt: str 
 
 
 def count_stored(row: PreparedTrace, source: str) -> None:
-    """A trace stored new, in the metrics: its outcome, and a compression it skipped
-    at entry as the compression stage counts its own."""
+    """A trace stored new, in the metrics: its outcome, and what compression did at
+    entry as the compression stage counts its own."""
     count_outcome(source, "rejected" if row.stage == Stage.REJECTED else "accepted",
                   row.reject_reasons)
     if row.skip_kind is not None:
         count_compression_skipped(row.skip_kind)
+    if row.compressed_by is not None:
+        count_compressed(*row.compressed_by)
 
 
 def count_outcome(

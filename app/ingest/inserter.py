@@ -25,7 +25,7 @@ from app.db import search
 from app.db.dialect import BulkInsert, OneHop
 from app.db.errors import outage_of
 from app.db.group_commit import GroupCommit
-from app.db.models import PAYLOADS, TRACES
+from app.db.models import PAYLOAD_COLUMNS, PAYLOADS, TRACES
 from app.domain import Stage, Status
 from app.errors import Conflict, HubError
 from app.evaluation.filters import RejectReason
@@ -111,9 +111,10 @@ INSERT = BulkInsert(
         "group_id", "content_hash", "attempts", "compression",
     ),
 )
-# Its payloads, in their own table. A row left behind by a trace deleted with foreign
-# keys off (the sqlite3 shell's default) is replaced.
-PAYLOADS_INSERT = BulkInsert(PAYLOADS, "trace_id", ("trace_id", "original", "trace"),
+# Its payloads, in their own table (`compressed`: when its ingest process compressed
+# it). A row left behind by a trace deleted with foreign keys off (the sqlite3 shell's
+# default) is replaced.
+PAYLOADS_INSERT = BulkInsert(PAYLOADS, "trace_id", ("trace_id", *PAYLOAD_COLUMNS),
                              replace=True)
 
 
@@ -127,25 +128,28 @@ _JSON_ANSWERS = ("reward_breakdown", "reject_reasons")
 class PreparedTrace:
     """One trace, ready to insert: its `values` (INSERT.columns, in the form
     BulkInsert takes), its `payloads` (PAYLOADS_INSERT.columns after the trace_id), its
-    search text, and the kind of compression skip it entered with (SKIP_KINDS; None: it
-    entered before compression); its answer is read from its values."""
+    search text, and what compression did at entry, for the metrics: the kind of skip
+    (SKIP_KINDS), or (strategy, tokens before, tokens after) of the compression made
+    (None, None: it entered before compression); its answer is read from its values."""
 
     values: tuple[Any, ...]
     payloads: tuple[Any, ...]
     search_text: search.SearchText
     skip_kind: str | None = None
+    compressed_by: tuple[str, int, int] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Rows travel back from the ingest processes pickled; a slots dataclass's own
         # pickling walks dataclasses.fields() on every load.
-        return (PreparedTrace, (self.values, self.payloads, self.search_text, self.skip_kind))
+        return (PreparedTrace, (self.values, self.payloads, self.search_text, self.skip_kind,
+                                self.compressed_by))
 
     @classmethod
     def of(cls, row: Mapping[str, Any]) -> PreparedTrace:
-        """From the row as column -> value (payloads included), its search_text and
-        skip_kind (`Preparer.row`)."""
+        """From the row as column -> value (payloads included), its search_text,
+        skip_kind and compressed_by (`Preparer.row`)."""
         return cls(INSERT.values(row), PAYLOADS_INSERT.values(row)[1:], row["search_text"],
-                   row.get("skip_kind"))
+                   row.get("skip_kind"), row.get("compressed_by"))
 
     def __getitem__(self, column: str) -> Any:
         """A column's value as inserted (JSON as its text), payloads included."""

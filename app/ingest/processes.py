@@ -149,9 +149,11 @@ class IngestProcesses:
             if not self._outage.failed(exc, "starting the ingest processes"):
                 log.exception("the ingest processes did not start; the next trace tries again")
 
-    async def rows(self, items: list[Any], fmt: str | None) -> Reply:
-        """Each item's row or the HubError that refuses it, in order."""
-        return await self.call(_rows, items, fmt)
+    async def rows(self, items: list[Any], fmt: str | None, *, compressing: bool = False
+                   ) -> Reply:
+        """Each item's row or the HubError that refuses it, in order (`compressing`:
+        Preparer.row's)."""
+        return await self.call(_rows, items, fmt, compressing)
 
     async def call(self, work: Callable[..., R], *args: Any) -> R:
         """work(*args) in an ingest process: `work` is a module-level function (sent
@@ -298,9 +300,10 @@ class IngestProcesses:
         which is answered 422: in the rows of a `rows` call, or as the call's answer."""
         try:
             if frame.work is _rows:
-                items, fmt = frame.args
+                items, fmt, compressing = frame.args
                 others = [item for i, item in enumerate(items) if i != too_slow]
-                result: Any = await self.rows(others, fmt) if others else []
+                result: Any = await self.rows(
+                    others, fmt, compressing=compressing) if others else []
                 if 0 <= too_slow:
                     result.insert(too_slow, self._too_slow())
             elif 0 <= too_slow:
@@ -446,18 +449,18 @@ def _item_started(index: int) -> None:
 def _inline(preparer: Preparer, work: Callable[..., R], args: tuple[Any, ...]) -> R:
     """A call made in the serving process (no ingest process is up yet)."""
     if work is _rows:
-        items, fmt = args
-        rows: Any = [preparer.prepare(item, fmt) for item in items]
+        items, fmt, compressing = args
+        rows: Any = [preparer.prepare(item, fmt, compressing) for item in items]
         return rows  # type: ignore[no-any-return]
     return work(*args)
 
 
-def _rows(items: list[Any], fmt: str | None) -> Reply:
+def _rows(items: list[Any], fmt: str | None, compressing: bool) -> Reply:
     assert _preparer is not None
     rows: Reply = []
     for index, item in enumerate(items):
         _item_started(index)
-        rows.append(_preparer.prepare(item, fmt))
+        rows.append(_preparer.prepare(item, fmt, compressing))
     return rows
 
 

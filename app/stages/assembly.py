@@ -41,7 +41,7 @@ from app.db import search
 from app.db.assembly import FINAL_STAGES, Due
 from app.db.dialect import writing
 from app.db.errors import database_error, refuses_row
-from app.db.models import PAYLOADS, REVIEWS, TRACES
+from app.db.models import PAYLOAD_COLUMNS, PAYLOADS, REVIEWS, TRACES
 from app.db.moves import TRACE_STAGES
 from app.db.types import utcnow
 from app.domain import Stage
@@ -381,7 +381,7 @@ async def outcome(
         target = Stage.ACCEPTED
     payloads = {k: row[k] for k in ("original", "trace")}
     content = {k: v for k, v in row.items()
-               if k not in ("trace_id", "created_at", "stage", *payloads, *_STARTED_OVER)}
+               if k not in ("trace_id", "created_at", "stage", *PAYLOAD_COLUMNS, *_STARTED_OVER)}
     # A reviewer's reward override wins over the new score, as it did over the old one
     # (the review itself, label and note, is a row of its own and stays).
     override = sa.select(REVIEWS.c.reward).where(REVIEWS.c.trace_id == trace_id)

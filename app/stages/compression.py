@@ -44,12 +44,7 @@ from app.db.models import PAYLOADS, TRACES
 from app.db.moves import RELEASED, TRACE_STAGES
 from app.domain import Stage, Trace
 from app.llm import LLMError, model_outage
-from app.metrics import (
-    COMPRESSION_TOKENS_IN,
-    COMPRESSION_TOKENS_OUT,
-    COMPRESSIONS,
-    count_compression_skipped,
-)
+from app.metrics import COMPRESSIONS, count_compressed, count_compression_skipped
 from app.outage import Outage
 from app.stages import COMPRESSION
 from app.stages.leases import Heartbeat, Lease, claim, held_by, retry_later
@@ -176,7 +171,10 @@ class CompressionStage:
             traces = {p.trace_id: p.trace for p in await conn.execute(
                 sa.select(PAYLOADS.c.trace_id, PAYLOADS.c.trace)
                 .where(PAYLOADS.c.trace_id.in_([row.trace_id for row in rows])))}
-        return [_Claimed(row.trace_id, traces[row.trace_id], row.total_tokens, row.reward,
+        # SQLite's RETURNING gives a whole REAL (a reward of 0.0) as an integer: the
+        # compressed trace keeps the reward as it is stored, a float on both databases.
+        return [_Claimed(row.trace_id, traces[row.trace_id], row.total_tokens,
+                         None if row.reward is None else float(row.reward),
                          row.reward_breakdown, row.attempts) for row in rows]
 
     async def _call(self, row: Any) -> None:
@@ -315,6 +313,4 @@ def _count(finished: list[Compressed | Skipped], gave_up: int) -> None:
         if isinstance(result, Skipped):
             count_compression_skipped(result.kind)
         else:
-            COMPRESSIONS.labels("compressed").inc()
-            COMPRESSION_TOKENS_IN.labels(result.strategy).inc(result.tokens_before)
-            COMPRESSION_TOKENS_OUT.labels(result.strategy).inc(result.tokens_after)
+            count_compressed(result.strategy, result.tokens_before, result.tokens_after)
