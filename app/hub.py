@@ -35,7 +35,6 @@ from app.ingest.processes import ingest_outage
 from app.llm import model_outage
 from app.metrics import summarizing
 from app.outage import Outages, training_outage
-from app.stages import ENTERED
 from app.stages.runner import StageRunner
 from app.tokens import encoding
 
@@ -188,7 +187,8 @@ async def running_hub(
             # background: it ends after the ingest path, which wakes them as it commits.
             AsyncExitStack() as pipeline,
             running_ingest(
-                engine, config, environment, admitted=True, on_commit=stages.waking(*ENTERED),
+                engine, config, environment, admitted=True,
+                on_commit=lambda traces: stages.take_on(t.stage for t in traces),
                 processes=processes, writer=writer, outage=outages.database,
             ) as ingest,
             running_gateway(settings, engine, writer, outages) as gateway,

@@ -100,14 +100,14 @@ class GroupCommit(Generic[Item, Result]):
         max_queue: int | None = None,
         max_wait: float | None = None,
         retry_after: int = 2,
-        on_commit: Callable[[], None] | None = None,
+        on_commit: Callable[[list[Item]], None] | None = None,
         synced: bool = True,
     ) -> None:
         """`writer`: the hub's one (the lifespan's). `max_items`, `max_weight` (of
         `weight(item)`, default 1 each): one transaction's bound. `max_queue`: items
         waiting, past which `submit` answers 503. `max_wait`: an item's deadline
         (None: no bound, for callers that wait for each chunk, as `atropos import`).
-        `on_commit`: called after each commit that stored something. `synced=False`:
+        `on_commit`: called with the items of each commit that stored something. `synced=False`:
         its items are answered before the commit reaches the disk (`OneHop.run`)."""
         self.kind = kind
         self._writer = writer
@@ -224,7 +224,7 @@ class GroupCommit(Generic[Item, Result]):
                 self._outage.works()
                 self._commits.observe(time.monotonic() - self._writing_since)
                 if self._on_commit is not None:
-                    self._on_commit()
+                    self._on_commit([pending.item for pending in taken])
             self._settle(taken, results, None)
         finally:
             self._writing_since = None

@@ -387,7 +387,7 @@ async def running_ingest(
     environment: Environment,
     *,
     admitted: bool,
-    on_commit: Callable[[], None] | None = None,
+    on_commit: Callable[[list[PreparedTrace]], None] | None = None,
     processes: IngestProcesses | None = None,
     writer: OneHop | None = None,
     outage: Outage | None = None,

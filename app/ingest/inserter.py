@@ -244,7 +244,7 @@ class TraceInserter:
         max_queue: int = 10_000,
         max_wait: float | None = None,
         retry_after: int = 2,
-        on_commit: Callable[[], None] | None = None,
+        on_commit: Callable[[list[PreparedTrace]], None] | None = None,
     ) -> None:
         """`writer`: the hub's one (without it, one of its own). `max_wait`: the
         longest a trace waits for its commit before it is withdrawn and its request

@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol, runtime_checkable
 
 from app.config import HubConfig
 from app.errors import Unavailable
 from app.outage import Outage
+from app.stages import TAKES_ON
 from app.waits import event_set_within
 
 log = logging.getLogger("atropos.worker")
@@ -113,6 +114,14 @@ class StageRunner:
         for name in names:
             if (event := self._wakes.get(name)) is not None:
                 event.set()
+
+    def take_on(self, entered: Iterable[str]) -> None:
+        """Wake the stages that take on traces which entered these stages (TAKES_ON),
+        for an ingest commit: each stage woken pays a claim in the writer's turn, for
+        nothing if the commit gave it no trace."""
+        names = {TAKES_ON[stage] for stage in entered if stage in TAKES_ON}
+        if names:
+            self.wake(*names)
 
     def waking(self, *names: str) -> Callable[[], None]:
         """A wake-up of these stages alone, for a commit that gives work to them only:
