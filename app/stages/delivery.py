@@ -17,13 +17,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import DistributorConfig
-from app.db.dialect import writing
+from app.db.dialect import OneHop, writing
 from app.db.models import BATCHES, MEMBERS, PAYLOADS, TRACES, WITH_PAYLOADS
 from app.db.moves import BATCH_STATES, RELEASED, TRACE_STAGES
 from app.db.types import utcnow
@@ -56,9 +57,12 @@ class DeliveryStage:
         lease: Lease,
         on_advance: Callable[[], None] | None = None,
         training: Outage | None = None,
+        writer: OneHop | None = None,
     ) -> None:
-        """`training`: where the training service failing is said (the hub's)."""
+        """`training`: where the training service failing is said (the hub's);
+        `writer`: the hub's one (without it, one of the stage's own)."""
         self._engine = engine
+        self._writer = writer or OneHop(engine)
         self._target = target
         self._training = training or training_outage()
         self._config = config
@@ -76,18 +80,17 @@ class DeliveryStage:
         batch. A failed attempt ends the pass: the batches after it are released
         untried. To an `Unordered` target they are handed over at once, each failing
         alone. 0 when none is due."""
-        async with writing(self._engine) as conn:
-            rows = await claim(
-                conn,
-                BATCHES,
-                where=BATCHES.c.state == BatchState.PENDING.value,
-                order_by=BATCHES.c.created_at,
-                limit=PER_PASS,
-                lease=self._lease,
-                returning=[BATCHES.c.batch_id, BATCHES.c.created_at, BATCHES.c.attempts,
-                           BATCHES.c.receipt],
-                longest_backoff=self._config.retry.max_seconds,
-            )
+        rows = await self._writer.run(partial(
+            claim,
+            table=BATCHES,
+            where=BATCHES.c.state == BatchState.PENDING.value,
+            order_by=BATCHES.c.created_at,
+            limit=PER_PASS,
+            lease=self._lease,
+            returning=[BATCHES.c.batch_id, BATCHES.c.created_at, BATCHES.c.attempts,
+                       BATCHES.c.receipt],
+            longest_backoff=self._config.retry.max_seconds,
+        ))
         if not rows:
             return 0
         delivered: list[tuple[Batch, dict[str, Any]]] = []
@@ -166,37 +169,42 @@ class DeliveryStage:
 
     async def _acknowledge(self, delivered: list[tuple[Batch, dict[str, Any]]]) -> bool:
         """Acknowledge the delivered batches whose leases this worker still holds, in
-        one transaction; whether any was."""
+        one transaction in the hub's writer; whether any was."""
         if not delivered:
             return False
-        now = utcnow()
-        acknowledged = []
-        async with writing(self._engine) as conn:
-            for batch, receipt in delivered:
-                acked = await conn.execute(
-                    BATCH_STATES.move(BatchState.DELIVERED, expected=[BatchState.PENDING])
-                    .where(BATCHES.c.batch_id == batch.batch_id, held_by(BATCHES, self._lease))
-                    .values(delivered_at=now, updated_at=now, receipt=receipt,
-                            target=self._target.name, **RELEASED)
-                )
-                if acked.rowcount != 1:
-                    log.warning("batch %s: delivered, but the lease was lost first; its new "
-                                "owner acknowledges it", batch.batch_id)
-                    continue
-                acknowledged.append(batch)
-            if acknowledged:
-                members = sa.select(MEMBERS.c.trace_id).where(
-                    MEMBERS.c.batch_id.in_([batch.batch_id for batch in acknowledged]))
-                await conn.execute(
-                    TRACE_STAGES.move(Stage.DELIVERED, expected=[Stage.BATCHED])
-                    .where(TRACES.c.trace_id.in_(members))
-                    .values(updated_at=now)
-                )
+        acknowledged = await self._writer.run(partial(self._acknowledged, delivered))
         for batch in acknowledged:
             log.info("batch %s delivered to %s (%d traces, attempt %d)", batch.batch_id,
                      self._target.name, len(batch.items), batch.attempts,
                      extra={"batch_id": batch.batch_id})
         return bool(acknowledged)
+
+    def _acknowledged(self, delivered: list[tuple[Batch, dict[str, Any]]],
+                      conn: sa.Connection) -> list[Batch]:
+        """The moves of `_acknowledge`, in its transaction: the batches acknowledged."""
+        now = utcnow()
+        acknowledged = []
+        for batch, receipt in delivered:
+            acked = conn.execute(
+                BATCH_STATES.move(BatchState.DELIVERED, expected=[BatchState.PENDING])
+                .where(BATCHES.c.batch_id == batch.batch_id, held_by(BATCHES, self._lease))
+                .values(delivered_at=now, updated_at=now, receipt=receipt,
+                        target=self._target.name, **RELEASED)
+            )
+            if acked.rowcount != 1:
+                log.warning("batch %s: delivered, but the lease was lost first; its new "
+                            "owner acknowledges it", batch.batch_id)
+                continue
+            acknowledged.append(batch)
+        if acknowledged:
+            members = sa.select(MEMBERS.c.trace_id).where(
+                MEMBERS.c.batch_id.in_([batch.batch_id for batch in acknowledged]))
+            conn.execute(
+                TRACE_STAGES.move(Stage.DELIVERED, expected=[Stage.BATCHED])
+                .where(TRACES.c.trace_id.in_(members))
+                .values(updated_at=now)
+            )
+        return acknowledged
 
     async def _release(self, batch_ids: list[str]) -> None:
         """Give back claimed batches that were not attempted: free now, their claim's

@@ -49,6 +49,8 @@ async def running_stages(
     config = settings.config
     runner = runner or StageRunner.of(config, outages.database)
     lease = Lease(config.workers.lease_seconds)
+    own_writer = writer is None
+    writer = writer or OneHop(engine)
     async with httpx.AsyncClient() as http:
         policy = settings.compression.compression
         # Traces another process commits (`atropos import` into the database, another
@@ -64,6 +66,7 @@ async def running_stages(
                 # Its own wake-up too: a retry's, when the backoff has passed.
                 on_advance=runner.waking(COMPRESSION, DISTRIBUTION),
                 model=outages.model,
+                writer=writer,
             ),
             every=ARRIVALS_SECONDS,
         )
@@ -76,7 +79,7 @@ async def running_stages(
             runner.add(grouping, every=grouping.poll_seconds)
         runner.add(
             DistributionStage(engine, config.distributor,
-                              on_advance=runner.waking(DELIVERY)),
+                              on_advance=runner.waking(DELIVERY), writer=writer),
             DeliveryStage(
                 engine,
                 build_target(config.distributor, settings.tinker.tinker, http, hub_env),
@@ -84,6 +87,7 @@ async def running_stages(
                 lease=lease,
                 on_advance=runner.wake,
                 training=outages.training,
+                writer=writer,
             ),
         )
         if config.retention is not None:
@@ -96,6 +100,8 @@ async def running_stages(
             await runner.stop()
             if hub_env is not None:
                 await hub_env.close()
+            if own_writer:
+                await writer.close()
 
 
 def add_assembly(stages: StageRunner, engine: AsyncEngine, settings: Settings,
