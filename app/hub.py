@@ -248,7 +248,8 @@ async def _add_stages(hub: Hub, pipeline: AsyncExitStack) -> None:
     stages = await importing(lambda: importlib.import_module("app.stages.pipeline"))
 
     await pipeline.enter_async_context(stages.running_stages(
-        hub.settings, hub.engine, hub.outages, writer=hub.writer, runner=hub.stages))
+        hub.settings, hub.engine, hub.outages, writer=hub.writer, runner=hub.stages,
+        prepare=hub.ingestor.processes.call))
     stages.add_assembly(hub.stages, hub.engine, hub.settings, hub.ingestor)
 
 

@@ -7,8 +7,9 @@ needed for a first request."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -41,11 +42,14 @@ ARRIVALS_SECONDS = 1.0
 async def running_stages(
     settings: Settings, engine: AsyncEngine, outages: Outages, *,
     writer: OneHop | None = None, runner: StageRunner | None = None,
+    prepare: Callable[..., Awaitable[Any]] | None = None,
 ) -> AsyncIterator[StageRunner]:
     """The background stages in pipeline order, with the HTTP client they share. Each
     stage wakes the runner when it moves traces on, so the next stage starts at once.
     `writer`: the hub's one write connection (without it, the stages' own); `runner`:
-    the hub's, which has existed since it started (without it, one of their own)."""
+    the hub's, which has existed since it started (without it, one of their own);
+    `prepare`: where delivery renders batch files, `prepare(work, *args)` (the hub's
+    ingest processes' `call`; without it, a thread)."""
     config = settings.config
     runner = runner or StageRunner.of(config, outages.database)
     lease = Lease(config.workers.lease_seconds)
@@ -88,6 +92,7 @@ async def running_stages(
                 on_advance=runner.wake,
                 training=outages.training,
                 writer=writer,
+                prepare=prepare,
             ),
         )
         if config.retention is not None:
