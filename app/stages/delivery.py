@@ -42,11 +42,14 @@ from app.targets.base import render_file
 log = logging.getLogger("atropos.delivery")
 
 
-# The most batches a delivery pass claims and acknowledges together: to a target that
-# takes them one after the other, and to a `FileTarget`, whose pass pays its directory
-# fsync and manifest append once for all (so a backlog is taken in larger passes).
+# The most batches a delivery pass claims and acknowledges together, to a target that
+# takes them one after the other.
 PER_PASS = 8
-FILES_PER_PASS = 32
+# The most traces of a `FileTarget`'s pass, in whole batches: a pass pays a claim, an
+# acknowledgement, its files' rendering behind ingest's work in the ingest processes, a
+# directory fsync and a manifest append once for all its batches, so a backlog is taken
+# in large passes (its payloads held meanwhile: ~20 MB of 5 KB traces).
+TRACES_PER_PASS = 4096
 
 
 class _Delivered(NamedTuple):
@@ -95,7 +98,8 @@ class DeliveryStage:
         """Deliver the oldest due batches, in order, up to PER_PASS of them: one claim
         and one acknowledgement (a commit each) for all, rather than two commits a
         batch. A failed attempt ends the pass: the batches after it are released
-        untried. A `FileTarget` gets up to FILES_PER_PASS at once, each failing alone.
+        untried. A `FileTarget` gets up to TRACES_PER_PASS traces' batches at once, each
+        failing alone.
         0 when none is due."""
         target = self._target
         files = target if isinstance(target, FileTarget) else None
@@ -104,7 +108,8 @@ class DeliveryStage:
             table=BATCHES,
             where=BATCHES.c.state == BatchState.PENDING.value,
             order_by=BATCHES.c.created_at,
-            limit=PER_PASS if files is None else FILES_PER_PASS,
+            limit=PER_PASS if files is None else max(
+                1, TRACES_PER_PASS // self._config.batch_size),
             lease=self._lease,
             returning=[BATCHES.c.batch_id, BATCHES.c.created_at, BATCHES.c.attempts,
                        BATCHES.c.receipt],
