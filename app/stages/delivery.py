@@ -246,21 +246,32 @@ class DeliveryStage:
 
     def _acknowledged(self, delivered: list[_Delivered],
                       conn: sa.Connection) -> list[_Delivered]:
-        """The moves of `_acknowledge`, in its transaction: the batches acknowledged."""
+        """The moves of `_acknowledge`, in its transaction: the batches acknowledged. A
+        statement for all the moves and one for all the receipts, not one a batch: a
+        PostgreSQL statement is a round trip through the event loop."""
         now = utcnow()
+        moved = set(conn.execute(
+            BATCH_STATES.move(BatchState.DELIVERED, expected=[BatchState.PENDING])
+            .where(BATCHES.c.batch_id.in_([batch.batch_id for batch in delivered]),
+                   held_by(BATCHES, self._lease))
+            .values(delivered_at=now, updated_at=now, target=self._target.name, **RELEASED)
+            .returning(BATCHES.c.batch_id)
+        ).scalars())
         acknowledged = []
         for batch in delivered:
-            acked = conn.execute(
-                BATCH_STATES.move(BatchState.DELIVERED, expected=[BatchState.PENDING])
-                .where(BATCHES.c.batch_id == batch.batch_id, held_by(BATCHES, self._lease))
-                .values(delivered_at=now, updated_at=now, receipt=batch.receipt,
-                        target=self._target.name, **RELEASED)
-            )
-            if acked.rowcount != 1:
+            if batch.batch_id not in moved:
                 log.warning("batch %s: delivered, but the lease was lost first; its new "
                             "owner acknowledges it", batch.batch_id)
                 continue
             acknowledged.append(batch)
+        if acknowledged:
+            conn.execute(
+                sa.update(BATCHES)
+                .where(BATCHES.c.batch_id == sa.bindparam("acked_id"))
+                .values(receipt=sa.bindparam("acked_receipt", type_=BATCHES.c.receipt.type)),
+                [{"acked_id": batch.batch_id, "acked_receipt": batch.receipt}
+                 for batch in acknowledged],
+            )
         if acknowledged:
             members = sa.select(MEMBERS.c.trace_id).where(
                 MEMBERS.c.batch_id.in_([batch.batch_id for batch in acknowledged]))
