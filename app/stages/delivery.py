@@ -46,9 +46,9 @@ log = logging.getLogger("atropos.delivery")
 # takes them one after the other.
 PER_PASS = 8
 # The most traces of a `FileTarget`'s pass, in whole batches: a pass pays a claim, an
-# acknowledgement, its files' rendering behind ingest's work in the ingest processes, a
-# directory fsync and a manifest append once for all its batches, so a backlog is taken
-# in large passes (its payloads held meanwhile: ~20 MB of 5 KB traces).
+# acknowledgement, a directory fsync and a manifest append once for all its batches, so
+# a backlog is taken in large passes (its payloads held meanwhile: ~20 MB of 5 KB
+# traces).
 TRACES_PER_PASS = 4096
 
 
@@ -78,8 +78,8 @@ class DeliveryStage:
     ) -> None:
         """`training`: where the training service failing is said (the hub's);
         `writer`: the hub's one (without it, one of the stage's own); `prepare`: where a
-        `FileTarget`'s files are rendered, `prepare(work, *args)` (the hub's ingest
-        processes' `call`; without it, a thread)."""
+        `FileTarget`'s files are rendered, `prepare(work, *args)` (an ingest process
+        of their own, `IngestProcesses.apart`; without it, a thread)."""
         self._engine = engine
         self._writer = writer or OneHop(engine)
         self._prepare = prepare or _in_thread

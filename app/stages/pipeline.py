@@ -48,8 +48,8 @@ async def running_stages(
     stage wakes the runner when it moves traces on, so the next stage starts at once.
     `writer`: the hub's one write connection (without it, the stages' own); `runner`:
     the hub's, which has existed since it started (without it, one of their own);
-    `prepare`: where delivery renders batch files, `prepare(work, *args)` (the hub's
-    ingest processes' `call`; without it, a thread)."""
+    `prepare`: where delivery renders batch files, `prepare(work, *args)` (a hub's
+    ingest process of their own, `IngestProcesses.apart`; without it, a thread)."""
     config = settings.config
     runner = runner or StageRunner.of(config, outages.database)
     lease = Lease(config.workers.lease_seconds)

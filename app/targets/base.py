@@ -113,8 +113,8 @@ def render_file(batch_id: str, created_at: datetime,
                 members: list[tuple[str, float | None, str, bool]], fmt: str) -> BatchFile:
     """The file of a batch whose members are (trace_id, reward, the payload to send as
     its JSON text, whether that is the compressed view): parsing, exporting and
-    encoding are the CPU of a delivery, so this runs where ingest's CPU work does (an
-    ingest process, app/ingest/processes.py), not in the serving process."""
+    encoding are the CPU of a delivery, so this runs in an ingest process of its own
+    (app/ingest/processes.py `apart`), not in the serving process."""
     items = [BatchItem(trace_id, reward, Trace.model_validate_json(payload), compressed)
              for trace_id, reward, payload, compressed in members]
     return BatchFile.of(batch_id, created_at, items, fmt)
