@@ -5,6 +5,7 @@ re-queued."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,10 +15,19 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from app.config import DeliveryRetry, DistributorConfig, JsonlTargetConfig
+from app.config import (
+    DeliveryRetry,
+    DistributorConfig,
+    HttpTargetConfig,
+    JsonlTargetConfig,
+    TinkerConfig,
+)
 from app.db.models import BATCHES
 from app.db.types import utcnow
+from app.stages.delivery import DeliveryStage
 from app.stages.distribution import DistributionStage
+from app.stages.leases import Lease
+from app.targets import build_target
 from app.targets.jsonl import JsonlTarget
 from tests.support.databases import database
 from tests.support.fakes.model_server import serve
@@ -25,7 +35,7 @@ from tests.support.fakes.trainer_server import FakeTrainer
 from tests.support.hubs import InProcessHub
 from tests.support.pipeline import ingest, set_rewards
 from tests.support.processes import WorkerProcess, run_cli
-from tests.support.waiting import wait_until
+from tests.support.waiting import wait_until, wait_until_async
 
 
 @pytest.fixture
@@ -274,3 +284,34 @@ async def _files(engine: Any, config: JsonlTargetConfig, batch_ids: list[str]) -
             files.append(render_file(batch_id, created_at,
                                      [(t, r, p, False) for t, r, p in members], config.format))
     return files
+
+
+async def test_a_batch_whose_lease_ran_out_mid_delivery_is_acknowledged_once_by_its_new_owner(
+    start_hub: Any, trace_server: dict[str, Any], trainer: tuple[FakeTrainer, str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A pass's acknowledgement moves only the batches its lease still holds: the worker
+    whose lease ran out while the trainer answered leaves the batch to its new owner."""
+    fake, url = trainer
+    fake.delay = 1.0  # the first delivery is in flight while its lease runs out
+    hub: InProcessHub = start_hub(trace_server, "--no-workers", **sections(url))
+    ids = ["l0", "l1", "l2"]
+    with hub.client() as client:
+        ingest(client, ids)
+    await set_rewards(trace_server, {t: 10.0 for t in ids})
+    config = HttpTargetConfig(url=url, batch_size=3, min_reward_threshold=0)
+    async with database(trace_server) as engine, httpx.AsyncClient() as http:
+        await DistributionStage(engine, config).run_once()
+        target = build_target(config, TinkerConfig(), http)
+        first, second = (DeliveryStage(engine, target, config, lease=Lease()) for _ in "ab")
+        slow = asyncio.create_task(first.run_once())
+        await wait_until_async(lambda: fake.requests, what="the first delivery in flight")
+        async with engine.begin() as conn:
+            await conn.execute(sa.update(BATCHES).values(lease_expires_at=utcnow()))
+        assert await second.run_once() == 1
+        assert await slow == 1
+        async with engine.connect() as conn:
+            row = (await conn.execute(sa.select(BATCHES))).one()
+    assert (row.state, row.attempts, row.lease_owner) == ("delivered", 2, None)
+    assert [len(ids_) for ids_ in fake.accepted.values()] == [3]
+    assert "delivered, but the lease was lost first" in caplog.text
