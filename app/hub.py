@@ -247,8 +247,13 @@ async def _add_stages(hub: Hub, pipeline: AsyncExitStack) -> None:
     """The background stages, built into `hub.stages` (not started)."""
     stages = await importing(lambda: importlib.import_module("app.stages.pipeline"))
 
+    # Two: the second takes what the first falls behind on (a backlog's pass of 128
+    # files). Started by their first call; closed once the stages have stopped.
+    rendering = hub.ingestor.processes.apart(2)
+    pipeline.push_async_callback(rendering.close)
     await pipeline.enter_async_context(stages.running_stages(
-        hub.settings, hub.engine, hub.outages, writer=hub.writer, runner=hub.stages))
+        hub.settings, hub.engine, hub.outages, writer=hub.writer, runner=hub.stages,
+        prepare=rendering.call))
     stages.add_assembly(hub.stages, hub.engine, hub.settings, hub.ingestor)
 
 

@@ -5,6 +5,7 @@ re-queued."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,16 +15,27 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from app.config import DeliveryRetry, DistributorConfig, JsonlTargetConfig
+from app.config import (
+    DeliveryRetry,
+    DistributorConfig,
+    HttpTargetConfig,
+    JsonlTargetConfig,
+    TinkerConfig,
+)
 from app.db.models import BATCHES
+from app.db.types import utcnow
+from app.stages.delivery import DeliveryStage
 from app.stages.distribution import DistributionStage
+from app.stages.leases import Lease
+from app.targets import build_target
+from app.targets.jsonl import JsonlTarget
 from tests.support.databases import database
 from tests.support.fakes.model_server import serve
 from tests.support.fakes.trainer_server import FakeTrainer
 from tests.support.hubs import InProcessHub
 from tests.support.pipeline import ingest, set_rewards
 from tests.support.processes import WorkerProcess, run_cli
-from tests.support.waiting import wait_until
+from tests.support.waiting import wait_until, wait_until_async
 
 
 @pytest.fixture
@@ -201,3 +213,105 @@ async def test_a_jsonl_pass_hands_over_its_batches_at_once_each_failing_alone(
     assert states == {formed[0]: "failed", formed[1]: "delivered", formed[2]: "delivered"}
     manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert sorted(m["batch_id"] for m in manifest) == sorted(formed[1:])
+
+
+async def test_a_jsonl_pass_that_fails_or_dies_after_its_files_lists_each_batch_once(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
+) -> None:
+    """The manifest is the record of what was delivered, appended once per pass after
+    the pass's files. A pass that fails between its files and the manifest, and one that
+    wrote both but died before its acknowledgement, are delivered again: one file and
+    one manifest line per batch, holding its traces."""
+    out = tmp_path / "batches"
+    config = JsonlTargetConfig(output_dir=str(out), batch_size=3, min_reward_threshold=0)
+    hub = start_hub(trace_server, "--no-workers", distributor=config.model_dump(mode="json"))
+    ids = [f"m{i}" for i in range(12)]
+    with hub.client() as client:
+        ingest(client, ids)
+        await set_rewards(trace_server, {t: 1.0 for t in ids})
+        async with database(trace_server) as engine:
+            await DistributionStage(engine, config).run_once()
+            async with engine.connect() as conn:
+                formed = list((await conn.execute(
+                    sa.select(BATCHES.c.batch_id).order_by(BATCHES.c.created_at))).scalars())
+            assert len(formed) == 4
+            # Killed after the manifest, before the acknowledgement: the target wrote the
+            # last batch's file and its line, the database still has it pending.
+            target = JsonlTarget(str(out), config.format)
+            [file] = await _files(engine, config, formed[3:])
+            assert not isinstance((await target.write_files([file]))[0], Exception)
+            # Failing between the files and the manifest: no manifest can be appended.
+            (out / "manifest.jsonl.tmp").write_bytes((out / "manifest.jsonl").read_bytes())
+            (out / "manifest.jsonl").unlink()
+            (out / "manifest.jsonl").mkdir()
+            hub.drain()
+            states = {b["batch_id"]: b["state"] for b in batches(client)}
+            assert set(states.values()) == {"pending"}
+            assert sorted(p.name for p in out.glob("b-*.jsonl")) == sorted(
+                f"{b}.jsonl" for b in formed)
+            (out / "manifest.jsonl").rmdir()
+            (out / "manifest.jsonl.tmp").rename(out / "manifest.jsonl")
+            async with engine.begin() as conn:  # their backoff has passed
+                await conn.execute(sa.update(BATCHES).values(lease_expires_at=utcnow()))
+        hub.drain()
+        listed = {b["batch_id"]: b for b in batches(client)}
+    assert {b["state"] for b in listed.values()} == {"delivered"}
+    manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert sorted(m["batch_id"] for m in manifest) == sorted(formed)
+    for line in manifest:
+        records = (out / line["file"]).read_text().splitlines()
+        assert len(records) == len(line["trace_ids"]) == 3
+        assert line["sha256"] == listed[line["batch_id"]]["receipt"]["sha256"]
+    assert sorted(t for m in manifest for t in m["trace_ids"]) == sorted(ids)
+
+
+async def _files(engine: Any, config: JsonlTargetConfig, batch_ids: list[str]) -> list[Any]:
+    """The batches' files as delivery renders them."""
+    from app.db.models import MEMBERS, PAYLOADS, TRACES
+    from app.targets.base import render_file
+
+    files = []
+    async with engine.connect() as conn:
+        for batch_id in batch_ids:
+            created_at = (await conn.execute(sa.select(BATCHES.c.created_at).where(
+                BATCHES.c.batch_id == batch_id))).scalar_one()
+            members = (await conn.execute(
+                sa.select(TRACES.c.trace_id, TRACES.c.reward,
+                          sa.cast(PAYLOADS.c.trace, sa.Text))
+                .join(PAYLOADS, PAYLOADS.c.trace_id == TRACES.c.trace_id)
+                .join(MEMBERS, MEMBERS.c.trace_id == TRACES.c.trace_id)
+                .where(MEMBERS.c.batch_id == batch_id).order_by(MEMBERS.c.position))).all()
+            files.append(render_file(batch_id, created_at,
+                                     [(t, r, p, False) for t, r, p in members], config.format))
+    return files
+
+
+async def test_a_batch_whose_lease_ran_out_mid_delivery_is_acknowledged_once_by_its_new_owner(
+    start_hub: Any, trace_server: dict[str, Any], trainer: tuple[FakeTrainer, str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A pass's acknowledgement moves only the batches its lease still holds: the worker
+    whose lease ran out while the trainer answered leaves the batch to its new owner."""
+    fake, url = trainer
+    fake.delay = 1.0  # the first delivery is in flight while its lease runs out
+    hub: InProcessHub = start_hub(trace_server, "--no-workers", **sections(url))
+    ids = ["l0", "l1", "l2"]
+    with hub.client() as client:
+        ingest(client, ids)
+    await set_rewards(trace_server, {t: 10.0 for t in ids})
+    config = HttpTargetConfig(url=url, batch_size=3, min_reward_threshold=0)
+    async with database(trace_server) as engine, httpx.AsyncClient() as http:
+        await DistributionStage(engine, config).run_once()
+        target = build_target(config, TinkerConfig(), http)
+        first, second = (DeliveryStage(engine, target, config, lease=Lease()) for _ in "ab")
+        slow = asyncio.create_task(first.run_once())
+        await wait_until_async(lambda: fake.requests, what="the first delivery in flight")
+        async with engine.begin() as conn:
+            await conn.execute(sa.update(BATCHES).values(lease_expires_at=utcnow()))
+        assert await second.run_once() == 1
+        assert await slow == 1
+        async with engine.connect() as conn:
+            row = (await conn.execute(sa.select(BATCHES))).one()
+    assert (row.state, row.attempts, row.lease_owner) == ("delivered", 2, None)
+    assert [len(ids_) for ids_ in fake.accepted.values()] == [3]
+    assert "delivered, but the lease was lost first" in caplog.text

@@ -58,11 +58,12 @@ def test_the_default_backoffs() -> None:
 
 async def _claim(engine: Any, lease: Lease) -> list[Any]:
     async with engine.begin() as conn:
-        return await claim(
-            conn, TRACES, where=TRACES.c.stage == Stage.ACCEPTED.value,
+        rows = await conn.run_sync(
+            claim, TRACES, where=TRACES.c.stage == Stage.ACCEPTED.value,
             order_by=TRACES.c.created_at, limit=1, lease=lease,
             returning=[TRACES.c.trace_id, TRACES.c.attempts],
         )
+        return list(rows)
 
 
 async def _defer(engine: Any, lease: Lease, attempts: int, policy: RetryPolicy) -> float | None:

@@ -124,6 +124,13 @@ class IngestProcesses:
         self._resent: set[asyncio.Task[None]] = set()
         self._closing = False
 
+    def apart(self, processes: int = 1) -> IngestProcesses:
+        """Processes of their own, not started, preparing as these do, for work that
+        must not wait behind ingest's: the delivery stage's batch files, which waited
+        behind every trace the hub had taken in (seconds under load)."""
+        return IngestProcesses(self._preparer, processes, outage=self._outage,
+                               start_wait=self._start_wait)
+
     @property
     def pids(self) -> list[int | None]:
         return [proc.process.pid for proc in self._processes]

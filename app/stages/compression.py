@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
@@ -38,7 +39,7 @@ from app.compression import (
     smallest_compressed,
 )
 from app.config import CompressionConfig
-from app.db.dialect import writing
+from app.db.dialect import OneHop, writing
 from app.db.errors import outage_of
 from app.db.models import PAYLOADS, TRACES
 from app.db.moves import RELEASED, TRACE_STAGES
@@ -79,9 +80,12 @@ class CompressionStage:
         batch: int | None = None,
         on_advance: Callable[[], None] | None = None,
         model: Outage | None = None,
+        writer: OneHop | None = None,
     ) -> None:
-        """`model`: where the summary model failing is said (the hub's)."""
+        """`model`: where the summary model failing is said (the hub's); `writer`: the
+        hub's one (without it, one of the stage's own)."""
         self._engine = engine
+        self._writer = writer or OneHop(engine)
         self._policy = policy
         self._max_trace_tokens = max_trace_tokens
         self._lease = lease
@@ -148,29 +152,33 @@ class CompressionStage:
         await asyncio.gather(*self._calls, return_exceptions=True)
 
     async def _claim(self, limit: int, where: sa.ColumnElement[bool] | None = None) -> list[Any]:
+        return await self._writer.run(partial(self._claimed, limit, where))
+
+    def _claimed(self, limit: int, where: sa.ColumnElement[bool] | None,
+                 conn: sa.Connection) -> list[_Claimed]:
+        """`_claim`'s transaction, in the hub's writer."""
         condition = TRACES.c.stage == Stage.ACCEPTED.value
-        async with writing(self._engine) as conn:
-            rows = await claim(
-                conn,
-                TRACES,
-                where=condition if where is None else sa.and_(condition, where),
-                order_by=TRACES.c.created_at,
-                limit=limit,
-                lease=self._lease,
-                longest_backoff=self._policy.retry.max_seconds,
-                returning=[
-                    TRACES.c.trace_id,
-                    TRACES.c.total_tokens,
-                    TRACES.c.reward,
-                    TRACES.c.reward_breakdown,
-                    TRACES.c.attempts,
-                ],
-            )
-            if not rows:
-                return []
-            traces = {p.trace_id: p.trace for p in await conn.execute(
-                sa.select(PAYLOADS.c.trace_id, PAYLOADS.c.trace)
-                .where(PAYLOADS.c.trace_id.in_([row.trace_id for row in rows])))}
+        rows = claim(
+            conn,
+            TRACES,
+            where=condition if where is None else sa.and_(condition, where),
+            order_by=TRACES.c.created_at,
+            limit=limit,
+            lease=self._lease,
+            longest_backoff=self._policy.retry.max_seconds,
+            returning=[
+                TRACES.c.trace_id,
+                TRACES.c.total_tokens,
+                TRACES.c.reward,
+                TRACES.c.reward_breakdown,
+                TRACES.c.attempts,
+            ],
+        )
+        if not rows:
+            return []
+        traces = {p.trace_id: p.trace for p in conn.execute(
+            sa.select(PAYLOADS.c.trace_id, PAYLOADS.c.trace)
+            .where(PAYLOADS.c.trace_id.in_([row.trace_id for row in rows])))}
         # SQLite's RETURNING gives a whole REAL (a reward of 0.0) as an integer: the
         # compressed trace keeps the reward as it is stored, a float on both databases.
         return [_Claimed(row.trace_id, traces[row.trace_id], row.total_tokens,

@@ -16,14 +16,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from app.config import DistributorConfig
-from app.db.dialect import writing
+from app.db.dialect import OneHop, writing
 from app.db.models import BATCHES, MEMBERS, PAYLOADS, TRACES, WITH_PAYLOADS
 from app.db.moves import BATCH_STATES, RELEASED, TRACE_STAGES
 from app.db.types import utcnow
@@ -35,13 +36,29 @@ from app.metrics import DELIVERY_ATTEMPTS
 from app.outage import Outage, training_outage
 from app.stages import DELIVERY
 from app.stages.leases import Heartbeat, Lease, claim, held_by, retry_later
-from app.targets import Batch, BatchItem, Target, Unordered
+from app.targets import Batch, BatchFile, BatchItem, FileTarget, Target
+from app.targets.base import render_file
 
 log = logging.getLogger("atropos.delivery")
 
 
-# The most batches a delivery pass claims and acknowledges together.
+# The most batches a delivery pass claims and acknowledges together, to a target that
+# takes them one after the other.
 PER_PASS = 8
+# The most traces of a `FileTarget`'s pass, in whole batches: a pass pays a claim, an
+# acknowledgement, a directory fsync and a manifest append once for all its batches, so
+# a backlog is taken in large passes (its payloads held meanwhile: ~20 MB of 5 KB
+# traces).
+TRACES_PER_PASS = 4096
+
+
+class _Delivered(NamedTuple):
+    """A batch the target took, to acknowledge."""
+
+    batch_id: str
+    attempts: int
+    traces: int
+    receipt: dict[str, Any]
 
 
 class DeliveryStage:
@@ -56,9 +73,16 @@ class DeliveryStage:
         lease: Lease,
         on_advance: Callable[[], None] | None = None,
         training: Outage | None = None,
+        writer: OneHop | None = None,
+        prepare: Callable[..., Awaitable[Any]] | None = None,
     ) -> None:
-        """`training`: where the training service failing is said (the hub's)."""
+        """`training`: where the training service failing is said (the hub's);
+        `writer`: the hub's one (without it, one of the stage's own); `prepare`: where a
+        `FileTarget`'s files are rendered, `prepare(work, *args)` (an ingest process
+        of their own, `IngestProcesses.apart`; without it, a thread)."""
         self._engine = engine
+        self._writer = writer or OneHop(engine)
+        self._prepare = prepare or _in_thread
         self._target = target
         self._training = training or training_outage()
         self._config = config
@@ -74,27 +98,30 @@ class DeliveryStage:
         """Deliver the oldest due batches, in order, up to PER_PASS of them: one claim
         and one acknowledgement (a commit each) for all, rather than two commits a
         batch. A failed attempt ends the pass: the batches after it are released
-        untried. To an `Unordered` target they are handed over at once, each failing
-        alone. 0 when none is due."""
-        async with writing(self._engine) as conn:
-            rows = await claim(
-                conn,
-                BATCHES,
-                where=BATCHES.c.state == BatchState.PENDING.value,
-                order_by=BATCHES.c.created_at,
-                limit=PER_PASS,
-                lease=self._lease,
-                returning=[BATCHES.c.batch_id, BATCHES.c.created_at, BATCHES.c.attempts,
-                           BATCHES.c.receipt],
-                longest_backoff=self._config.retry.max_seconds,
-            )
+        untried. A `FileTarget` gets up to TRACES_PER_PASS traces' batches at once, each
+        failing alone.
+        0 when none is due."""
+        target = self._target
+        files = target if isinstance(target, FileTarget) else None
+        rows = await self._writer.run(partial(
+            claim,
+            table=BATCHES,
+            where=BATCHES.c.state == BatchState.PENDING.value,
+            order_by=BATCHES.c.created_at,
+            limit=PER_PASS if files is None else max(
+                1, TRACES_PER_PASS // self._config.batch_size),
+            lease=self._lease,
+            returning=[BATCHES.c.batch_id, BATCHES.c.created_at, BATCHES.c.attempts,
+                       BATCHES.c.receipt],
+            longest_backoff=self._config.retry.max_seconds,
+        ))
         if not rows:
             return 0
-        delivered: list[tuple[Batch, dict[str, Any]]] = []
+        delivered: list[_Delivered] = []
         # Every batch of the pass stays leased until it is acknowledged or released.
         with self._heartbeat.holding(row.batch_id for row in rows):
-            if isinstance(self._target, Unordered) and self._target.unordered:
-                outcomes = await asyncio.gather(*(self._attempt(row) for row in rows))
+            if files is not None:
+                outcomes = await self._write_files(files, rows)
                 for row, outcome in zip(rows, outcomes, strict=True):
                     if isinstance(outcome, Exception):
                         await self._failed(row.batch_id, row.attempts, outcome)
@@ -112,9 +139,9 @@ class DeliveryStage:
                 self._on_advance()
         return len(rows)
 
-    async def _attempt(self, row: Any) -> tuple[Batch, dict[str, Any]] | Exception:
-        """Hand one claimed batch to the target: the batch and its receipt, or what
-        failed (any failure sinks this attempt only; it is recorded on the row)."""
+    async def _attempt(self, row: Any) -> _Delivered | Exception:
+        """Hand one claimed batch to the target: what to acknowledge, or what failed
+        (any failure sinks this attempt only; it is recorded on the row)."""
         started = time.monotonic()
         try:
             batch = await self._load(row)
@@ -126,34 +153,84 @@ class DeliveryStage:
             return exc
         self._attempted("delivered", started)
         self._training.works()
-        return batch, receipt
+        return _Delivered(batch.batch_id, batch.attempts, len(batch.items), receipt)
+
+    async def _write_files(self, target: FileTarget,
+                           rows: list[Any]) -> list[_Delivered | Exception]:
+        """A pass's batches as files: each rendered by `prepare`, then all handed to the
+        target at once; what to acknowledge of each, or what failed it."""
+        started = time.monotonic()
+        try:
+            members = await self._members([row.batch_id for row in rows])
+        except Exception as exc:
+            return [exc for _ in rows]
+        rendered = await asyncio.gather(
+            *(self._render(row, members.get(row.batch_id, []), target.fmt) for row in rows),
+            return_exceptions=True)
+        ready = [f for f in rendered if isinstance(f, BatchFile)]
+        for f in ready:
+            f.say_left_out()
+        receipts = iter(await target.write_files(ready) if ready else [])
+        outcomes: list[_Delivered | Exception] = []
+        for row, got in zip(rows, rendered, strict=True):
+            if not isinstance(got, BatchFile):
+                if not isinstance(got, Exception):
+                    raise got  # cancelled: the pass stops, its leases run out
+                outcomes.append(got)
+            elif isinstance(receipt := next(receipts), Exception):
+                outcomes.append(receipt)
+            else:
+                outcomes.append(_Delivered(row.batch_id, row.attempts,
+                                           len(got.trace_ids) + len(got.left_out), receipt))
+        for outcome in outcomes:
+            self._attempted("failed" if isinstance(outcome, Exception) else "delivered",
+                            started)
+        if any(not isinstance(outcome, Exception) for outcome in outcomes):
+            self._training.works()
+        return outcomes
+
+    async def _render(self, row: Any, members: list[Any], fmt: str) -> BatchFile:
+        file: BatchFile = await self._prepare(
+            render_file, row.batch_id, row.created_at,
+            [(m.trace_id, m.reward, m.payload, bool(m.compressed)) for m in members], fmt)
+        return file
 
     def _attempted(self, result: str, started: float) -> None:
         DELIVERY_ATTEMPTS.labels(self._target.name, result).observe(time.monotonic() - started)
 
-    async def _load(self, row: Any) -> Batch:
+    async def _members(self, batch_ids: list[str]) -> dict[str, list[Any]]:
+        """Each batch's traces in order, read with one query for all: trace_id, reward,
+        source_format, the payload to send as its JSON text (which pydantic parses and
+        validates in one pass, no Python dicts made first) and whether that is the
+        compressed view."""
         c, p = TRACES.c, PAYLOADS.c
         use_compressed = self._config.use_compressed
         payload = sa.func.coalesce(p.compressed, p.trace) if use_compressed else p.trace
+        compressed = p.compressed.is_not(None) if use_compressed else sa.false()
         query = (
-            # The payload as its JSON text, which pydantic parses and validates in one
-            # pass (no Python dicts made first, then walked again).
-            sa.select(c.trace_id, c.reward, sa.cast(payload, sa.Text).label("payload"),
-                      p.compressed.is_not(None).label("compressed"), c.source_format)
+            sa.select(MEMBERS.c.batch_id, c.trace_id, c.reward,
+                      sa.cast(payload, sa.Text).label("payload"),
+                      compressed.label("compressed"), c.source_format)
             .select_from(WITH_PAYLOADS)
             .join(MEMBERS, MEMBERS.c.trace_id == c.trace_id)
-            .where(MEMBERS.c.batch_id == row.batch_id)
-            .order_by(MEMBERS.c.position)
+            .where(MEMBERS.c.batch_id.in_(batch_ids))
+            .order_by(MEMBERS.c.batch_id, MEMBERS.c.position)
         )
+        members: dict[str, list[Any]] = {}
         async with self._engine.connect() as conn:
-            members = (await conn.execute(query)).all()
+            for m in await conn.execute(query):
+                members.setdefault(m.batch_id, []).append(m)
+        return members
+
+    async def _load(self, row: Any) -> Batch:
+        members = (await self._members([row.batch_id])).get(row.batch_id, [])
+        async with self._engine.connect() as conn:
             captured = await _captured(conn, [m.trace_id for m in members
                                               if m.source_format == gateway_format.NAME])
         items = []
         for m in members:
             items.append(BatchItem(m.trace_id, m.reward, Trace.model_validate_json(m.payload),
-                                   use_compressed and bool(m.compressed),
-                                   tokens=captured.get(m.trace_id)))
+                                   bool(m.compressed), tokens=captured.get(m.trace_id)))
         return Batch(row.batch_id, row.created_at, row.attempts, items, row.receipt or {})
 
     async def _save(self, batch_id: str, receipt: dict[str, Any]) -> None:
@@ -164,39 +241,55 @@ class DeliveryStage:
                 .values(receipt=receipt, updated_at=utcnow())
             )
 
-    async def _acknowledge(self, delivered: list[tuple[Batch, dict[str, Any]]]) -> bool:
+    async def _acknowledge(self, delivered: list[_Delivered]) -> bool:
         """Acknowledge the delivered batches whose leases this worker still holds, in
-        one transaction; whether any was."""
+        one transaction in the hub's writer; whether any was."""
         if not delivered:
             return False
-        now = utcnow()
-        acknowledged = []
-        async with writing(self._engine) as conn:
-            for batch, receipt in delivered:
-                acked = await conn.execute(
-                    BATCH_STATES.move(BatchState.DELIVERED, expected=[BatchState.PENDING])
-                    .where(BATCHES.c.batch_id == batch.batch_id, held_by(BATCHES, self._lease))
-                    .values(delivered_at=now, updated_at=now, receipt=receipt,
-                            target=self._target.name, **RELEASED)
-                )
-                if acked.rowcount != 1:
-                    log.warning("batch %s: delivered, but the lease was lost first; its new "
-                                "owner acknowledges it", batch.batch_id)
-                    continue
-                acknowledged.append(batch)
-            if acknowledged:
-                members = sa.select(MEMBERS.c.trace_id).where(
-                    MEMBERS.c.batch_id.in_([batch.batch_id for batch in acknowledged]))
-                await conn.execute(
-                    TRACE_STAGES.move(Stage.DELIVERED, expected=[Stage.BATCHED])
-                    .where(TRACES.c.trace_id.in_(members))
-                    .values(updated_at=now)
-                )
+        acknowledged = await self._writer.run(partial(self._acknowledged, delivered))
         for batch in acknowledged:
             log.info("batch %s delivered to %s (%d traces, attempt %d)", batch.batch_id,
-                     self._target.name, len(batch.items), batch.attempts,
+                     self._target.name, batch.traces, batch.attempts,
                      extra={"batch_id": batch.batch_id})
         return bool(acknowledged)
+
+    def _acknowledged(self, delivered: list[_Delivered],
+                      conn: sa.Connection) -> list[_Delivered]:
+        """The moves of `_acknowledge`, in its transaction: the batches acknowledged. A
+        statement for all the moves and one for all the receipts, not one a batch: a
+        PostgreSQL statement is a round trip through the event loop."""
+        now = utcnow()
+        moved = set(conn.execute(
+            BATCH_STATES.move(BatchState.DELIVERED, expected=[BatchState.PENDING])
+            .where(BATCHES.c.batch_id.in_([batch.batch_id for batch in delivered]),
+                   held_by(BATCHES, self._lease))
+            .values(delivered_at=now, updated_at=now, target=self._target.name, **RELEASED)
+            .returning(BATCHES.c.batch_id)
+        ).scalars())
+        acknowledged = []
+        for batch in delivered:
+            if batch.batch_id not in moved:
+                log.warning("batch %s: delivered, but the lease was lost first; its new "
+                            "owner acknowledges it", batch.batch_id)
+                continue
+            acknowledged.append(batch)
+        if acknowledged:
+            conn.execute(
+                sa.update(BATCHES)
+                .where(BATCHES.c.batch_id == sa.bindparam("acked_id"))
+                .values(receipt=sa.bindparam("acked_receipt", type_=BATCHES.c.receipt.type)),
+                [{"acked_id": batch.batch_id, "acked_receipt": batch.receipt}
+                 for batch in acknowledged],
+            )
+        if acknowledged:
+            members = sa.select(MEMBERS.c.trace_id).where(
+                MEMBERS.c.batch_id.in_([batch.batch_id for batch in acknowledged]))
+            conn.execute(
+                TRACE_STAGES.move(Stage.DELIVERED, expected=[Stage.BATCHED])
+                .where(TRACES.c.trace_id.in_(members))
+                .values(updated_at=now)
+            )
+        return acknowledged
 
     async def _release(self, batch_ids: list[str]) -> None:
         """Give back claimed batches that were not attempted: free now, their claim's
@@ -248,3 +341,8 @@ async def _captured(conn: AsyncConnection, trace_ids: list[str]) -> dict[str, di
         except HubError:  # no call came with ids
             continue
     return views
+
+
+async def _in_thread(work: Callable[..., Any], *args: Any) -> Any:
+    """`prepare` without ingest processes (`atropos worker`): off the event loop."""
+    return await asyncio.to_thread(work, *args)

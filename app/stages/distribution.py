@@ -21,10 +21,10 @@ from datetime import datetime, timedelta
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from app.config import DistributorConfig
-from app.db.dialect import dialect_of, skip_locked, writing
+from app.db.dialect import OneHop, dialect_of, skip_locked
 from app.db.models import BATCHES, MEMBERS, TRACES
 from app.db.moves import BATCH_STATES, TRACE_STAGES
 from app.db.review_queries import not_labelled_bad
@@ -54,22 +54,22 @@ class DistributionStage:
         *,
         max_batches: int = 16,
         on_advance: Callable[[], None] | None = None,
+        writer: OneHop | None = None,
     ) -> None:
+        """`writer`: the hub's one (without it, one of the stage's own)."""
         self._engine = engine
+        self._writer = writer or OneHop(engine)
         self._config = config
         self._max_batches = max_batches  # per run_once, so the other stages get a turn
         self._on_advance = on_advance
 
     async def run_once(self) -> int:
-        """Up to max_batches batches, formed in one transaction (one write turn and one
-        commit for all of them); a race lost to another distributor is tried again."""
+        """Up to max_batches batches, formed in one transaction in the hub's writer (one
+        write turn, one hop and one commit for all of them); a race lost to another
+        distributor is tried again."""
         for _ in range(_RACES_TRIED):
             try:
-                async with writing(self._engine) as conn:
-                    # First a write: on SQLite it takes the writer lock before the reads
-                    # below, so no other writer can slip in between the pick and the move.
-                    below = await mark_below_threshold(conn, self._config.min_reward_threshold)
-                    formed = await form_batches(conn, self._config, self._max_batches)
+                below, formed = await self._writer.run(self._pass)
             except (IntegrityError, _Raced):
                 log.info("another distributor took some of these traces first; picking again")
                 continue
@@ -85,24 +85,30 @@ class DistributionStage:
             self._on_advance()
         return advanced
 
+    def _pass(self, conn: sa.Connection) -> tuple[int, list[FormedBatch]]:
+        # The writer begins IMMEDIATE on SQLite: no other writer slips in between the
+        # pick and the move.
+        below = mark_below_threshold(conn, self._config.min_reward_threshold)
+        return below, form_batches(conn, self._config, self._max_batches)
+
 
 # How many times a pass forms its batches again after another distributor took some
 # of the traces it picked.
 _RACES_TRIED = 3
 
 
-async def mark_below_threshold(conn: AsyncConnection, threshold: float) -> int:
+def mark_below_threshold(conn: sa.Connection, threshold: float) -> int:
     """Move eligible traces whose reward is under `threshold` (or unknown) out of the way."""
     c = TRACES.c
-    result = await conn.execute(
+    result = conn.execute(
         TRACE_STAGES.move(Stage.BELOW_THRESHOLD, expected=ELIGIBLE)
         .where(sa.or_(c.reward.is_(None), c.reward < threshold))
     )
     return result.rowcount
 
 
-async def form_batches(
-    conn: AsyncConnection, config: DistributorConfig, most: int = 1
+def form_batches(
+    conn: sa.Connection, config: DistributorConfig, most: int = 1
 ) -> list[FormedBatch]:
     """Up to `most` batches of exactly `batch_size` of the oldest eligible traces (none
     when fewer are eligible), each statement once for all of them. Runs inside the
@@ -116,7 +122,7 @@ async def form_batches(
         .order_by(c.created_at, c.trace_id)
         .limit(size * most)
     )
-    picked = list((await conn.execute(skip_locked(pick, dialect_of(conn)))).scalars())
+    picked = list((conn.execute(skip_locked(pick, dialect_of(conn)))).scalars())
     full = len(picked) // size
     if not full:
         return []
@@ -127,16 +133,16 @@ async def form_batches(
                           now + timedelta(microseconds=n), picked[n * size:(n + 1) * size])
               for n in range(full)]
     pending = BATCH_STATES.enter(BatchState.PENDING)
-    await conn.execute(sa.insert(BATCHES), [
+    conn.execute(sa.insert(BATCHES), [
         {"batch_id": batch.batch_id, "created_at": batch.created_at, "updated_at": now,
          "size": size,
          "target": config.target, "format": config.format, "state": pending, "attempts": 0}
         for batch in formed])
-    await conn.execute(sa.insert(MEMBERS), [
+    conn.execute(sa.insert(MEMBERS), [
         {"trace_id": t, "batch_id": batch.batch_id, "position": i}
         for batch in formed for i, t in enumerate(batch.trace_ids)])
     trace_ids = picked[:full * size]
-    moved = await conn.execute(
+    moved = conn.execute(
         TRACE_STAGES.move(Stage.BATCHED, expected=ELIGIBLE)
         .where(c.trace_id.in_(trace_ids))
         .values(updated_at=now)

@@ -59,8 +59,8 @@ def lease_is_free(table: sa.Table) -> sa.ColumnElement[bool]:
     return sa.or_(table.c.lease_expires_at.is_(None), table.c.lease_expires_at < utcnow())
 
 
-async def claim(
-    conn: AsyncConnection,
+def claim(
+    conn: sa.Connection,
     table: sa.Table,
     *,
     where: sa.ColumnElement[bool],
@@ -75,10 +75,14 @@ async def claim(
 
     A lease set before the clock stepped back expires further off than any lease or
     backoff (`longest_backoff`, of `retry_later`) lasts: its expiry is clamped to now +
-    that first, so that a backward step holds no row longer than a lease."""
+    that first, so that a backward step holds no row longer than a lease.
+
+    Synchronous, so that it runs whole in the hub's writer (`OneHop.run`): a claim in
+    the stages' write turn took one trip through the event loop per statement, and
+    ingest's commits waited behind it."""
     key = next(iter(table.primary_key.columns))
     longest = utcnow() + timedelta(seconds=max(lease.seconds, longest_backoff))
-    await conn.execute(
+    conn.execute(
         sa.update(table)
         .where(where, table.c.lease_expires_at > longest)
         .values(lease_expires_at=longest)
@@ -95,7 +99,7 @@ async def claim(
         )
         .returning(*returning)
     )
-    return list((await conn.execute(stmt)).all())
+    return list(conn.execute(stmt).all())
 
 
 def held_by(table: sa.Table, lease: Lease) -> sa.ColumnElement[bool]:

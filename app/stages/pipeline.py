@@ -7,8 +7,9 @@ needed for a first request."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -41,14 +42,19 @@ ARRIVALS_SECONDS = 1.0
 async def running_stages(
     settings: Settings, engine: AsyncEngine, outages: Outages, *,
     writer: OneHop | None = None, runner: StageRunner | None = None,
+    prepare: Callable[..., Awaitable[Any]] | None = None,
 ) -> AsyncIterator[StageRunner]:
     """The background stages in pipeline order, with the HTTP client they share. Each
     stage wakes the runner when it moves traces on, so the next stage starts at once.
     `writer`: the hub's one write connection (without it, the stages' own); `runner`:
-    the hub's, which has existed since it started (without it, one of their own)."""
+    the hub's, which has existed since it started (without it, one of their own);
+    `prepare`: where delivery renders batch files, `prepare(work, *args)` (a hub's
+    ingest process of their own, `IngestProcesses.apart`; without it, a thread)."""
     config = settings.config
     runner = runner or StageRunner.of(config, outages.database)
     lease = Lease(config.workers.lease_seconds)
+    own_writer = writer is None
+    writer = writer or OneHop(engine)
     async with httpx.AsyncClient() as http:
         policy = settings.compression.compression
         # Traces another process commits (`atropos import` into the database, another
@@ -64,6 +70,7 @@ async def running_stages(
                 # Its own wake-up too: a retry's, when the backoff has passed.
                 on_advance=runner.waking(COMPRESSION, DISTRIBUTION),
                 model=outages.model,
+                writer=writer,
             ),
             every=ARRIVALS_SECONDS,
         )
@@ -76,7 +83,7 @@ async def running_stages(
             runner.add(grouping, every=grouping.poll_seconds)
         runner.add(
             DistributionStage(engine, config.distributor,
-                              on_advance=runner.waking(DELIVERY)),
+                              on_advance=runner.waking(DELIVERY), writer=writer),
             DeliveryStage(
                 engine,
                 build_target(config.distributor, settings.tinker.tinker, http, hub_env),
@@ -84,6 +91,8 @@ async def running_stages(
                 lease=lease,
                 on_advance=runner.wake,
                 training=outages.training,
+                writer=writer,
+                prepare=prepare,
             ),
         )
         if config.retention is not None:
@@ -96,6 +105,8 @@ async def running_stages(
             await runner.stop()
             if hub_env is not None:
                 await hub_env.close()
+            if own_writer:
+                await writer.close()
 
 
 def add_assembly(stages: StageRunner, engine: AsyncEngine, settings: Settings,

@@ -32,30 +32,32 @@ from app.targets import jsonl as jsonl_target
 from app.targets import tinker as tinker_target
 from app.targets.base import (
     Batch,
+    BatchFile,
     BatchItem,
     DeliveryError,
+    FileTarget,
     Resources,
     Rollout,
     RolloutSink,
     SaveReceipt,
     Target,
     TargetSpec,
-    Unordered,
 )
 
 __all__ = [
     "REGISTERED",
     "TARGETS",
     "Batch",
+    "BatchFile",
     "BatchItem",
     "DeliveryError",
+    "FileTarget",
     "Resources",
     "Rollout",
     "RolloutSink",
     "SaveReceipt",
     "Target",
     "TargetSpec",
-    "Unordered",
     "build_target",
 ]
 
