@@ -24,6 +24,7 @@ from app.config import (
 )
 from app.db.models import BATCHES
 from app.db.types import utcnow
+from app.stages import delivery
 from app.stages.delivery import DeliveryStage
 from app.stages.distribution import DistributionStage
 from app.stages.leases import Lease
@@ -262,6 +263,40 @@ async def test_a_jsonl_pass_that_fails_or_dies_after_its_files_lists_each_batch_
         records = (out / line["file"]).read_text().splitlines()
         assert len(records) == len(line["trace_ids"]) == 3
         assert line["sha256"] == listed[line["batch_id"]]["receipt"]["sha256"]
+    assert sorted(t for m in manifest for t in m["trace_ids"]) == sorted(ids)
+
+
+@pytest.mark.process
+async def test_a_jsonl_pass_of_large_traces_is_written_in_parts_each_batch_once(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pass holds its batches' payloads and files at once: past TOKENS_PER_PART (here
+    every batch) it writes them in parts, and still delivers and lists each batch once,
+    its traces in order."""
+    out = tmp_path / "batches"
+    config = JsonlTargetConfig(output_dir=str(out), batch_size=3, min_reward_threshold=0)
+    hub = start_hub(trace_server, "--no-workers", distributor=config.model_dump(mode="json"))
+    ids = [f"p{i}" for i in range(9)]
+    with hub.client() as client:
+        ingest(client, ids)
+        await set_rewards(trace_server, {t: 1.0 for t in ids})
+        monkeypatch.setattr(delivery, "TOKENS_PER_PART", 1)
+        async with database(trace_server) as engine:
+            await DistributionStage(engine, config).run_once()
+            stage = DeliveryStage(engine, JsonlTarget(str(out), config.format), config,
+                                  lease=Lease(30))
+            assert await stage.run_once() == 3
+        listed = {b["batch_id"]: b for b in batches(client)}
+    assert {b["state"] for b in listed.values()} == {"delivered"}
+    manifest = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert sorted(m["batch_id"] for m in manifest) == sorted(listed)
+    for line in manifest:
+        batch = line["trace_ids"]
+        records = (out / line["file"]).read_text().splitlines()
+        assert len(records) == len(batch) == 3
+        assert line["sha256"] == listed[line["batch_id"]]["receipt"]["sha256"]
+        assert batch == sorted(batch, key=ids.index)  # in the order they were batched
     assert sorted(t for m in manifest for t in m["trace_ids"]) == sorted(ids)
 
 

@@ -50,6 +50,9 @@ PER_PASS = 8
 # a backlog is taken in large passes (its payloads held meanwhile: ~20 MB of 5 KB
 # traces).
 TRACES_PER_PASS = 4096
+# The most tokens of traces a pass holds at once (~32 MB of text): a pass of large
+# traces is written in parts of whole batches, each paying its own fsync and append.
+TOKENS_PER_PART = 8_000_000
 
 
 class _Delivered(NamedTuple):
@@ -98,8 +101,8 @@ class DeliveryStage:
         """Deliver the oldest due batches, in order, up to PER_PASS of them: one claim
         and one acknowledgement (a commit each) for all, rather than two commits a
         batch. A failed attempt ends the pass: the batches after it are released
-        untried. A `FileTarget` gets up to TRACES_PER_PASS traces' batches at once, each
-        failing alone.
+        untried. A `FileTarget` gets up to TRACES_PER_PASS traces' batches at once (in
+        parts of TOKENS_PER_PART tokens), each failing alone.
         0 when none is due."""
         target = self._target
         files = target if isinstance(target, FileTarget) else None
@@ -121,7 +124,9 @@ class DeliveryStage:
         # Every batch of the pass stays leased until it is acknowledged or released.
         with self._heartbeat.holding(row.batch_id for row in rows):
             if files is not None:
-                outcomes = await self._write_files(files, rows)
+                outcomes = []
+                for part in await self._parts(rows):
+                    outcomes += await self._write_files(files, part)
                 for row, outcome in zip(rows, outcomes, strict=True):
                     if isinstance(outcome, Exception):
                         await self._failed(row.batch_id, row.attempts, outcome)
@@ -154,6 +159,29 @@ class DeliveryStage:
         self._attempted("delivered", started)
         self._training.works()
         return _Delivered(batch.batch_id, batch.attempts, len(batch.items), receipt)
+
+    async def _parts(self, rows: list[Any]) -> list[list[Any]]:
+        """A pass's batches in order, in parts of at most TOKENS_PER_PART tokens (a
+        batch at least): each part's payloads and files are held in memory at once."""
+        try:
+            async with self._engine.connect() as conn:
+                tokens = {batch_id: n for batch_id, n in await conn.execute(
+                    sa.select(MEMBERS.c.batch_id, sa.func.sum(TRACES.c.total_tokens))
+                    .join(TRACES, TRACES.c.trace_id == MEMBERS.c.trace_id)
+                    .where(MEMBERS.c.batch_id.in_([row.batch_id for row in rows]))
+                    .group_by(MEMBERS.c.batch_id))}
+        except sa.exc.SQLAlchemyError:
+            return [rows]  # reading their members fails each batch, said on its row
+        parts: list[list[Any]] = [[]]
+        held = 0
+        for row in rows:
+            size = tokens.get(row.batch_id) or 0
+            if parts[-1] and held + size > TOKENS_PER_PART:
+                parts.append([])
+                held = 0
+            parts[-1].append(row)
+            held += size
+        return parts
 
     async def _write_files(self, target: FileTarget,
                            rows: list[Any]) -> list[_Delivered | Exception]:
