@@ -7,6 +7,7 @@ call (32 at a time), and the time to the first streamed byte (one at a time).
     python bench/gateway.py                                        # direct and hub
     python bench/gateway.py --litellm /work/venvs/litellm/bin/litellm
     python bench/gateway.py --upstream-ms 20   # an upstream that takes 20 ms a call
+    python bench/gateway.py --interleaved 400  # also: one at a time, direct and hub in turn
 
 LiteLLM is not a dependency of the hub: install `litellm[proxy]` in a venv of its own.
 """
@@ -95,10 +96,45 @@ async def _first_byte(base_url: str, calls: int) -> float:
     return statistics.median(waits) * 1000
 
 
+def _interleaved(targets: dict[str, str], calls: int) -> None:
+    """One call at a time, plain then streamed, to each target in turn (a plain httpx
+    client: the SDK's own variance left out), so that the machine's drift falls on all
+    alike: what the hub adds to a call's p50 and to its first streamed byte."""
+    plain: dict[str, list[float]] = {name: [] for name in targets}
+    first: dict[str, list[float]] = {name: [] for name in targets}
+    body = {"model": "policy", "messages": MESSAGES, "max_tokens": 16}
+    with httpx.Client(headers={"authorization": f"Bearer {KEY}"}) as client:
+        for n in range(calls + 30):  # the first 30: warm-up
+            for name, url in targets.items():
+                t = time.perf_counter()
+                client.post(f"{url}/chat/completions", json=body).raise_for_status()
+                took = time.perf_counter() - t
+                t = time.perf_counter()
+                with client.stream("POST", f"{url}/chat/completions",
+                                   json={**body, "stream": True}) as answer:
+                    chunks = answer.iter_raw()
+                    next(chunks)
+                    waited = time.perf_counter() - t
+                    for _ in chunks:
+                        pass
+                if n >= 30:
+                    plain[name].append(took)
+                    first[name].append(waited)
+    p50 = {name: statistics.median(v) * 1000 for name, v in plain.items()}
+    ttfb = {name: statistics.median(v) * 1000 for name, v in first.items()}
+    print(f"interleaved, one at a time, {calls} calls each (httpx):")
+    for name in targets:
+        print(f"  {name:8} p50 {p50[name]:6.2f} ms (+{p50[name] - p50['direct']:.2f})  "
+              f"first byte p50 {ttfb[name]:6.2f} ms (+{ttfb[name] - ttfb['direct']:.2f})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--litellm", help="the litellm command of a venv with litellm[proxy]")
+    parser.add_argument("--interleaved", type=int, default=0, metavar="CALLS",
+                        help="also time CALLS calls one at a time, direct and through the "
+                             "hub in turn (plain httpx)")
     parser.add_argument("--upstream-ms", type=float, default=0,
                         help="the fake upstream's time to answer each call (a model's)")
     options = parser.parse_args()
@@ -151,6 +187,8 @@ def main() -> None:
             ttfb = asyncio.run(_first_byte(url, 200))
             print(f"{name:8} {one[0]:8.0f}/s p50 {one[1]:6.2f} ms {many[0]:8.0f}/s p50 "
                   f"{many[1]:6.2f} ms {cpu:6.2f} ms/call {ttfb:12.2f} ms")
+        if options.interleaved:
+            _interleaved({"direct": upstream, "hub": targets["hub"]}, options.interleaved)
     finally:
         for proc in procs:
             proc.terminate()
