@@ -197,16 +197,11 @@ async def test_a_jsonl_pass_hands_over_its_batches_at_once_each_failing_alone(
     out = tmp_path / "batches"
     config = JsonlTargetConfig(output_dir=str(out), batch_size=3, min_reward_threshold=0,
                                retry=DeliveryRetry(max_attempts=1))
-    hub = start_hub(trace_server, "--no-workers", distributor=config.model_dump(mode="json"))
     ids = [f"u{i}" for i in range(9)]
+    hub = await _holding(start_hub, trace_server, config, ids)
     with hub.client() as client:
-        ingest(client, ids)
-        await set_rewards(trace_server, {t: 1.0 for t in ids})
         async with database(trace_server) as engine:
-            await DistributionStage(engine, config).run_once()
-            async with engine.connect() as conn:
-                formed = list((await conn.execute(
-                    sa.select(BATCHES.c.batch_id).order_by(BATCHES.c.created_at))).scalars())
+            formed = await _formed(engine, config)
         assert len(formed) == 3
         (out / f"{formed[0]}.jsonl").mkdir(parents=True)  # no file can take its place
         hub.drain()
@@ -225,16 +220,11 @@ async def test_a_jsonl_pass_that_fails_or_dies_after_its_files_lists_each_batch_
     one manifest line per batch, holding its traces."""
     out = tmp_path / "batches"
     config = JsonlTargetConfig(output_dir=str(out), batch_size=3, min_reward_threshold=0)
-    hub = start_hub(trace_server, "--no-workers", distributor=config.model_dump(mode="json"))
     ids = [f"m{i}" for i in range(12)]
+    hub = await _holding(start_hub, trace_server, config, ids)
     with hub.client() as client:
-        ingest(client, ids)
-        await set_rewards(trace_server, {t: 1.0 for t in ids})
         async with database(trace_server) as engine:
-            await DistributionStage(engine, config).run_once()
-            async with engine.connect() as conn:
-                formed = list((await conn.execute(
-                    sa.select(BATCHES.c.batch_id).order_by(BATCHES.c.created_at))).scalars())
+            formed = await _formed(engine, config)
             assert len(formed) == 4
             # Killed after the manifest, before the acknowledgement: the target wrote the
             # last batch's file and its line, the database still has it pending.
@@ -276,14 +266,12 @@ async def test_a_jsonl_pass_of_large_traces_is_written_in_parts_each_batch_once(
     its traces in order."""
     out = tmp_path / "batches"
     config = JsonlTargetConfig(output_dir=str(out), batch_size=3, min_reward_threshold=0)
-    hub = start_hub(trace_server, "--no-workers", distributor=config.model_dump(mode="json"))
     ids = [f"p{i}" for i in range(9)]
+    hub = await _holding(start_hub, trace_server, config, ids)
     with hub.client() as client:
-        ingest(client, ids)
-        await set_rewards(trace_server, {t: 1.0 for t in ids})
         monkeypatch.setattr(delivery, "TOKENS_PER_PART", 1)
         async with database(trace_server) as engine:
-            await DistributionStage(engine, config).run_once()
+            assert len(await _formed(engine, config)) == 3
             stage = DeliveryStage(engine, JsonlTarget(str(out), config.format), config,
                                   lease=Lease(30))
             assert await stage.run_once() == 3
@@ -298,6 +286,24 @@ async def test_a_jsonl_pass_of_large_traces_is_written_in_parts_each_batch_once(
         assert line["sha256"] == listed[line["batch_id"]]["receipt"]["sha256"]
         assert batch == sorted(batch, key=ids.index)  # in the order they were batched
     assert sorted(t for m in manifest for t in m["trace_ids"]) == sorted(ids)
+
+
+async def _holding(start_hub: Any, trace_server: dict[str, Any], config: JsonlTargetConfig,
+                   ids: list[str]) -> Any:
+    """A hub, its stages off, holding the traces `ids`, each rewarded 1.0."""
+    hub = start_hub(trace_server, "--no-workers", distributor=config.model_dump(mode="json"))
+    with hub.client() as client:
+        ingest(client, ids)
+    await set_rewards(trace_server, {t: 1.0 for t in ids})
+    return hub
+
+
+async def _formed(engine: Any, config: JsonlTargetConfig) -> list[str]:
+    """A distribution pass over the traces stored: the batches' ids, oldest first."""
+    await DistributionStage(engine, config).run_once()
+    async with engine.connect() as conn:
+        return list((await conn.execute(
+            sa.select(BATCHES.c.batch_id).order_by(BATCHES.c.created_at))).scalars())
 
 
 async def _files(engine: Any, config: JsonlTargetConfig, batch_ids: list[str]) -> list[Any]:
