@@ -8,6 +8,7 @@ call (32 at a time), and the time to the first streamed byte (one at a time).
     python bench/gateway.py --litellm /work/venvs/litellm/bin/litellm
     python bench/gateway.py --upstream-ms 20   # an upstream that takes 20 ms a call
     python bench/gateway.py --interleaved 400  # also: one at a time, direct and hub in turn
+    python bench/gateway.py --rounds 5         # 32 at a time: 5 rounds, medians
 
 LiteLLM is not a dependency of the hub: install `litellm[proxy]` in a venv of its own.
 """
@@ -135,6 +136,8 @@ def main() -> None:
     parser.add_argument("--interleaved", type=int, default=0, metavar="CALLS",
                         help="also time CALLS calls one at a time, direct and through the "
                              "hub in turn (plain httpx)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of the 32-at-a-time load, the targets in turn (medians)")
     parser.add_argument("--upstream-ms", type=float, default=0,
                         help="the fake upstream's time to answer each call (a model's)")
     options = parser.parse_args()
@@ -178,15 +181,29 @@ def main() -> None:
             _wait(f"http://127.0.0.1:{lite_port}/health/liveliness", timeout=300)
         print(f"{'':8} {'1 at a time':>22} {'32 at a time':>22} {'client CPU':>12} "
               f"{'first byte p50':>15}")
-        for name, url in targets.items():
-            one = asyncio.run(_run(url, 1, options.calls // 4))
-            cpu = time.process_time()
-            many = asyncio.run(_run(url, 32, options.calls))
-            # The client's own CPU per call, 32 at a time: it runs here, on the same CPUs.
-            cpu = (time.process_time() - cpu) / options.calls * 1000
-            ttfb = asyncio.run(_first_byte(url, 200))
-            print(f"{name:8} {one[0]:8.0f}/s p50 {one[1]:6.2f} ms {many[0]:8.0f}/s p50 "
-                  f"{many[1]:6.2f} ms {cpu:6.2f} ms/call {ttfb:12.2f} ms")
+        one = {name: asyncio.run(_run(url, 1, options.calls // 4))
+               for name, url in targets.items()}
+        ttfb = {name: asyncio.run(_first_byte(url, 200)) for name, url in targets.items()}
+        # 32 at a time, the targets in turn, round after round: the rounds differ more
+        # than the targets within one.
+        many: dict[str, list[tuple[float, float, float]]] = {name: [] for name in targets}
+        for _ in range(options.rounds):
+            for name, url in targets.items():
+                cpu = time.process_time()
+                rate, p50 = asyncio.run(_run(url, 32, options.calls))
+                # The client's own CPU per call: it runs here, on the same CPUs.
+                cpu = (time.process_time() - cpu) / options.calls * 1000
+                many[name].append((rate, p50, cpu))
+        for name in targets:
+            rate, p50, cpu = (statistics.median(r[i] for r in many[name]) for i in range(3))
+            print(f"{name:8} {one[name][0]:8.0f}/s p50 {one[name][1]:6.2f} ms {rate:8.0f}/s "
+                  f"p50 {p50:6.2f} ms {cpu:6.2f} ms/call {ttfb[name]:12.2f} ms")
+        if options.rounds > 1:
+            ratios = [hub[0] / direct[0] for hub, direct in zip(many["hub"], many["direct"],
+                                                               strict=True)]
+            print(f"32 at a time, medians of {options.rounds} rounds; hub / direct by round: "
+                  + ", ".join(f"{r:.2f}x" for r in ratios)
+                  + f" (median {statistics.median(ratios):.2f}x)")
         if options.interleaved:
             _interleaved({"direct": upstream, "hub": targets["hub"]}, options.interleaved)
     finally:
