@@ -76,7 +76,8 @@ class Upstreams:
 
     def start(self) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0),
+            connector=aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
+                                           keepalive_timeout=_IDLE_SECONDS),
             timeout=self._timeout,
             auto_decompress=True,
             skip_auto_headers=("User-Agent",),
@@ -107,6 +108,14 @@ class Upstreams:
                 f"the upstream ({shown(url)}) could not be reached: "
                 f"{type(exc).__name__}: {exc}", field="gateway.upstream.base_url") from None
         return Answer(response)
+
+
+# How long an idle connection to an upstream is kept: under the 5 s after which uvicorn
+# (vLLM's and SGLang's server) closes one, so that the hub closes it first. A call sent
+# on a connection as the upstream closes it is reset, and cannot be sent again (the
+# upstream may have taken it): the agent, back from a tool after a few seconds, would
+# get a 502.
+_IDLE_SECONDS = 4.0
 
 
 @functools.lru_cache(maxsize=256)
