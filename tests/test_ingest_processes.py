@@ -254,21 +254,10 @@ def test_ingest_processes_start_with_the_hub_and_die_with_it(
     """Started at start-up, before any trace; a hub killed with -9 leaves none behind."""
     hub: HubProcess = start_hub_process(_sqlite(tmp_path) | {"ingest_processes": 2},
                                         "--no-workers")
-
-    def forked() -> list[int]:  # the fork server and the processes it forked
-        return [pid for pid in hub.group() if b"forkserver" in _cmdline(pid)]
-
-    wait_until(lambda: len(forked()) >= 3, 20, what="the fork server and two processes")
-    assert len(forked()) == 3
+    wait_until(lambda: len(hub.forked()) >= 3, 20, what="the fork server and two processes")
+    assert len(hub.forked()) == 3
     hub.kill()
     wait_until(lambda: not hub.group(), 10, what=f"the group to end: {hub.group()}")
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
 
 
 def _trace_id(row: PreparedTrace | HubError) -> str:

@@ -99,6 +99,10 @@ class HubProcess(HubUnderTest):
                 pids.append(int(stat.parent.name))
         return pids
 
+    def forked(self) -> list[int]:
+        """The ingest processes' fork server and the processes it forked."""
+        return [pid for pid in self.group() if b"forkserver" in _cmdline(pid)]
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         assert self.proc is not None
         if self.proc.poll() is None:
@@ -120,3 +124,10 @@ class WorkerProcess(HubProcess):
 
     def _ready(self, line: str) -> bool:
         return "pipeline ready" in line
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""  # exited meanwhile
