@@ -4,6 +4,13 @@ with the gateway on (every call captured and committed), and through LiteLLM's p
 the same upstream, in one run. Prints calls/s, p50 latency, the client's own CPU per
 call (32 at a time), and the time to the first streamed byte (one at a time).
 
+Each call is a rollout of its own, made into a trajectory once it has been quiet for
+gateway.quiet_seconds (the default, 30 s: longer than a load lasts), so that the hub's
+loads measure the calls and their captures alone. After each, the bench waits until
+every rollout is made (GET /v1/stats), so that none is made during the next load, and
+prints the hub's CPU (all its processes) per call during the load and per rollout made
+after it.
+
     python bench/gateway.py                                        # direct and hub
     python bench/gateway.py --litellm /work/venvs/litellm/bin/litellm
     python bench/gateway.py --upstream-ms 20   # an upstream that takes 20 ms a call
@@ -31,8 +38,14 @@ import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from app.config import GatewayConfig  # noqa: E402
+from bench.ingest import tree_cpu  # noqa: E402
+
 KEY = "sk-upstream"
 MESSAGES = [{"role": "user", "content": "Say something short."}]
+QUIET_SECONDS = GatewayConfig().quiet_seconds
 
 
 def _port() -> int:
@@ -79,6 +92,22 @@ async def _run(base_url: str, concurrency: int, calls: int) -> tuple[float, floa
     elapsed = time.perf_counter() - start
     await client.close()
     return calls / elapsed, statistics.median(latencies) * 1000
+
+
+def _rollouts(hub_url: str) -> dict[str, int]:
+    """The hub's gateway rollouts by state, and its calls (GET /v1/stats)."""
+    counts: dict[str, int] = httpx.get(f"{hub_url}/v1/stats", timeout=30).json()["gateway"]
+    return counts
+
+
+def _made(hub_url: str, timeout: float = 300) -> None:
+    """Waits until the hub has made every captured rollout into a trajectory."""
+    deadline = time.monotonic() + QUIET_SECONDS + timeout
+    while time.monotonic() < deadline:
+        if _rollouts(hub_url)["open_rollouts"] == 0:
+            return
+        time.sleep(0.5)
+    raise SystemExit(f"the hub's rollouts were not all made within {timeout:g} s")
 
 
 async def _first_byte(base_url: str, calls: int) -> float:
@@ -158,10 +187,12 @@ def main() -> None:
             "gateway": {"enabled": True,
                         "upstream": {"base_url": upstream, "api_key_env": "BENCH_KEY"}},
         }))
-        procs.append(_start([sys.executable, "-m", "app.cli", "serve", "--config", str(config)],
-                            {"BENCH_KEY": KEY}))
-        targets = {"direct": upstream, "hub": f"http://127.0.0.1:{hub_port}/v1"}
-        _wait(f"http://127.0.0.1:{hub_port}/healthz", timeout=300)
+        hub = _start([sys.executable, "-m", "app.cli", "serve", "--config", str(config)],
+                     {"BENCH_KEY": KEY})
+        procs.append(hub)
+        hub_url = f"http://127.0.0.1:{hub_port}"
+        targets = {"direct": upstream, "hub": f"{hub_url}/v1"}
+        _wait(f"{hub_url}/healthz", timeout=300)
         if options.litellm:
             lite_port = _port()
             lite = work / "litellm.yaml"
@@ -184,20 +215,39 @@ def main() -> None:
         one = {name: asyncio.run(_run(url, 1, options.calls // 4))
                for name, url in targets.items()}
         ttfb = {name: asyncio.run(_first_byte(url, 200)) for name, url in targets.items()}
+        _made(hub_url)
         # 32 at a time, the targets in turn, round after round: the rounds differ more
         # than the targets within one.
         many: dict[str, list[tuple[float, float, float]]] = {name: [] for name in targets}
+        hub_cpu: list[tuple[float, float]] = []  # ms: a call during the load, a rollout after
         for _ in range(options.rounds):
             for name, url in targets.items():
-                cpu = time.process_time()
+                made = _rollouts(hub_url)["assembled_rollouts"]
+                cpu, before, began = time.process_time(), tree_cpu([hub.pid]), time.monotonic()
                 rate, p50 = asyncio.run(_run(url, 32, options.calls))
                 # The client's own CPU per call: it runs here, on the same CPUs.
                 cpu = (time.process_time() - cpu) / options.calls * 1000
                 many[name].append((rate, p50, cpu))
+                if name == "hub":
+                    during = tree_cpu([hub.pid]) - before
+                    if _rollouts(hub_url)["assembled_rollouts"] != made:
+                        print(f"  (the load outlasted gateway.quiet_seconds, {QUIET_SECONDS:g} "
+                              "s: rollouts were made during it)")
+                    # Idle until the first of them comes due.
+                    time.sleep(max(0.0, began + QUIET_SECONDS - 1 - time.monotonic()))
+                    before = tree_cpu([hub.pid])
+                    _made(hub_url)
+                    calls = options.calls + 20  # and _run's warm-up calls
+                    hub_cpu.append((during / calls * 1000,
+                                    (tree_cpu([hub.pid]) - before) / calls * 1000))
         for name in targets:
             rate, p50, cpu = (statistics.median(r[i] for r in many[name]) for i in range(3))
             print(f"{name:8} {one[name][0]:8.0f}/s p50 {one[name][1]:6.2f} ms {rate:8.0f}/s "
                   f"p50 {p50:6.2f} ms {cpu:6.2f} ms/call {ttfb[name]:12.2f} ms")
+        during, after = (statistics.median(c[i] for c in hub_cpu) for i in range(2))
+        print(f"the hub's CPU (all its processes), 32 at a time: {during:.2f} ms a call "
+              f"during the load; {after:.2f} ms a rollout of one call made into a "
+              "trajectory after it")
         if options.rounds > 1:
             ratios = [hub[0] / direct[0] for hub, direct in zip(many["hub"], many["direct"],
                                                                strict=True)]
