@@ -28,7 +28,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,8 @@ from app.ingest.otlp.store import TRACE_ASSEMBLY
 log = logging.getLogger("atropos.otlp")
 
 Prepare = Callable[[list[Any], str | None], Awaitable[list[PreparedTrace | HubError]]]
+# Wakes the stages that take on traces which entered these stages (StageRunner.take_on).
+TakeOn = Callable[[Iterable[str]], None]
 # What a re-assembled trajectory's background stages had made of its previous version
 # (its compressed payload too: `outcome`).
 _STARTED_OVER = {
@@ -96,7 +98,7 @@ class AssemblyStage:
         prepare: Prepare,
         *,
         batch: int = 256,
-        on_advance: Callable[[], None] | None = None,
+        on_advance: TakeOn | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine = engine
@@ -311,15 +313,19 @@ class Written:
         return outcomes
 
     def report(self, log: logging.Logger, assembled: str, fmt: str,
-               on_advance: Callable[[], None] | None) -> None:
+               on_advance: TakeOn | None) -> None:
         """The outcomes counted (`counted`) and logged (`assembled`: how many of
-        what); `on_advance` called when a trajectory was made or made again, for the
-        stages after this one."""
+        what); `on_advance` called with the stages the trajectories made or made again
+        entered, for the stages after this one (StageRunner.take_on)."""
         outcomes = self.counted(fmt)
         log.info("%s assembled (%s)", assembled,
                  ", ".join(f"{n} {what}" for what, n in sorted(outcomes.items())))
-        if (outcomes["new"] or outcomes["replaced"]) and on_advance is not None:
-            on_advance()
+        entered = [row.stage for trace_id in self.new
+                   if not isinstance(row := self.rows[trace_id], HubError)]
+        if outcomes["replaced"]:  # made again: they start over (`outcome`)
+            entered.append(Stage.ACCEPTED.value)
+        if entered and on_advance is not None:
+            on_advance(entered)
 
 
 def to_make(due: list[str], stored: dict[str, Any], fmt: str) -> list[str]:

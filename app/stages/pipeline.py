@@ -116,11 +116,12 @@ def add_assembly(stages: StageRunner, engine: AsyncEngine, settings: Settings,
     every poll_seconds, since their traces come due with time rather than with a
     commit."""
     config = settings.config
-    stage = AssemblyStage(engine, config.otlp, ingestor.prepare, on_advance=stages.wake)
+    stage = AssemblyStage(engine, config.otlp, ingestor.prepare, on_advance=stages.take_on)
     stages.add(stage, every=stage.poll_seconds)
     groups = EnvGroupStage(engine, ingestor, settings.tinker.tinker.tokenizer,
                            on_advance=stages.wake)
     stages.add(groups, every=groups.poll_seconds)
     if config.gateway.enabled:
-        rollouts = RolloutStage(engine, config.gateway, ingestor.prepare, on_advance=stages.wake)
+        rollouts = RolloutStage(engine, config.gateway, ingestor.prepare,
+                                on_advance=stages.take_on)
         stages.add(rollouts, every=rollouts.poll_seconds)

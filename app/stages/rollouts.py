@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -27,7 +26,13 @@ from app.evaluation.redaction import Redacted
 from app.formats.gateway import NAME, document
 from app.gateway import store
 from app.gateway.store import ROLLOUT_ASSEMBLY
-from app.stages.assembly import Prepare, stored_trajectories, to_make, write_trajectories
+from app.stages.assembly import (
+    Prepare,
+    TakeOn,
+    stored_trajectories,
+    to_make,
+    write_trajectories,
+)
 
 log = logging.getLogger("atropos.gateway")
 
@@ -36,11 +41,11 @@ class RolloutStage:
     name = "rollouts"
 
     def __init__(self, engine: AsyncEngine, config: GatewayConfig, prepare: Prepare, *,
-                 batch: int = 256, on_advance: Callable[[], None] | None = None) -> None:
+                 batch: int = 256, on_advance: TakeOn | None = None) -> None:
         self._engine = engine
         self._config = config
         self._prepare = prepare  # Ingestor.prepare: the ingest pipeline but the insert
-        self._batch = batch
+        self.batch = batch  # (ComesDue) rollouts a pass makes at most
         self._on_advance = on_advance
 
     @property
@@ -50,7 +55,7 @@ class RolloutStage:
 
     async def run_once(self) -> int:
         async with self._engine.connect() as conn:
-            due = await store.due(conn, utcnow(), self._config.quiet_seconds, self._batch)
+            due = await store.due(conn, utcnow(), self._config.quiet_seconds, self.batch)
             if not due:
                 return 0
             ids = [d.id for d in due]

@@ -60,6 +60,16 @@ class GivesWay(Protocol):
     gives_way: bool
 
 
+@runtime_checkable
+class ComesDue(Protocol):
+    """A stage whose work comes due with time (a rollout quiet for long enough) and is
+    looked for every poll: a pass that advanced fewer than `batch` items took all that
+    was due, and the next waits for the poll. Under load work comes due steadily, and
+    passes run back to back took a few items each, each pass paying its statements."""
+
+    batch: int
+
+
 class StageRunner:
     def __init__(self, flush_interval: float, outage: Outage, lease_seconds: float = 30) -> None:
         """`outage`: where a stage that fails for the database's sake says so;
@@ -172,7 +182,8 @@ class StageRunner:
         while True:
             wake.clear()
             while (advanced := await self._run_stage(stage)) > 0:
-                pass
+                if isinstance(stage, ComesDue) and advanced < stage.batch:
+                    break
             if await event_set_within(
                 wake, min(sleep, _PASSING_SECONDS) if advanced < 0 else sleep
             ):
