@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 
 from app.config import EnvironmentConfig, LimitsConfig
 from app.domain import Stage
@@ -102,11 +103,15 @@ def test_a_trajectory_made_wakes_the_stages_that_take_it_on() -> None:
     made = PreparedTrace.of(preparer.row(native_trace(trace_id="made")))
     again = PreparedTrace.of(preparer.row(native_trace(trace_id="again")))
     woken: list[list[str]] = []
+
+    def take_on(entered: Iterable[str]) -> None:
+        woken.append(list(entered))
+
     written = Written([("new", None), ("replaced", None)], {"made"},
                       {"made": made, "again": again})
-    written.report(logging.getLogger("test"), "2 traces", "native", woken.append)
+    written.report(logging.getLogger("test"), "2 traces", "native", take_on)
     assert woken == [[made.stage, Stage.ACCEPTED.value]]
     woken.clear()
     Written([("unchanged", None)], set(), {"again": again}).report(
-        logging.getLogger("test"), "1 trace", "native", woken.append)
+        logging.getLogger("test"), "1 trace", "native", take_on)
     assert woken == []
