@@ -14,7 +14,6 @@ import httpx
 import pytest
 
 from tests.support.builders import native_trace
-from tests.support.metrics import scrape, value
 from tests.support.processes import HubProcess
 from tests.support.waiting import wait_until
 
@@ -40,14 +39,11 @@ def test_traces_sent_while_the_processes_cannot_start_are_answered(
         assert [r.status_code for r in answers] == [202] * 4, [r.text for r in answers]
         assert hub.forked() == fork_server, "an ingest process started"
         with hub.client() as client:
-            _, samples = scrape(client)
             for n in range(4):
                 assert client.get(f"/v1/traces/first-{n}").status_code == 200
-        # The hub's own timing of each: the 1 s bound, then preparing and committing.
-        name = "atropos_http_request_duration_seconds_bucket"
-        route = {"method": "POST", "route": "/v1/traces", "status": "202"}
-        assert value(samples, name, le="5.0", **route) == 4, samples
-        assert "preparing in the serving process meanwhile" in hub.log
+        # Said once the 1 s bound has passed (the hub's log is read as it comes).
+        wait_until(lambda: "preparing in the serving process meanwhile" in hub.log, 10,
+                   what="the hub to say so")
     finally:
         for pid in fork_server:
             os.kill(pid, signal.SIGCONT)
