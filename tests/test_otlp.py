@@ -62,6 +62,11 @@ from tests.support.otlp import (
 from tests.support.processes import HubProcess
 from tests.support.waiting import wait_until
 
+# A hub's first spans may wait for its ingest processes to start (up to
+# limits.max_write_wait_seconds, then the serving process reads them): exporters that
+# send them get the timeout of the tests' other clients.
+EXPORT_TIMEOUT = 30
+
 
 @pytest.fixture
 def otlp_hub(start_hub: Any, trace_server: dict[str, Any]) -> InProcessHub:
@@ -79,7 +84,7 @@ def otlp_process(start_hub_process: Any, trace_server: dict[str, Any]) -> HubPro
 
 @pytest.fixture
 def exporter(otlp_process: HubProcess) -> Iterator[OTLPSpanExporter]:
-    exp = OTLPSpanExporter(endpoint=f"{otlp_process.url}/v1/traces", timeout=10)
+    exp = OTLPSpanExporter(endpoint=f"{otlp_process.url}/v1/traces", timeout=EXPORT_TIMEOUT)
     yield exp
     exp.shutdown()  # type: ignore[no-untyped-call]
 
@@ -128,7 +133,7 @@ def test_gzip_and_an_api_key_as_exporters_send_them(
     wrong_scope = OTLPSpanExporter(endpoint=endpoint, timeout=5,
                                    headers={"Authorization": f"Bearer {reader}"})
     # OTEL_EXPORTER_OTLP_HEADERS="Authorization=Bearer <key>" sets the same header.
-    keyed = OTLPSpanExporter(endpoint=endpoint, timeout=5, compression=Compression.Gzip,
+    keyed = OTLPSpanExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT, compression=Compression.Gzip,
                              headers={"Authorization": f"Bearer {key}"})
     try:
         assert without.export(spans) is SpanExportResult.FAILURE
