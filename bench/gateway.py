@@ -16,6 +16,16 @@ after it.
     python bench/gateway.py --upstream-ms 20   # an upstream that takes 20 ms a call
     python bench/gateway.py --interleaved 400  # also: one at a time, direct and hub in turn
     python bench/gateway.py --rounds 5         # 32 at a time: 5 rounds, medians
+    python bench/gateway.py --tool-loop 4      # agents' episodes of 4 calls each
+    python bench/gateway.py --tool-loop 40 --turn-kb 5 --calls 4000   # long agents
+
+With --tool-loop TURNS the 32-at-a-time load is agents' episodes, as real agents call:
+each sends a task of its own with a tool offered; the (fake) model calls the tool, the
+agent sends its result, then a user turn asks for more, until TURNS calls (with
+--turn-kb, each result and user turn holds that many KB of text); each call repeats the
+conversation so far, without a rollout id, so that the hub stitches every call after
+the first to its episode (a lookup beside the upstream's answer). The bench checks that
+the hub made one rollout of TURNS calls per episode.
 
 LiteLLM is not a dependency of the hub: install `litellm[proxy]` in a venv of its own.
 """
@@ -33,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -45,6 +56,10 @@ from bench.ingest import tree_cpu  # noqa: E402
 
 KEY = "sk-upstream"
 MESSAGES = [{"role": "user", "content": "Say something short."}]
+TOOLS = [{"type": "function", "function": {
+    "name": "read_file", "description": "Reads a file of the repository.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                   "required": ["path"]}}}]
 QUIET_SECONDS = GatewayConfig().quiet_seconds
 
 
@@ -71,19 +86,40 @@ def _start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Pop
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-async def _run(base_url: str, concurrency: int, calls: int) -> tuple[float, float]:
+async def _run(base_url: str, concurrency: int, calls: int, turns: int = 1,
+               turn_kb: float = 0) -> tuple[float, float]:
+    """`calls` calls, `concurrency` at a time: single calls, or episodes of `turns`
+    whose results and user turns hold `turn_kb` KB of text each."""
+    said_more = "a line of the file\n" * int(turn_kb * 1024 / 19)
     client = openai.AsyncOpenAI(base_url=base_url, api_key=KEY, max_retries=0,
                                 http_client=httpx.AsyncClient(
                                     limits=httpx.Limits(max_connections=concurrency)))
     latencies: list[float] = []
-    queue = iter(range(calls))
+    queue = iter(range(calls // turns))
 
     async def worker() -> None:
-        for _ in queue:
-            t = time.perf_counter()
-            await client.chat.completions.create(model="policy", messages=MESSAGES,
-                                                 max_tokens=16)
-            latencies.append(time.perf_counter() - t)
+        for episode in queue:
+            if turns == 1:
+                t = time.perf_counter()
+                await client.chat.completions.create(model="policy", messages=MESSAGES,
+                                                     max_tokens=16)
+                latencies.append(time.perf_counter() - t)
+                continue
+            messages: list[Any] = [{"role": "user",
+                                    "content": f"Task {episode}: what does README.md say?"}]
+            for turn in range(turns):
+                t = time.perf_counter()
+                answer = await client.chat.completions.create(
+                    model="policy", messages=messages, tools=TOOLS, max_tokens=16)
+                latencies.append(time.perf_counter() - t)
+                said = answer.choices[0].message
+                messages.append(said.model_dump(exclude_none=True))
+                for call in said.tool_calls or []:
+                    messages.append({"role": "tool", "tool_call_id": call.id,
+                                     "content": f"README.md, read at turn {turn}.\n"
+                                                + said_more})
+                if not said.tool_calls:
+                    messages.append({"role": "user", "content": "And then?\n" + said_more})
 
     for _ in range(min(20, calls)):  # warm-up: connections, caches
         await client.chat.completions.create(model="policy", messages=MESSAGES)
@@ -91,7 +127,7 @@ async def _run(base_url: str, concurrency: int, calls: int) -> tuple[float, floa
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     elapsed = time.perf_counter() - start
     await client.close()
-    return calls / elapsed, statistics.median(latencies) * 1000
+    return len(latencies) / elapsed, statistics.median(latencies) * 1000
 
 
 def _rollouts(hub_url: str) -> dict[str, int]:
@@ -169,6 +205,10 @@ def main() -> None:
                         help="rounds of the 32-at-a-time load, the targets in turn (medians)")
     parser.add_argument("--upstream-ms", type=float, default=0,
                         help="the fake upstream's time to answer each call (a model's)")
+    parser.add_argument("--tool-loop", type=int, default=1, metavar="TURNS",
+                        help="32 at a time as agents' episodes of TURNS calls each")
+    parser.add_argument("--turn-kb", type=float, default=0, metavar="KB",
+                        help="with --tool-loop: the KB of text of each result and user turn")
     options = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     procs = []
@@ -210,6 +250,9 @@ def main() -> None:
                     stdout=log, stderr=subprocess.STDOUT))
             targets["litellm"] = f"http://127.0.0.1:{lite_port}/v1"
             _wait(f"http://127.0.0.1:{lite_port}/health/liveliness", timeout=300)
+        if options.tool_loop > 1:
+            print(f"32 at a time: agents' episodes of {options.tool_loop} calls, stitched "
+                  f"by the hub; {options.turn_kb:g} KB a result or user turn")
         print(f"{'':8} {'1 at a time':>22} {'32 at a time':>22} {'client CPU':>12} "
               f"{'first byte p50':>15}")
         one = {name: asyncio.run(_run(url, 1, options.calls // 4))
@@ -220,13 +263,17 @@ def main() -> None:
         # than the targets within one.
         many: dict[str, list[tuple[float, float, float]]] = {name: [] for name in targets}
         hub_cpu: list[tuple[float, float]] = []  # ms: a call during the load, a rollout after
+        turns = options.tool_loop
+        episodes = options.calls // turns
+        calls, rollouts = episodes * turns + 20, episodes + 20  # and _run's warm-up calls
         for _ in range(options.rounds):
             for name, url in targets.items():
                 made = _rollouts(hub_url)["assembled_rollouts"]
                 cpu, before, began = time.process_time(), tree_cpu([hub.pid]), time.monotonic()
-                rate, p50 = asyncio.run(_run(url, 32, options.calls))
+                rate, p50 = asyncio.run(_run(url, 32, options.calls, turns,
+                                             options.turn_kb))
                 # The client's own CPU per call: it runs here, on the same CPUs.
-                cpu = (time.process_time() - cpu) / options.calls * 1000
+                cpu = (time.process_time() - cpu) / (episodes * turns) * 1000
                 many[name].append((rate, p50, cpu))
                 if name == "hub":
                     during = tree_cpu([hub.pid]) - before
@@ -237,16 +284,19 @@ def main() -> None:
                     time.sleep(max(0.0, began + QUIET_SECONDS - 1 - time.monotonic()))
                     before = tree_cpu([hub.pid])
                     _made(hub_url)
-                    calls = options.calls + 20  # and _run's warm-up calls
                     hub_cpu.append((during / calls * 1000,
-                                    (tree_cpu([hub.pid]) - before) / calls * 1000))
+                                    (tree_cpu([hub.pid]) - before) / rollouts * 1000))
+                    made = _rollouts(hub_url)["assembled_rollouts"] - made
+                    if made != rollouts:  # a call not stitched to its episode, or lost
+                        raise SystemExit(f"the hub made {made} rollouts of this load's "
+                                         f"calls, not {rollouts}")
         for name in targets:
             rate, p50, cpu = (statistics.median(r[i] for r in many[name]) for i in range(3))
             print(f"{name:8} {one[name][0]:8.0f}/s p50 {one[name][1]:6.2f} ms {rate:8.0f}/s "
                   f"p50 {p50:6.2f} ms {cpu:6.2f} ms/call {ttfb[name]:12.2f} ms")
         during, after = (statistics.median(c[i] for c in hub_cpu) for i in range(2))
         print(f"the hub's CPU (all its processes), 32 at a time: {during:.2f} ms a call "
-              f"during the load; {after:.2f} ms a rollout of one call made into a "
+              f"during the load; {after:.2f} ms a rollout of {turns} call(s) made into a "
               "trajectory after it")
         if options.rounds > 1:
             ratios = [hub[0] / direct[0] for hub, direct in zip(many["hub"], many["direct"],

@@ -4,6 +4,7 @@ rollout one trajectory with its exact tokens."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from app.formats import stitching
 from tests.conftest import StartHub
 from tests.support.fakes.vllm_server import END, FakeVllm, prompt_ids, serve
 from tests.support.hubs import InProcessHub
@@ -230,6 +232,59 @@ def test_calls_without_a_rollout_are_stitched_by_conversation(
     finish(hub, rollout)
     steps = trace(hub, rollout)["trace"]["steps"]
     assert [s["type"] for s in steps] == ["action", "observation", "final"]
+
+
+def test_a_long_agent_conversation_stays_one_rollout(hub: InProcessHub, fake: FakeVllm) -> None:
+    """More turns than the prefixes a call looks up (stitching.MAX_PREFIXES), each
+    call repeating the whole conversation, none naming its rollout."""
+    turns = stitching.MAX_PREFIXES + 4
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "You read files."},
+                                      {"role": "user", "content": "Read README.md"}]
+    rollouts = set()
+    with hub.client() as c:
+        for turn in range(turns):
+            r = c.post("/v1/chat/completions",
+                       json={"model": "policy", "messages": messages, "tools": TOOLS})
+            assert r.status_code == 200, r.text
+            rollouts.add(r.headers["x-rollout-id"])
+            said = r.json()["choices"][0]["message"]
+            messages.append(said)
+            for call in said.get("tool_calls") or []:
+                messages.append({"role": "tool", "tool_call_id": call["id"],
+                                 "content": "line\n" * 200})
+            if not said.get("tool_calls"):
+                messages.append({"role": "user", "content": f"And after step {turn}?"})
+    assert len(rollouts) == 1
+    rollout = rollouts.pop()
+    finish(hub, rollout)
+    steps = trace(hub, rollout)["trace"]["steps"]
+    # The system prompt; the tool's call and result; each answer, then the user's turn
+    # after it; the last answer.
+    assert [s["type"] for s in steps] == ["message", "action", "observation",
+                                          *["message", "message"] * (turns - 2), "final"]
+
+
+def test_a_stored_continuation_keeps_its_digest() -> None:
+    """Captures stored by earlier hubs are continued: a digest is the sha256 of the
+    JSON array of the messages as the model saw them (role, text, calls, call id)."""
+    read = {"id": "c1", "type": "function",
+            "function": {"name": "read_file", "arguments": "{}"}}
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "Read "},
+                                     {"type": "text", "text": "README.md"}]},
+        {"role": "assistant", "content": None, "refusal": None, "tool_calls": [read]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    answer = {"role": "assistant", "content": "It says 42."}
+    seen = [["user", "Read README.md", [], None],
+            ["assistant", "", [["c1", "read_file", "{}"]], None],
+            ["tool", "42", [], "c1"],
+            ["assistant", "It says 42.", [], None]]
+    assert stitching.continuation(messages, answer) == hashlib.sha256(
+        json.dumps(seen, separators=(",", ":")).encode()).hexdigest()
+    assert stitching.prefixes([*messages, answer]) == [
+        stitching.continuation(messages, answer), stitching.continuation(messages[:1],
+                                                                         messages[1])]
 
 
 def test_a_quiet_rollout_closes_by_itself_and_a_late_reward_still_counts(

@@ -26,7 +26,8 @@ def continuation(messages: list[Any], answer: dict[str, Any] | None) -> str | No
     call has no answer to continue from."""
     if answer is None:
         return None
-    return _digest([*messages, answer])
+    conversation = [*messages, answer]
+    return _digests(conversation, [len(conversation)])[0]
 
 
 def prefixes(messages: list[Any]) -> list[str]:
@@ -34,12 +35,23 @@ def prefixes(messages: list[Any]) -> list[str]:
     first: those an earlier call's continuation may equal."""
     ends = [i + 1 for i, m in enumerate(messages)
             if isinstance(m, dict) and m.get("role") == "assistant"]
-    return [_digest(messages[:end]) for end in reversed(ends[-MAX_PREFIXES:])]
+    return _digests(messages, ends[-MAX_PREFIXES:])[::-1]
 
 
-def _digest(messages: list[Any]) -> str:
-    seen = [as_seen(m) for m in messages]
-    return hashlib.sha256(orjson.dumps(seen)).hexdigest()
+def _digests(messages: list[Any], ends: list[int]) -> list[str]:
+    """The digest of each prefix `messages[:end]` (ends ascending): the sha256 of the
+    JSON array of its messages as seen, hashed once for all of them, since a long
+    agent's every call repeats its whole conversation."""
+    digest, found, wanted = hashlib.sha256(b"["), [], set(ends)
+    for i, message in enumerate(messages[:ends[-1]] if ends else []):
+        # orjson's array: its items' JSON, comma-separated, in brackets, no spaces.
+        digest.update(b"," if i else b"")
+        digest.update(orjson.dumps(as_seen(message)))
+        if i + 1 in wanted:
+            prefix = digest.copy()
+            prefix.update(b"]")
+            found.append(prefix.hexdigest())
+    return found
 
 
 def as_seen(message: Any) -> Any:
