@@ -234,6 +234,36 @@ def test_calls_without_a_rollout_are_stitched_by_conversation(
     assert [s["type"] for s in steps] == ["action", "observation", "final"]
 
 
+def test_a_conversation_continues_across_the_hubs_of_one_database(
+    start_hub: StartHub, trace_server: dict[str, Any], upstream: tuple[FakeVllm, str],
+    fake: FakeVllm,
+) -> None:
+    """Each hub knows the conversations of the calls it committed; a call that
+    continues another hub's call, or a longer conversation than this hub saw, is
+    stitched by the captures in the database, the longest conversation first."""
+    one, two = (gateway_hub(start_hub, trace_server, upstream[1]) for _ in range(2))
+
+    def ask(hub: InProcessHub, messages: list[dict[str, Any]],
+            rollout: str | None = None) -> tuple[str, dict[str, Any]]:
+        with hub.client() as c:
+            r = c.post("/v1/chat/completions", json={"model": "policy", "messages": messages},
+                       headers={"X-Rollout-Id": rollout} if rollout else {})
+        assert r.status_code == 200, r.text
+        return r.headers["x-rollout-id"], r.json()["choices"][0]["message"]
+
+    conversation: list[dict[str, Any]] = [{"role": "user", "content": "Count to three."}]
+    first, said = ask(one, conversation)
+    conversation += [said, {"role": "user", "content": "Go on."}]
+    second, said = ask(two, conversation)  # another hub's call: found in the database
+    assert second == first
+    conversation += [said, {"role": "user", "content": "Once more."}]
+    # A call naming a rollout of its own, on the second hub, continues the
+    # conversation; the first hub saw only its shorter beginning.
+    named, said = ask(two, conversation, rollout="named-1")
+    conversation += [said, {"role": "user", "content": "And again."}]
+    assert ask(one, conversation)[0] == named
+
+
 def test_a_long_agent_conversation_stays_one_rollout(hub: InProcessHub, fake: FakeVllm) -> None:
     """More turns than the prefixes a call looks up (stitching.MAX_PREFIXES), each
     call repeating the whole conversation, none naming its rollout."""

@@ -115,9 +115,14 @@ class Gateway:
         upstream = self._upstream(body.get("model"))
         sent = _rewritten(body, upstream.route)
         version = await self._version(upstream.route)
-        # The conversation's rollout is looked up while the upstream answers.
-        lookup = None if rollout_id is not None else asyncio.create_task(
-            self._stitched(messages))
+        # The conversation's rollout: its last call's, when this hub committed it,
+        # else looked up while the upstream answers.
+        lookup = None
+        if rollout_id is None:
+            prefixes = stitching.prefixes(messages)
+            rollout_id = self._writer.recent.continued(prefixes)
+            if rollout_id is None:
+                lookup = asyncio.create_task(self._stitched(prefixes))
         try:
             answer = await self._upstreams.send(
                 "POST", api_url(upstream.url, RESOURCES[kind]),
@@ -141,10 +146,10 @@ class Gateway:
             return call.streamed(answer)
         return await call.whole(answer)
 
-    async def _stitched(self, messages: list[Any]) -> str:
-        """The rollout a call without one continues (by conversation), or a new one:
-        also when the captures cannot be read, since the upstream is already paid."""
-        digests = stitching.prefixes(messages)
+    async def _stitched(self, digests: list[str]) -> str:
+        """The rollout a call without one continues (by the digests of its prefixes),
+        or a new one: also when the captures cannot be read, since the upstream is
+        already paid."""
         if digests:
             try:
                 async with self._engine.connect() as conn:

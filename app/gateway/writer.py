@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 
 import sqlalchemy as sa
@@ -32,12 +33,44 @@ class _Captures:
         return [None] * len(items)
 
 
+class RecentConversations:
+    """The rollouts of the conversations this hub's calls were last committed in, by
+    the digest a call continuing each begins with (stitching.continuation): an agent's
+    next turn, seconds later, finds its rollout here, without a query on its path.
+    Bounded in number and age (a rollout may be pruned since); what is not here is
+    looked up in the database, where every hub's captures are."""
+
+    def __init__(self, size: int = 16_384, seconds: float = 600) -> None:
+        self._size = size
+        self._seconds = seconds
+        self._rollouts: dict[str, tuple[str, float]] = {}  # digest -> (rollout, since)
+
+    def committed(self, calls: list[Captured]) -> None:
+        now = time.monotonic()
+        for call in calls:
+            if call.continues is not None:
+                self._rollouts.pop(call.continues, None)  # to the end: the newest
+                self._rollouts[call.continues] = (call.rollout_id, now)
+        while len(self._rollouts) > self._size:
+            del self._rollouts[next(iter(self._rollouts))]
+
+    def continued(self, prefixes: list[str]) -> str | None:
+        """The rollout a call of these prefix digests continues, if its longest prefix
+        (its last call's conversation and answer, as an agent's loop sends it) is here:
+        no longer one can be in the database."""
+        found = self._rollouts.get(prefixes[0]) if prefixes else None
+        if found is None or time.monotonic() - found[1] > self._seconds:
+            return None
+        return found[0]
+
+
 class CallWriter:
     def __init__(self, writer: OneHop, outage: Outage, *, max_wait: float,
                  retry_after: int) -> None:
+        self.recent = RecentConversations()
         self.commits: GroupCommit[Captured, None] = GroupCommit(
             _Captures(), writer, outage, max_wait=max_wait, retry_after=retry_after,
-            synced=False)
+            on_commit=self.recent.committed, synced=False)
         self._detached: set[asyncio.Future[None]] = set()
 
     def start(self) -> None:
