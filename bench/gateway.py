@@ -270,8 +270,12 @@ def main() -> None:
             for name, url in targets.items():
                 made = _rollouts(hub_url)["assembled_rollouts"]
                 cpu, before, began = time.process_time(), tree_cpu([hub.pid]), time.monotonic()
-                rate, p50 = asyncio.run(_run(url, 32, options.calls, turns,
-                                             options.turn_kb))
+                try:
+                    rate, p50 = asyncio.run(_run(url, 32, options.calls, turns,
+                                                 options.turn_kb))
+                except openai.APIError as exc:  # which target failed, and how
+                    raise SystemExit(f"{name}, 32 at a time: {exc!r} "
+                                     f"(caused by {exc.__cause__!r})") from exc
                 # The client's own CPU per call: it runs here, on the same CPUs.
                 cpu = (time.process_time() - cpu) / (episodes * turns) * 1000
                 many[name].append((rate, p50, cpu))
