@@ -24,10 +24,13 @@ from app.config import (
 )
 from app.db.models import BATCHES
 from app.db.types import utcnow
+from app.domain import Stage
+from app.outage import Outage
 from app.stages import delivery
 from app.stages.delivery import DeliveryStage
 from app.stages.distribution import DistributionStage
 from app.stages.leases import Lease
+from app.stages.runner import StageRunner
 from app.targets import build_target
 from app.targets.jsonl import JsonlTarget
 from tests.support.databases import database
@@ -356,3 +359,41 @@ async def test_a_batch_whose_lease_ran_out_mid_delivery_is_acknowledged_once_by_
     assert (row.state, row.attempts, row.lease_owner) == ("delivered", 2, None)
     assert [len(ids_) for ids_ in fake.accepted.values()] == [3]
     assert "delivered, but the lease was lost first" in caplog.text
+
+
+async def test_a_pass_that_formed_fewer_batches_than_it_may_is_not_run_again_at_once(
+    start_hub: Any, trace_server: dict[str, Any], tmp_path: Path
+) -> None:
+    """Distribution takes all there is in one pass (batches of the eligible traces, up
+    to its most): the traces left over make no batch, so the next pass waits for a
+    wake-up (an ingest commit) rather than pay a write turn at once for nothing."""
+    config = JsonlTargetConfig(output_dir=str(tmp_path / "out"), batch_size=2,
+                               min_reward_threshold=0)
+    ids = ["p0", "p1", "p2"]
+    await _holding(start_hub, trace_server, config, ids)
+    async with database(trace_server) as engine:
+        stage = DistributionStage(engine, config)
+        woken = False
+        passes: list[bool] = []  # for each pass: whether it began after the wake-up
+        formed: list[int] = []  # what each pass advanced
+        run_once = stage.run_once
+
+        async def counted() -> int:
+            passes.append(woken)
+            formed.append(await run_once())
+            return formed[-1]
+
+        stage.run_once = counted  # type: ignore[method-assign]
+        runner = StageRunner(flush_interval=3600, outage=Outage("the database", "nothing"))
+        runner.add(stage)
+        runner.start()
+        try:
+            await wait_until_async(lambda: formed, what="the first pass")
+            woken = True
+            runner.take_on([Stage.COMPRESSION_SKIPPED.value])
+            await wait_until_async(lambda: woken in passes and len(formed) == len(passes),
+                                   what="the pass woken")
+        finally:
+            await runner.stop()
+    assert passes == [False, True]
+    assert formed == [2, 0]  # one batch; the trace left over makes none

@@ -97,6 +97,13 @@ class DeliveryStage:
                  "too (same batch_id)",
         )
 
+    @property
+    def batch(self) -> int:
+        """(ComesDue) the batches a pass claims at most."""
+        if isinstance(self._target, FileTarget):
+            return max(1, TRACES_PER_PASS // self._config.batch_size)
+        return PER_PASS
+
     async def run_once(self) -> int:
         """Deliver the oldest due batches, in order, up to PER_PASS of them: one claim
         and one acknowledgement (a commit each) for all, rather than two commits a
@@ -111,8 +118,7 @@ class DeliveryStage:
             table=BATCHES,
             where=BATCHES.c.state == BatchState.PENDING.value,
             order_by=BATCHES.c.created_at,
-            limit=PER_PASS if files is None else max(
-                1, TRACES_PER_PASS // self._config.batch_size),
+            limit=self.batch,
             lease=self._lease,
             returning=[BATCHES.c.batch_id, BATCHES.c.created_at, BATCHES.c.attempts,
                        BATCHES.c.receipt],

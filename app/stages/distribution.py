@@ -63,6 +63,11 @@ class DistributionStage:
         self._max_batches = max_batches  # per run_once, so the other stages get a turn
         self._on_advance = on_advance
 
+    @property
+    def batch(self) -> int:
+        """(ComesDue) the traces a pass batches at most."""
+        return self._max_batches * self._config.batch_size
+
     async def run_once(self) -> int:
         """Up to max_batches batches, formed in one transaction in the hub's writer (one
         write turn, one hop and one commit for all of them); a race lost to another

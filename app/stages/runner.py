@@ -62,10 +62,11 @@ class GivesWay(Protocol):
 
 @runtime_checkable
 class ComesDue(Protocol):
-    """A stage whose work comes due with time (a rollout quiet for long enough) and is
-    looked for every poll: a pass that advanced fewer than `batch` items took all that
-    was due, and the next waits for the poll. Under load work comes due steadily, and
-    passes run back to back took a few items each, each pass paying its statements."""
+    """A stage whose pass takes at most `batch` items of the work due (a rollout quiet
+    for long enough, traces enough for a batch, batches to deliver): a pass that
+    advanced fewer took all that was due, and the next waits for a wake-up or the
+    poll. Under load work comes due steadily, and passes run back to back took a few
+    items each, or none, each pass paying its statements and its write turn."""
 
     batch: int
 
