@@ -14,6 +14,7 @@ after it.
     python bench/gateway.py                                        # direct and hub
     python bench/gateway.py --litellm /work/venvs/litellm/bin/litellm
     python bench/gateway.py --upstream-ms 20   # an upstream that takes 20 ms a call
+    python bench/gateway.py --later-upstream 2 # also direct to one that answers 2 ms later
     python bench/gateway.py --interleaved 400  # also: one at a time, direct and hub in turn
     python bench/gateway.py --rounds 5         # 32 at a time: 5 rounds, medians
     python bench/gateway.py --tool-loop 4      # agents' episodes of 4 calls each
@@ -26,6 +27,11 @@ agent sends its result, then a user turn asks for more, until TURNS calls (with
 conversation so far, without a rollout id, so that the hub stitches every call after
 the first to its episode (a lookup beside the upstream's answer). The bench checks that
 the hub made one rollout of TURNS calls per episode.
+
+With --later-upstream MS the same client also loads, straight, a second fake upstream
+that answers MS later than the first: what a proxy would get that added MS and took no
+CPU. At 32 at a time the client takes a whole CPU, and its CPU per call grows as
+answers come later (docs/gateway.md).
 
 LiteLLM is not a dependency of the hub: install `litellm[proxy]` in a venv of its own.
 """
@@ -205,6 +211,9 @@ def main() -> None:
                         help="rounds of the 32-at-a-time load, the targets in turn (medians)")
     parser.add_argument("--upstream-ms", type=float, default=0,
                         help="the fake upstream's time to answer each call (a model's)")
+    parser.add_argument("--later-upstream", type=float, default=0, metavar="MS",
+                        help="also load, straight, a second fake upstream that answers MS "
+                             "later than the first: what a proxy that only added MS would get")
     parser.add_argument("--tool-loop", type=int, default=1, metavar="TURNS",
                         help="32 at a time as agents' episodes of TURNS calls each")
     parser.add_argument("--turn-kb", type=float, default=0, metavar="KB",
@@ -232,6 +241,14 @@ def main() -> None:
         procs.append(hub)
         hub_url = f"http://127.0.0.1:{hub_port}"
         targets = {"direct": upstream, "hub": f"{hub_url}/v1"}
+        if options.later_upstream:
+            later_port = _port()
+            procs.append(_start([sys.executable, "-m", "tests.support.fakes.vllm_server",
+                                 str(later_port),
+                                 str(options.upstream_ms + options.later_upstream)]))
+            later = f"direct+{options.later_upstream:g}ms"
+            targets[later] = f"http://127.0.0.1:{later_port}/v1"
+            _wait(targets[later] + "/models")
         _wait(f"{hub_url}/healthz", timeout=300)
         if options.litellm:
             lite_port = _port()
@@ -302,11 +319,11 @@ def main() -> None:
         print(f"the hub's CPU (all its processes), 32 at a time: {during:.2f} ms a call "
               f"during the load; {after:.2f} ms a rollout of {turns} call(s) made into a "
               "trajectory after it")
-        if options.rounds > 1:
-            ratios = [hub[0] / direct[0] for hub, direct in zip(many["hub"], many["direct"],
-                                                               strict=True)]
-            print(f"32 at a time, medians of {options.rounds} rounds; hub / direct by round: "
-                  + ", ".join(f"{r:.2f}x" for r in ratios)
+        for name in (n for n in targets if n != "direct" and options.rounds > 1):
+            ratios = [them[0] / direct[0] for them, direct in zip(many[name], many["direct"],
+                                                                 strict=True)]
+            print(f"32 at a time, medians of {options.rounds} rounds; {name} / direct by "
+                  "round: " + ", ".join(f"{r:.2f}x" for r in ratios)
                   + f" (median {statistics.median(ratios):.2f}x)")
         if options.interleaved:
             _interleaved({"direct": upstream, "hub": targets["hub"]}, options.interleaved)
