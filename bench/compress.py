@@ -14,14 +14,16 @@ corpus with the example configs, `atropos worker --burst`, then measure its data
 Corpus: the OpenHands multi_swe_bench runs and SWE-agent .traj files in
 ../shared/fixtures/real (loaded by tests/support/real_traces.py). Input tokens are each trace's
 total_tokens, counted once beforehand as ingest does. The process is pinned to one CPU.
-For comparison it also times the token counter alone on the same text, and compression of
-~5 KB traces (the ingest benchmark's size) in traces/s.
+For comparison it also times the token counter alone on the same text, compression of
+~5 KB traces (the ingest benchmark's size) in traces/s, and of bench/ingest.py's 50 KB
+trace (which the default hub compresses as it ingests it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import sys
@@ -30,10 +32,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from app import formats
 from app.compression import Compressed, compress
 from app.config import CompressionConfig
 from app.domain import StepType, Trace
 from app.tokens import count_parts
+from bench.ingest import make_trace
 from tests.support import compression_quality as quality
 from tests.support.real_traces import OPENHANDS, SWE_AGENT, load
 
@@ -85,6 +89,15 @@ def main() -> None:
         f"~5 KB traces ({statistics.mean(n for _, n in small):.0f} tokens): "
         f"{len(small) / elapsed:,.0f} traces/s on one core"
     )
+
+    # What compressing costs each 50 KB trace of bench/ingest.py --trace-kb 50, which the
+    # default hub compresses in its ingest processes.
+    ingest_trace = formats.parse(json.loads(json.dumps(make_trace(50)).replace("__ID__", "b")),
+                                 None)
+    large = [(ingest_trace, count_parts(ingest_trace.text_parts()))] * 20
+    elapsed = _best(args.rounds, lambda: asyncio.run(_compress_all(large, policy)))
+    print(f"bench/ingest.py's 50 KB trace ({large[0][1]} tokens, {len(ingest_trace.steps)} "
+          f"steps): {elapsed * 1e3 / len(large):.2f} ms a trace")
     print("reproduce: python bench/compress.py --rounds", args.rounds)
 
 

@@ -121,22 +121,19 @@ def shape(trace: Trace, policy: CompressionConfig, links: Links | None = None) -
     for i, step in enumerate(steps):
         if speaker(step) == "assistant":
             last_use.update(dict.fromkeys(facts(step_text(step), parts=False), i))
-    # Only what an assistant turn states needs a keeper: first the facts any other
-    # text holds (their tokens read once, all texts together: no token spans a line
-    # break), then the first text holding each.
+    # Only what an assistant turn states needs a keeper: the first text other than the
+    # assistant's holding it. Each text's tokens are read once, in order, and each
+    # distinct token is looked at where it first comes.
     stated = found.last_use
     others = [(-1, trace.task or ""), *((i, step_text(s)) for i, s in enumerate(steps)
                                         if speaker(s) != "assistant")]
-    held = {part for token in set(TOKEN.findall("\n".join(text for _, text in others)))
-            for part in candidates(token) if part in stated}
+    seen: set[str] = set()
     for i, text in others:
-        if len(found.keeper) == len(held):
-            break
-        if not any(fact in text for fact in held if fact not in found.keeper):
-            continue  # a text holds a fact only as a piece of it
-        for token in set(TOKEN.findall(text)):
+        new = set(TOKEN.findall(text)) - seen
+        seen |= new
+        for token in new:
             for part in candidates(token):
-                if part in held:
+                if part in stated:
                     found.keeper.setdefault(part, i)
     return found
 

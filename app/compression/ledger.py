@@ -499,9 +499,14 @@ def _fragments(
     line: str, needed: Callable[[str], bool], chars_per_token: float
 ) -> list[str | tuple[float, str]]:
     """A long line as the facts it holds, each with some context, and the gaps."""
+    # Its distinct tokens that hold one, read at once: then each place a token comes is
+    # a lookup (a minified document repeats its keys), and a line with none is not read
+    # again.
+    holding = {token for token in set(_FACT_TOKEN.findall(line))
+               if any(needed(p) for p in candidates(token))}
     spans: list[list[int]] = []
-    for match in _FACT_TOKEN.finditer(line):
-        if any(needed(p) for p in candidates(match.group())):
+    for match in _FACT_TOKEN.finditer(line) if holding else ():
+        if match.group() in holding:
             start, end = max(0, match.start() - _BEFORE), min(len(line), match.end() + _AFTER)
             if spans and start <= spans[-1][1]:
                 spans[-1][1] = max(spans[-1][1], end)
