@@ -131,10 +131,8 @@ def shape(trace: Trace, policy: CompressionConfig, links: Links | None = None) -
     for i, text in others:
         new = set(TOKEN.findall(text)) - seen
         seen |= new
-        for token in new:
-            for part in candidates(token):
-                if part in stated:
-                    found.keeper.setdefault(part, i)
+        for fact in {part for token in new for part in candidates(token)} & stated.keys():
+            found.keeper.setdefault(fact, i)
     return found
 
 
@@ -201,18 +199,24 @@ def _collapse_repeats(ledger: Ledger, found: Shape, window: int, budget: Budget)
     first_of: dict[int, int] = {}  # a repeat -> the first call of its run
     repeats: dict[int, list[int]] = {}  # the first call -> its repeats dropped
     keys: dict[int, tuple[object, ...] | None] = {}  # each call's, made once
+    arguments: dict[int, str] = {}  # each call's, made once and only when compared
 
     def key_of(i: int) -> tuple[object, ...] | None:
         if i not in keys:
             keys[i] = _call_key(steps, i, found)
         return keys[i]
 
+    def arguments_of(i: int) -> str:
+        if i not in arguments:
+            arguments[i] = json.dumps(steps[i].arguments, sort_keys=True)
+        return arguments[i]
+
     for n, i in enumerate(actions):
         key = key_of(i)
         if key is None or i in found.protected:
             continue
         for j in reversed(actions[max(0, n - window):n]):
-            if key_of(j) == key:
+            if key_of(j) == key and arguments_of(j) == arguments_of(i):
                 first = first_of.get(j, j)
                 if ledger.drop_group(ledger.together(i), COLLAPSED, budget):
                     first_of[i] = first
@@ -233,7 +237,8 @@ def _collapse_repeats(ledger: Ledger, found: Shape, window: int, budget: Budget)
 
 
 def _call_key(steps: list[Step], i: int, found: Shape) -> tuple[object, ...] | None:
-    """What makes two calls the same: tool, arguments and every result, whole."""
+    """What makes two calls the same but their arguments (compared apart, as JSON, only
+    when all else is): tool, text and every result, whole."""
     results = found.results.get(i)
     if not results:
         return None
@@ -241,8 +246,7 @@ def _call_key(steps: list[Step], i: int, found: Shape) -> tuple[object, ...] | N
     said = [(r, steps[r]) for r in results]
     if any(r in found.protected for r, _ in said):
         return None
-    return (step.tool, json.dumps(step.arguments, sort_keys=True), step.content,
-            *((s.content, s.error, s.exit_code) for _, s in said))
+    return (step.tool, step.content, *((s.content, s.error, s.exit_code) for _, s in said))
 
 
 def _dedup(ledger: Ledger, protected: set[int], window: int, budget: Budget) -> None:
