@@ -18,6 +18,7 @@ after it.
     python bench/gateway.py --interleaved 400  # also: one at a time, direct and hub in turn
     python bench/gateway.py --rounds 5         # 32 at a time: 5 rounds, medians
     python bench/gateway.py --tool-loop 4      # agents' episodes of 4 calls each
+    python bench/gateway.py --own-clients      # 32 callers with a client each, as 32 agents
     python bench/gateway.py --tool-loop 40 --turn-kb 5 --calls 4000   # long agents
 
 With --tool-loop TURNS the 32-at-a-time load is agents' episodes, as real agents call:
@@ -32,6 +33,11 @@ With --later-upstream MS the same client also loads, straight, a second fake ups
 that answers MS later than the first: what a proxy would get that added MS and took no
 CPU. At 32 at a time the client takes a whole CPU, and its CPU per call grows as
 answers come later (docs/gateway.md).
+
+With --own-clients each of the 32 callers has an `openai` client of its own, as 32
+agents do. One client shared by 32 callers spends about half its CPU in its connection
+pool (httpcore scans its connections for every queued request), and more the longer
+each answer takes: through any proxy it runs out of CPU first (docs/gateway.md).
 
 LiteLLM is not a dependency of the hub: install `litellm[proxy]` in a venv of its own.
 """
@@ -93,17 +99,22 @@ def _start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Pop
 
 
 async def _run(base_url: str, concurrency: int, calls: int, turns: int = 1,
-               turn_kb: float = 0) -> tuple[float, float]:
+               turn_kb: float = 0, own_clients: bool = False) -> tuple[float, float]:
     """`calls` calls, `concurrency` at a time: single calls, or episodes of `turns`
-    whose results and user turns hold `turn_kb` KB of text each."""
+    whose results and user turns hold `turn_kb` KB of text each. The callers share one
+    client, or with `own_clients` each has its own (as that many agents would)."""
     said_more = "a line of the file\n" * int(turn_kb * 1024 / 19)
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=KEY, max_retries=0,
-                                http_client=httpx.AsyncClient(
-                                    limits=httpx.Limits(max_connections=concurrency)))
+
+    def new_client() -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=base_url, api_key=KEY, max_retries=0,
+                                  http_client=httpx.AsyncClient(
+                                      limits=httpx.Limits(max_connections=concurrency)))
+
+    clients = [new_client() for _ in range(concurrency if own_clients else 1)]
     latencies: list[float] = []
     queue = iter(range(calls // turns))
 
-    async def worker() -> None:
+    async def worker(client: openai.AsyncOpenAI) -> None:
         for episode in queue:
             if turns == 1:
                 t = time.perf_counter()
@@ -127,12 +138,14 @@ async def _run(base_url: str, concurrency: int, calls: int, turns: int = 1,
                 if not said.tool_calls:
                     messages.append({"role": "user", "content": "And then?\n" + said_more})
 
-    for _ in range(min(20, calls)):  # warm-up: connections, caches
-        await client.chat.completions.create(model="policy", messages=MESSAGES)
+    for n in range(max(min(20, calls), len(clients))):  # warm-up: connections, caches
+        await clients[n % len(clients)].chat.completions.create(model="policy",
+                                                                messages=MESSAGES)
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await asyncio.gather(*(worker(clients[n % len(clients)]) for n in range(concurrency)))
     elapsed = time.perf_counter() - start
-    await client.close()
+    for client in clients:
+        await client.close()
     return len(latencies) / elapsed, statistics.median(latencies) * 1000
 
 
@@ -218,6 +231,9 @@ def main() -> None:
                         help="32 at a time as agents' episodes of TURNS calls each")
     parser.add_argument("--turn-kb", type=float, default=0, metavar="KB",
                         help="with --tool-loop: the KB of text of each result and user turn")
+    parser.add_argument("--own-clients", action="store_true",
+                        help="32 at a time: each caller with an openai client of its own, "
+                             "as 32 agents would have, not one client shared by all")
     options = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     procs = []
@@ -267,6 +283,8 @@ def main() -> None:
                     stdout=log, stderr=subprocess.STDOUT))
             targets["litellm"] = f"http://127.0.0.1:{lite_port}/v1"
             _wait(f"http://127.0.0.1:{lite_port}/health/liveliness", timeout=300)
+        if options.own_clients:
+            print("32 at a time: 32 callers, each with an openai client of its own")
         if options.tool_loop > 1:
             print(f"32 at a time: agents' episodes of {options.tool_loop} calls, stitched "
                   f"by the hub; {options.turn_kb:g} KB a result or user turn")
@@ -282,14 +300,15 @@ def main() -> None:
         hub_cpu: list[tuple[float, float]] = []  # ms: a call during the load, a rollout after
         turns = options.tool_loop
         episodes = options.calls // turns
-        calls, rollouts = episodes * turns + 20, episodes + 20  # and _run's warm-up calls
+        warm_up = 32 if options.own_clients else 20  # _run's warm-up calls
+        calls, rollouts = episodes * turns + warm_up, episodes + warm_up
         for _ in range(options.rounds):
             for name, url in targets.items():
                 made = _rollouts(hub_url)["assembled_rollouts"]
                 cpu, before, began = time.process_time(), tree_cpu([hub.pid]), time.monotonic()
                 try:
                     rate, p50 = asyncio.run(_run(url, 32, options.calls, turns,
-                                                 options.turn_kb))
+                                                 options.turn_kb, options.own_clients))
                 except openai.APIError as exc:  # which target failed, and how
                     raise SystemExit(f"{name}, 32 at a time: {exc!r} "
                                      f"(caused by {exc.__cause__!r})") from exc
