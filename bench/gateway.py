@@ -138,7 +138,7 @@ async def _run(base_url: str, concurrency: int, calls: int, turns: int = 1,
                 if not said.tool_calls:
                     messages.append({"role": "user", "content": "And then?\n" + said_more})
 
-    for n in range(max(min(20, calls), len(clients))):  # warm-up: connections, caches
+    for n in range(_warm_ups(calls, len(clients))):  # warm-up: connections, caches
         await clients[n % len(clients)].chat.completions.create(model="policy",
                                                                 messages=MESSAGES)
     start = time.perf_counter()
@@ -147,6 +147,11 @@ async def _run(base_url: str, concurrency: int, calls: int, turns: int = 1,
     for client in clients:
         await client.close()
     return len(latencies) / elapsed, statistics.median(latencies) * 1000
+
+
+def _warm_ups(calls: int, clients: int) -> int:
+    """The calls `_run` makes before it times any: 20, and at least one a client."""
+    return max(min(20, calls), clients)
 
 
 def _rollouts(hub_url: str) -> dict[str, int]:
@@ -300,7 +305,7 @@ def main() -> None:
         hub_cpu: list[tuple[float, float]] = []  # ms: a call during the load, a rollout after
         turns = options.tool_loop
         episodes = options.calls // turns
-        warm_up = 32 if options.own_clients else 20  # _run's warm-up calls
+        warm_up = _warm_ups(options.calls, 32 if options.own_clients else 1)
         calls, rollouts = episodes * turns + warm_up, episodes + warm_up
         for _ in range(options.rounds):
             for name, url in targets.items():
