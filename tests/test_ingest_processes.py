@@ -19,7 +19,13 @@ from app.errors import HubError, Invalid, Unavailable
 from app.evaluation.environment import Environment
 from app.ingest.ingestor import Preparer
 from app.ingest.inserter import INSERT, PreparedTrace
-from app.ingest.processes import _LONG_ITEM_SECONDS, _SINCE, IngestProcesses, ingest_outage
+from app.ingest.processes import (
+    _LONG_ITEM_SECONDS,
+    _SINCE,
+    _SPILL_BYTES,
+    IngestProcesses,
+    ingest_outage,
+)
 from app.metrics import INGEST_RESTARTS, total
 from tests.support.builders import native_trace
 from tests.support.processes import HubProcess
@@ -185,6 +191,24 @@ async def test_calls_pass_over_a_process_that_is_long_on_one_item() -> None:
     finally:
         await processes.close(timeout=0.5)
     assert isinstance(slow.exception(), Unavailable)  # killed at close, never answered
+
+
+async def test_calls_spill_to_the_next_process_once_the_first_holds_enough() -> None:
+    """A small trace does not queue behind a backlog while another process sleeps: calls
+    go to the first process until it holds _SPILL_BYTES of work, then to the next."""
+    processes = IngestProcesses(PREPARER, 2)
+    try:
+        await processes.call(time.sleep, 0)  # both processes started
+        first, second = processes._processes
+        assert await processes._pick() is first
+        backlog = asyncio.ensure_future(processes.call(len, b"x" * _SPILL_BYTES))
+        await asyncio.sleep(0)  # one turn: the call is queued; its answer is read later
+        assert first.held >= _SPILL_BYTES
+        assert await processes._pick() is second
+        assert await backlog == _SPILL_BYTES
+        assert await processes._pick() is first
+    finally:
+        await processes.close()
 
 
 def _sqlite(tmp_path: Path) -> dict[str, Any]:
