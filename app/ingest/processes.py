@@ -535,11 +535,9 @@ def _serve(sock: socket.socket, preparer: Preparer, progress: Any) -> None:
 # Calls go to the first process until it holds this much work, then to the others.
 # Spread evenly, small traces kept every process waking up, more busy processes than
 # cores, and the event loop lost its core to them mid-turn (measured with
-# bench/wrk_ingest.py: docs/decisions.md, docs/ingest.md); held to 256 KB, a small
-# trace waited behind some fifty others while the other process slept, which set the
-# p99 of the hub with its stages on. Batches and large traces pass it and use every
-# process.
-_SPILL_BYTES = 64 * 1024
+# bench/wrk_ingest.py: docs/decisions.md, docs/ingest.md). Batches and large traces
+# pass it and use every process.
+_SPILL_BYTES = 256 * 1024
 # A process on one item for longer than this (far longer than a large trace takes) is
 # passed over.
 _LONG_ITEM_SECONDS = 0.05
