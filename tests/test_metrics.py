@@ -72,13 +72,16 @@ def test_the_metrics_of_a_running_hub_replay_its_traffic(
 
         # Four traces not rejected, two per batch: two deliveries, by the stages; and the
         # three rollouts the env sent, trajectories of tokens alone (no tokenizer here),
-        # rejected beside the streak.
+        # rejected beside the streak. An attempt is counted before its batch's
+        # acknowledgement commits: wait for the stored state too.
         def settled() -> bool:
             samples = scrape(client)[1]
             return (value(samples, "atropos_delivery_attempt_seconds_count",
                           result="delivered") == 2
+                    and value(samples, "atropos_batches", state="delivered") == 2
                     and value(samples, "atropos_traces", stage="rejected") == 1 + 3)
-        wait_until(settled, timeout=60, what="two deliveries and the env's rollouts")
+        wait_until(settled, timeout=60,
+                   what="two deliveries acknowledged and the env's rollouts")
         types, samples = scrape(client)
 
     ingested = "atropos_traces_ingested_total"
@@ -124,6 +127,29 @@ def test_the_metrics_of_a_running_hub_replay_its_traffic(
     assert value(samples, "atropos_db_commit_seconds_count", writer="traces") >= 1
     assert value(samples, "atropos_db_commit_seconds_count", writer="atropos_groups") == 2
     assert types["atropos_ingest_process_restarts"] == "counter"  # counted in test_ingest_processes
+
+
+def test_the_gauges_say_what_waits_for_each_stage_and_since_when(
+    start_hub: Any, trace_server: dict[str, Any]
+) -> None:
+    hub = start_hub(trace_server, "--no-workers",
+                    distributor={"batch_size": 1, "min_reward_threshold": -1e9})
+    with hub.client() as client:
+        assert client.post("/v1/traces", json=native_trace(trace_id="waits")).status_code == 202
+        samples = scrape(client)[1]
+        assert value(samples, "atropos_traces", stage="compression_skipped") == 1
+        assert value(samples, "atropos_stage_backlog", stage="distribution") == 1
+        assert 0 <= value(samples, "atropos_stage_oldest_item_age_seconds",
+                          stage="distribution") < 60
+        assert value(samples, "atropos_trace_tokens_total") > 0
+
+        hub.drain()
+        samples = scrape(client)[1]
+        assert value(samples, "atropos_traces", stage="delivered") == 1
+        assert value(samples, "atropos_batches", state="delivered") == 1
+        for stage in ("distribution", "delivery"):
+            assert value(samples, "atropos_stage_backlog", stage=stage) == 0
+            assert value(samples, "atropos_stage_oldest_item_age_seconds", stage=stage) == 0
 
 
 @pytest.mark.process

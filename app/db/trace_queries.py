@@ -541,24 +541,24 @@ async def batch_counts(conn: AsyncConnection) -> dict[str, int]:
 
 async def pipeline_counts(conn: AsyncConnection) -> dict[str, Any]:
     """For /metrics: the count and the oldest created_at of traces by stage and of
-    batches by state, and the tokens stored. Three aggregate queries."""
-    return {
-        "traces": await _count_and_oldest(conn, TRACES.c.stage, TRACES.c.created_at),
-        "trace_tokens": int(
-            await conn.scalar(sa.select(sa.func.coalesce(sa.func.sum(TRACES.c.total_tokens), 0)))
-            or 0
-        ),
-        "batches": await _count_and_oldest(conn, BATCHES.c.state, BATCHES.c.created_at),
-    }
-
-
-async def _count_and_oldest(
-    conn: AsyncConnection, key: sa.Column[Any], created_at: sa.Column[Any]
-) -> dict[str, tuple[int, datetime | None]]:
-    rows = await conn.execute(
-        sa.select(key, sa.func.count(), sa.func.min(created_at)).group_by(key)
-    )
-    return {value: (n, oldest) for value, n, oldest in rows}
+    batches by state, and the tokens stored. One statement, so one snapshot: a scrape
+    never shows a batch delivered whose traces are not yet (PostgreSQL's read committed
+    gives each statement its own)."""
+    traces = sa.select(sa.literal("trace").label("kind"), TRACES.c.stage.label("key"),
+                       sa.func.count().label("n"), sa.func.min(TRACES.c.created_at),
+                       sa.func.coalesce(sa.func.sum(TRACES.c.total_tokens), 0)
+                       ).group_by(TRACES.c.stage)
+    batches = sa.select(sa.literal("batch"), BATCHES.c.state, sa.func.count(),
+                        sa.func.min(BATCHES.c.created_at), sa.literal(0)
+                        ).group_by(BATCHES.c.state)
+    counts: dict[str, Any] = {"traces": {}, "trace_tokens": 0, "batches": {}}
+    for kind, key, n, oldest, tokens in await conn.execute(sa.union_all(traces, batches)):
+        if kind == "trace":
+            counts["traces"][key] = (n, oldest)
+            counts["trace_tokens"] += int(tokens)
+        else:
+            counts["batches"][key] = (n, oldest)
+    return counts
 
 
 async def _count_by(conn: AsyncConnection, column: sa.Column[Any]) -> dict[str, int]:
