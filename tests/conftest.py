@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.databases import PG_ADMIN_URL, EmptyPgDatabases
+from tests.support.databases import PG_ADMIN_URL, PgDatabases, SqliteTemplate
 from tests.support.fakes.model_server import FakeModel, serve
 from tests.support.fakes.vllm_server import FakeVllm
 from tests.support.fakes.vllm_server import serve as serve_vllm
@@ -32,11 +32,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     _pg_databases.drop_all()
+    _sqlite_template.remove()
 
 
 # --- databases -------------------------------------------------------------------
 
-_pg_databases = EmptyPgDatabases()  # of this process (an xdist worker)
+# Of this process (an xdist worker).
+_pg_databases = PgDatabases()
+_sqlite_template = SqliteTemplate()
 
 
 def _pg_param() -> Any:
@@ -55,11 +58,26 @@ def dialect(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 def trace_server(dialect: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """The `trace_server` section of a config.json for a fresh, empty database."""
+    """The `trace_server` section of a config.json for a fresh database at the current
+    schema, its tables empty: what a hub finds after its first start."""
+    yield from _trace_server(dialect, tmp_path, migrated=True)
+
+
+@pytest.fixture
+def empty_trace_server(dialect: str, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """The same for an empty database, no schema at all: what a hub's first start
+    finds."""
+    yield from _trace_server(dialect, tmp_path, migrated=False)
+
+
+def _trace_server(dialect: str, tmp_path: Path, *, migrated: bool) -> Iterator[dict[str, Any]]:
     if dialect == "sqlite":
-        yield {"storage_backend": "sqlite", "db_path": str(tmp_path / "traces.db")}
+        path = tmp_path / "traces.db"
+        if migrated:
+            _sqlite_template.copy_to(path)
+        yield {"storage_backend": "sqlite", "db_path": str(path)}
         return
-    url = _pg_databases.take()
+    url = _pg_databases.take(migrated=migrated)
     yield {"storage_backend": "postgresql", "database_url": url}
     _pg_databases.give_back(url)
 

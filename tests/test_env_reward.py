@@ -182,8 +182,9 @@ async def _store_before_0006(trace_server: dict[str, Any]) -> None:
 
 
 def test_rescore_fills_env_reward_and_undoes_inferred_statuses(
-    trace_server: dict[str, Any], tmp_path: Path
+    empty_trace_server: dict[str, Any], tmp_path: Path
 ) -> None:
+    trace_server = empty_trace_server  # rows stored before revision 0006
     asyncio.run(_store_before_0006(trace_server))
     config = write_config(tmp_path, trace_server)
     result = run("rescore", "--config", str(config))

@@ -32,8 +32,8 @@ def test_the_head_read_from_the_revision_files_is_alembics() -> None:
 
 
 @pytest.fixture
-async def engine(trace_server: dict[str, Any]) -> Any:
-    engine = create_engine(TraceServerConfig(**trace_server))
+async def engine(empty_trace_server: dict[str, Any]) -> Any:
+    engine = create_engine(TraceServerConfig(**empty_trace_server))
     yield engine
     await engine.dispose()
 
