@@ -69,7 +69,10 @@ async def test_kill_9_mid_delivery_redelivers_with_the_same_key(
 ) -> None:
     fake, url = trainer
     fake.delay = 1.0  # every delivery is in flight for a second: time to kill the worker
-    hub: InProcessHub = start_hub(trace_server, "--no-workers", **sections(url))
+    # An idle stage looks for work again after the flush interval: the restarted worker
+    # finds the killed one's batches once their leases (2 s) have run out.
+    hub: InProcessHub = start_hub({**trace_server, "flush_interval_seconds": 0.5},
+                                  "--no-workers", **sections(url))
     ids = [f"k{i:02d}" for i in range(12)]
     with hub.client() as client:
         ingest(client, ids)
