@@ -12,7 +12,7 @@ import tempfile
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, closing, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +159,7 @@ class SqliteTemplate:
             template = Path(tempfile.mkdtemp(prefix="atropos-template-")) / "traces.db"
             asyncio.run(migrate_database({"storage_backend": "sqlite",
                                           "db_path": str(template)}))
-            with sqlite3.connect(template) as conn:  # the whole database in the one file
+            with closing(sqlite3.connect(template)) as conn:  # all of it in the one file
                 conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             self._path = template
         shutil.copyfile(self._path, path)
